@@ -1,0 +1,270 @@
+"""`GRPOConfig`: every knob of the GRPO trainer, on top of `transformers.TrainingArguments`.
+
+Field names follow TRL's `GRPOConfig` so that configs carry over. Help text lives in the field metadata only;
+`docs/config.md` explains the defaults. Invalid combinations raise in `__post_init__` with the fix in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    # ---- Overridden TrainingArguments defaults ----
+    learning_rate: float = field(
+        default=1e-6,
+        metadata={"help": "Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training."},
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every N optimizer steps (a float in (0, 1) is a fraction of all steps)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bfloat16 mixed precision. None (default) turns it on only where a CUDA device supports it, so the "
+            "same script runs unchanged on a CPU-only machine."
+        },
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={
+            "help": "Kept False: the trainer needs the `prompt` column and passes every other column to the reward "
+            "functions."
+        },
+    )
+
+    # ---- Model ----
+    model_init_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id. "
+            "The default loads float32 weights (`dtype=torch.float32`), the right master copy for mixed precision."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout probability of the policy (and reference) to 0. Dropout makes the log-probs of "
+            "the same tokens differ between passes, so the ratio pi/pi_old would not be 1 on-policy."
+        },
+    )
+
+    # ---- Data and generation ----
+    num_generations: int = field(
+        default=8,
+        metadata={"help": "G, completions sampled per prompt (a group). At least 2: the baseline is the group mean."},
+    )
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Keep only the last N prompt tokens (left truncation). None keeps whole prompts."},
+    )
+    max_completion_length: int = field(
+        default=256,
+        metadata={"help": "Maximum number of tokens sampled per completion."},
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows (prompts x G) sampled per generation round, over all processes. Set this or "
+            "`steps_per_generation`, not both; by default one round feeds `gradient_accumulation_steps` micro-steps."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-steps fed by one generation round. Default: `gradient_accumulation_steps`, so one round "
+            "makes one optimizer step."
+        },
+    )
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={"help": "Shuffle the prompts (seeded by `seed`, identically on every process)."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature. Log-probs for the loss use the same temperature."},
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "Nucleus sampling: keep the smallest token set with this total probability (1.0 = off)."},
+    )
+    top_k: int = field(
+        default=0,
+        metadata={"help": "Keep only the k most likely tokens when sampling (0 = off)."},
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Drop tokens whose probability is below min_p times the top token's (None = off)."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Penalty on tokens already present in prompt or completion (1.0 = off)."},
+    )
+    generation_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for the generation backend (for `model.generate`, fields of "
+            "`GenerationConfig`); they override the sampling fields above."
+        },
+    )
+
+    # ---- Rewards and advantages ----
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per reward function for the weighted sum of rewards (default: all 1.0)."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Divide advantages by the reward std of the 'group' (GRPO), of the whole 'batch', or 'none' "
+            "(Dr. GRPO). True means 'group', False means 'none'."
+        },
+    )
+
+    # ---- Loss ----
+    loss_type: str = field(
+        default="dapo",
+        metadata={
+            "help": "How per-token losses become one number: 'grpo' (mean per sequence, then over sequences), 'bnpo' "
+            "(token mean per micro-batch), 'dr_grpo' (sum / (rows x max_completion_length)), 'dapo' (token mean over "
+            "the whole accumulated global batch; no length bias). See docs/method.md."
+        },
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the k3 KL penalty to the reference model. 0 (default) loads no reference model and "
+            "saves its memory and forward pass; DeepSeekMath used 0.04."
+        },
+    )
+    epsilon: float = field(
+        default=0.2,
+        metadata={"help": "Lower clipping range: the ratio is clipped below at 1 - epsilon."},
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28."},
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Optimisation passes over each generation batch (mu in the GRPO paper)."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Exclude completions that hit `max_completion_length` without EOS from the loss (DAPO)."},
+    )
+
+    # ---- Logging ----
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Print a table of sampled completions with their rewards every `logging_steps`."},
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={"help": "Rows of that table (None = all rows of the generation batch)."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        super().__post_init__()
+        self._check_values()
+        self._resolve_generation_batch()
+
+    def _check_values(self):
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt, since the "
+                "baseline of each completion is its group's mean reward. Set num_generations >= 2."
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be at least 1.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be at least 1, or None for no limit.")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature} must be > 0: GRPO samples several different completions per prompt."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0; 0 turns top-k sampling off.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1], or None.")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; 1.0 turns it off.")
+        if self.beta < 0:
+            raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
+        if self.epsilon <= 0:
+            raise ValueError(f"epsilon={self.epsilon} must be > 0.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        elif self.epsilon_high <= 0:
+            raise ValueError(f"epsilon_high={self.epsilon_high} must be > 0 (or None to use epsilon).")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations={self.num_iterations} must be at least 1.")
+        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
+            raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
+
+    def _resolve_generation_batch(self):
+        """Resolve `generation_batch_size` from `steps_per_generation` or the other way round, then check that a
+        generation round splits into whole micro-batches on every process and holds whole groups."""
+        rows_per_step = self.per_device_train_batch_size * self.world_size  # rows of one micro-step, all processes
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "Set generation_batch_size or steps_per_generation, not both: each determines the other "
+                f"(generation_batch_size = per_device_train_batch_size x processes x steps_per_generation = "
+                f"{rows_per_step} x steps_per_generation)."
+            )
+        if self.generation_batch_size is None:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            if self.steps_per_generation < 1:
+                raise ValueError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
+            self.generation_batch_size = rows_per_step * self.steps_per_generation
+        else:
+            if self.generation_batch_size % rows_per_step != 0:
+                raise ValueError(
+                    f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                    f"per_device_train_batch_size x processes = {rows_per_step}, so that a generation round splits "
+                    "into whole micro-batches."
+                )
+            self.steps_per_generation = self.generation_batch_size // rows_per_step
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(
+                f"generation_batch_size={self.generation_batch_size} (per_device_train_batch_size x processes x "
+                f"steps_per_generation) is not a multiple of num_generations={self.num_generations}: every generation "
+                "round must hold whole groups. Change num_generations, per_device_train_batch_size or "
+                "gradient_accumulation_steps / steps_per_generation."
+            )
+        if self.loss_type == "dapo" and self.steps_per_generation % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"loss_type='dapo' with steps_per_generation={self.steps_per_generation} and "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: dapo divides by the number of loss "
+                "tokens of the whole optimizer step, which must be known at its first micro-step, so one generation "
+                "round must cover whole optimizer steps. Make steps_per_generation a multiple of "
+                "gradient_accumulation_steps (the default sets them equal)."
+            )
+        if self.eval_strategy != "no":
+            eval_rows = self.per_device_eval_batch_size * self.world_size
+            if eval_rows % self.num_generations != 0:
+                raise ValueError(
+                    f"per_device_eval_batch_size x processes = {eval_rows} is not a multiple of num_generations="
+                    f"{self.num_generations}: each evaluation batch must hold whole groups. Change "
+                    "per_device_eval_batch_size."
+                )

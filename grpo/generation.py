@@ -1,0 +1,91 @@
+"""Sampling completions: one small interface, and the `model.generate` backend behind it.
+
+A backend takes prompt token ids (one list per row; each prompt's G copies are consecutive) and returns raw
+completion token ids per row. `cut_at_eos` then applies the one rule the spec fixes: a completion ends at its first
+end-of-sequence token, which stays in the loss; one that never emits it is *truncated*. A vLLM server backend
+implements the same `generate` (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from grpo.data import pad
+
+
+class GenerationBackend(Protocol):
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Sample one completion per row of `prompt_ids`; return its token ids (anything after EOS is ignored)."""
+        ...
+
+
+class TransformersGeneration:
+    """Samples with the policy's own `generate`, on the trainer's device, prompts left-padded."""
+
+    def __init__(
+        self,
+        *,
+        max_completion_length: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict | None = None,
+    ):
+        self.pad_token_id = pad_token_id
+        self.generation_config = GenerationConfig(
+            max_new_tokens=max_completion_length,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,  # 0 disables the top-k filter; left unset it would default to 50
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            pad_token_id=pad_token_id,
+            eos_token_id=list(eos_token_ids),
+            use_cache=True,
+            **(generation_kwargs or {}),
+        )
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
+        device = next(model.parameters()).device
+        input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
+        was_training = model.training
+        model.eval()  # no dropout while sampling, whatever `disable_dropout` says
+        try:
+            output = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self.generation_config,
+            )
+        finally:
+            model.train(was_training)
+        return output[:, input_ids.shape[1] :].tolist()
+
+
+def cut_at_eos(
+    completions: Sequence[Sequence[int]], eos_token_ids: Sequence[int], max_completion_length: int
+) -> tuple[list[list[int]], list[bool]]:
+    """Keep each completion up to and including its first EOS token (at most `max_completion_length` tokens).
+
+    Returns the cut completions and, per row, whether it is truncated (no EOS within the limit).
+        [5, 7, EOS, 9, PAD] -> [5, 7, EOS], truncated False
+        [5, 7, 9]           -> [5, 7, 9],   truncated True
+    """
+    eos = set(eos_token_ids)
+    cut, truncated = [], []
+    for ids in completions:
+        ids = list(ids[:max_completion_length])
+        end = next((t for t, token in enumerate(ids) if token in eos), None)
+        cut.append(ids if end is None else ids[: end + 1])
+        truncated.append(end is None)
+    return cut, truncated

@@ -1,0 +1,194 @@
+"""The GRPO objective as pure functions: group advantages, the k3 KL estimator, and the clipped policy loss.
+
+Notation (docs/method.md, GRPO_SPEC.md): G completions per prompt, B rows (prompts x G), T completion tokens
+(padded), m the loss mask (1 for a completion token that counts), A the advantages, logp / old / ref the per-token
+log-probs under the policy, the sampling policy and the reference policy.
+
+Every function takes tensors and scalar knobs and returns tensors: no trainer, no config object. The tests compare
+each one with a naive loop over the same inputs (tests/naive.py) and with numbers worked out by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    if rewards.dim() != 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(
+            f"rewards must be a 1-D tensor whose length is a multiple of num_generations={num_generations}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    return rewards.view(-1, num_generations)  # (B/G, G)
+
+
+def _group_moments(rewards: torch.Tensor, num_generations: int):
+    """Mean, unbiased std and a zero-spread flag per group, ignoring NaN rewards. Each is (B/G, 1)."""
+    r = _group_view(rewards, num_generations)  # (N, G)
+    valid = ~torch.isnan(r)
+    count = valid.sum(dim=1, keepdim=True)  # (N, 1)
+    mean = torch.where(valid, r, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    sq_dev = torch.where(valid, (r - mean) ** 2, 0.0)
+    std = (sq_dev.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # 0 for a group of <= 1 valid row
+    spread = torch.where(valid, r, -torch.inf).amax(dim=1, keepdim=True) - torch.where(valid, r, torch.inf).amin(
+        dim=1, keepdim=True
+    )
+    # Exact equality, not std < tol: equal rewards must give A = 0 exactly, whatever the rounding of the mean.
+    flat = (count <= 1) | (spread == 0)
+    return r, valid, mean, std, flat
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages (DeepSeekMath, arXiv:2402.03300, eq. 3 with outcome supervision).
+
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
+
+    `rewards` is (B,), each group's G rows consecutive. `scale_rewards` picks the divisor: "group" the group's
+    std (GRPO), "batch" the std of all rewards in `rewards`, "none" no division (Dr. GRPO, arXiv:2503.20783).
+    std is the unbiased (Bessel) estimate, as TRL computes it.
+
+    Rules that keep the result finite: a NaN reward (no reward function applied to that row) is left out of its
+    group's mean and std and gets A = 0; a group whose valid rewards are all equal (or which has at most one) gets
+    A = 0 for every row, exactly. Returns (B,).
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of ('group', 'batch', 'none')")
+    r, valid, mean, std, flat = _group_moments(rewards, num_generations)
+    advantages = r - mean  # (N, G)
+    if scale_rewards == "group":
+        advantages = advantages / (std + eps)
+    elif scale_rewards == "batch":
+        all_valid = rewards[~torch.isnan(rewards)]
+        batch_std = all_valid.std() if all_valid.numel() > 1 else rewards.new_zeros(())
+        advantages = advantages / (batch_std + eps)
+    advantages = torch.where(valid & ~flat, advantages, 0.0)
+    return advantages.reshape(-1)
+
+
+def group_reward_stats(rewards: torch.Tensor, num_generations: int) -> dict[str, torch.Tensor]:
+    """Metrics of the reward spread: `reward_std` (mean over groups of the group std) and `frac_reward_zero_std`
+    (fraction of groups whose rewards are all equal, so that they contribute no gradient)."""
+    _, _, _, std, flat = _group_moments(rewards, num_generations)
+    return {"reward_std": std.mean(), "frac_reward_zero_std": flat.float().mean()}
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref), per token (http://joschu.net/blog/kl-approx.html).
+
+        kl = exp(ref - logp) - (ref - logp) - 1
+
+    Unbiased for samples from pi_theta, always >= 0, and 0 exactly when ref == logp. Any shape; same shape out.
+    """
+    log_ratio = ref_logps - logps
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(values * mask) / sum(mask), 0 when the mask is empty. Masked entries may hold anything, even NaN."""
+    mask = mask.bool()
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    max_completion_length: int | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses l (B, T) under the mask m (B, T) to one number (GRPO_SPEC.md section 3).
+
+        grpo     mean_i ( sum_t l_it m_it / |o_i| )        per-sequence mean, then mean over rows
+        bnpo     sum l m / sum m                           token mean over this micro-batch
+        dr_grpo  sum l m / (B * max_completion_length)     constant normaliser (Dr. GRPO)
+        dapo     sum l m / normalizer                      token mean over the whole optimizer step (DAPO);
+                                                           `normalizer` defaults to sum m (then equal to bnpo)
+
+    A row with no loss tokens contributes 0 to grpo but still counts in its mean over rows.
+    """
+    mask = mask.to(per_token_loss.dtype)
+    total = (per_token_loss * mask).sum()
+    if loss_type == "grpo":
+        per_row = (per_token_loss * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)  # (B,)
+        return per_row.mean()
+    if loss_type == "bnpo":
+        return total / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        return total / (per_token_loss.shape[0] * max_completion_length)
+    if loss_type == "dapo":
+        if normalizer is None:
+            normalizer = mask.sum()
+        return total / torch.as_tensor(normalizer, dtype=total.dtype).clamp(min=1.0)
+    raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    max_completion_length: int | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (GRPO_SPEC.md section 2).
+
+        ratio_it = exp(logp_it - old_it)
+        s_it     = min(ratio_it * A_i, clip(ratio_it, 1 - epsilon_low, 1 + epsilon_high) * A_i)
+        l_it     = -(s_it - beta * kl_k3(logp_it, ref_it))
+        loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
+
+    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
+    on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp. `ref_logps` is needed only
+    when beta != 0. Masked positions may hold any value (they are neutralised before exp, so no inf or NaN leaks
+    into the gradient).
+
+    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0),
+    `clip_ratio/low_mean` (ratio < 1 - eps_low with A < 0: the min() picked the clipped term),
+    `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0) and `clip_ratio/region_mean` (either).
+    """
+    if epsilon_high is None:
+        epsilon_high = epsilon_low
+    if beta != 0 and ref_logps is None:
+        raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
+    mask = mask.bool()
+    if old_logps is None:
+        old_logps = logps.detach()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
+
+    log_ratio = torch.where(mask, logps - old_logps, 0.0)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    surrogate = torch.min(ratio * advantages, clipped * advantages)  # (B, T)
+    per_token_loss = -surrogate
+    stats = {}
+    if beta != 0:
+        # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
+        kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
+        per_token_loss = per_token_loss + beta * kl
+        stats["kl"] = masked_mean(kl.detach(), mask)
+
+    loss = aggregate(
+        per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer
+    )
+
+    with torch.no_grad():
+        low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)
+        stats["clip_ratio/low_mean"] = masked_mean(low.float(), mask)
+        stats["clip_ratio/high_mean"] = masked_mean(high.float(), mask)
+        stats["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
+    return loss, stats

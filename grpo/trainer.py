@@ -1,0 +1,468 @@
+"""`GRPOTrainer`: Group Relative Policy Optimization as a `transformers.Trainer`.
+
+Run it like any Trainer:
+
+    trainer = GRPOTrainer(model="path/or/hub-id", reward_funcs=my_reward, args=GRPOConfig(...), train_dataset=ds)
+    trainer.train()
+
+The trainer orchestrates; the arithmetic lives in `grpo.loss` (advantages, KL, clipped loss, aggregation) and
+`grpo.logprobs` (log-probs), sampling in `grpo.generation` and reward calls in `grpo.scoring`. It overrides
+`_prepare_inputs` (steps 1-7 below) and `compute_loss` (step 8) plus the data loaders and `log`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object, set_seed
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+)
+
+from grpo.config import GRPOConfig
+from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+from grpo.generation import TransformersGeneration, cut_at_eos
+from grpo.logprobs import completion_logprobs
+from grpo.loss import group_advantages, group_reward_stats, policy_loss
+from grpo.metrics import MetricsWindow, format_completions
+from grpo.models import disable_dropout, frozen_copy, load_causal_lm
+from grpo.sampler import RepeatSampler
+from grpo.scoring import reward_name, score_completions
+
+RewardFunc = Callable[..., list] | PreTrainedModel | str
+
+# Per-row tensors of a batch; every other entry of a batch dict is a scalar tensor.
+_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "advantages")
+_COMPLETION_KEYS = ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+
+
+def _identity(features):
+    return features
+
+
+class GRPOTrainer(Trainer):
+    """Trains a causal LM with GRPO (DeepSeekMath, arXiv:2402.03300) and its variants (see `GRPOConfig.loss_type`).
+
+    One optimizer step, as data flows (GRPO_SPEC.md section 1):
+      1. The sampler repeats each prompt G times; one generation round feeds `steps_per_generation` micro-steps and
+         is replayed `num_iterations` times from a buffer (`_prepare_inputs`).
+      2. Generate one completion per row (`self.generation`).
+      3. Cut each completion after its first EOS; flag the truncated ones.
+      4. Score every completion with every reward function; gather rewards from all processes.
+      5. Group advantages over the gathered rewards; keep this process's rows.
+      6. Old log-probs, only when the batch is reused (otherwise old = logp.detach()).
+      7. Reference log-probs, only when beta != 0.
+      8. `compute_loss`: policy log-probs and the clipped objective, scaled once for gradient accumulation.
+
+    Args:
+        model: a path or hub id (loaded with `AutoModelForCausalLM.from_pretrained` and `args.model_init_kwargs`),
+            or a `PreTrainedModel`.
+        reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`,
+            reward models (`PreTrainedModel` with one label) or paths/hub ids of reward models.
+        args: a `GRPOConfig`; default `GRPOConfig(output_dir="<model name>-GRPO")`.
+        train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
+            column is passed to the reward functions.
+        processing_class: the policy's tokenizer; loaded from the model's path when omitted.
+        reward_processing_classes: tokenizers of the reward models, aligned with `reward_funcs` (None entries are
+            loaded from each reward model's path).
+        callbacks, optimizers: as for `transformers.Trainer`.
+    """
+
+    # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: str | os.PathLike | PreTrainedModel,
+        reward_funcs: RewardFunc | list[RewardFunc],
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+    ):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
+
+        # The policy and its tokenizer.
+        if isinstance(model, str):
+            model = load_causal_lm(model, args.model_init_kwargs)
+        elif args.model_init_kwargs is not None:
+            raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
+        if processing_class is None:
+            path = model.config._name_or_path
+            if not path:
+                raise ValueError("The model was built in code and has no path to load a tokenizer from; pass it as "
+                                 "`processing_class=`.")
+            processing_class = AutoTokenizer.from_pretrained(path)
+        if processing_class.pad_token_id is None:
+            processing_class.pad_token = processing_class.eos_token
+        self.eos_token_ids = self._eos_token_ids(model, processing_class)
+        if args.disable_dropout:
+            disable_dropout(model)
+
+        # Reward functions, their names and weights.
+        reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not reward_funcs:
+            raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+        reward_funcs = [
+            AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
+            for f in reward_funcs
+        ]
+        for f in reward_funcs:
+            if not (callable(f) or isinstance(f, PreTrainedModel)):
+                raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
+        self.reward_funcs = reward_funcs
+        self.reward_names = [reward_name(f) for f in reward_funcs]
+        self.reward_tokenizers = self._reward_tokenizers(reward_funcs, reward_processing_classes)
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
+        if len(weights) != len(reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {len(reward_funcs)} reward functions "
+                f"({self.reward_names}); give one weight per function."
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
+        # The reference policy exists only when the KL term does.
+        self.ref_model = frozen_copy(model) if args.beta != 0 else None
+
+        self.generation = TransformersGeneration(
+            max_completion_length=args.max_completion_length,
+            pad_token_id=processing_class.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            generation_kwargs=args.generation_kwargs,
+        )
+        self._metrics = {"train": MetricsWindow(), "eval": MetricsWindow()}
+        self._buffer: list[dict[str, torch.Tensor]] = []  # micro-batches of the current generation round
+        self._step = 0  # training micro-steps taken (resumes from global_step)
+        self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
+        self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
+
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            columns = getattr(dataset, "column_names", None)
+            if columns is not None and "prompt" not in columns:
+                raise ValueError(f"{name} needs a 'prompt' column; it has {columns}. Rename your prompt column.")
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        self.reward_funcs = [
+            self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
+            for f in self.reward_funcs
+        ]
+        # Each process samples with its own seed: rows of one group on two processes must not share random draws.
+        set_seed(args.seed, device_specific=True)
+
+    @staticmethod
+    def _eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
+        ids = {tokenizer.eos_token_id}
+        config_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+        ids.discard(None)
+        if not ids:
+            raise ValueError("Neither the tokenizer nor the model's generation config defines an EOS token; set "
+                             "`tokenizer.eos_token`.")
+        return sorted(ids)
+
+    @staticmethod
+    def _reward_tokenizers(reward_funcs, reward_processing_classes) -> list:
+        given = reward_processing_classes
+        if given is None:
+            given = [None] * len(reward_funcs)
+        elif not isinstance(given, list):
+            given = [given]
+        if len(given) != len(reward_funcs):
+            raise ValueError(f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
+                             "functions; align them (None for plain functions).")
+        tokenizers = []
+        for func, tokenizer in zip(reward_funcs, given):
+            if isinstance(func, PreTrainedModel) and tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
+            if tokenizer is not None and tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            if isinstance(func, PreTrainedModel) and func.config.pad_token_id is None:
+                func.config.pad_token_id = tokenizer.pad_token_id
+            tokenizers.append(tokenizer)
+        return tokenizers
+
+    # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/sampler.py) ----
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(
+            num_samples=len(dataset),
+            num_generations=self.args.num_generations,
+            prompts_per_round=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.steps_per_generation * self.args.num_iterations,
+            shuffle=self.args.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
+        rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes
+        if rows % self.args.num_generations != 0:
+            raise ValueError(
+                f"per_device_eval_batch_size x processes = {rows} is not a multiple of num_generations="
+                f"{self.args.num_generations}: each evaluation batch must hold whole groups."
+            )
+        return RepeatSampler(
+            num_samples=len(eval_dataset),
+            num_generations=self.args.num_generations,
+            prompts_per_round=rows // self.args.num_generations,
+            shuffle=False,
+        )
+
+    # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
+
+    @property
+    def _reuses_batches(self) -> bool:
+        """A batch is off-policy for some micro-step when it is replayed, or when one round spans several
+        optimizer steps; then the old log-probs must be recorded before any update."""
+        return self.args.num_iterations > 1 or self.args.steps_per_generation > self.args.gradient_accumulation_steps
+
+    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not self.model.training:  # evaluation: every batch is generated and scored afresh
+            return self._split(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
+        args = self.args
+        if not self._buffer:  # first call, also after resuming from a checkpoint
+            self._step = self.state.global_step * args.gradient_accumulation_steps
+        if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
+            batch = self._generate_and_score(inputs, "train")
+            window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
+            self._buffer = self._split(batch, num=args.steps_per_generation, window=window)
+        micro_batch = self._buffer[self._step % args.steps_per_generation]
+        self._step += 1
+        return micro_batch
+
+    def _split(self, batch: dict[str, torch.Tensor], num: int, window: int | None) -> list[dict[str, torch.Tensor]]:
+        """Cut a generation round into `num` micro-batches, each padded only to its own longest prompt and
+        completion. With `window`, each micro-batch also carries `window_loss_tokens`: the loss tokens of the
+        `window` consecutive micro-batches of its optimizer step, summed over all processes (dapo's normaliser)."""
+        rows = batch["prompt_ids"].shape[0] // num
+        micro_batches = [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(num)]
+        if window is not None:
+            local = torch.stack([mb["loss_mask"].sum() for mb in micro_batches]).float()  # (num,)
+            per_micro = self.accelerator.reduce(local, reduction="sum")
+            per_window = per_micro.view(-1, window).sum(dim=1).repeat_interleave(window)  # (num,)
+            for mb, tokens in zip(micro_batches, per_window):
+                mb["window_loss_tokens"] = tokens
+        for mb in micro_batches:
+            prompt_width = max(int(mb["prompt_mask"].sum(dim=1).max()), 1)
+            completion_width = max(int(mb["completion_mask"].sum(dim=1).max()), 1)
+            mb["prompt_ids"] = mb["prompt_ids"][:, -prompt_width:]
+            mb["prompt_mask"] = mb["prompt_mask"][:, -prompt_width:]
+            for key in _COMPLETION_KEYS:
+                if key in mb:
+                    mb[key] = mb[key][:, :completion_width]
+        return micro_batches
+
+    def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, torch.Tensor]:
+        args, device, tokenizer = self.args, self.accelerator.device, self.processing_class
+        if "prompt" not in inputs[0]:
+            raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
+        prompts = [example["prompt"] for example in inputs]
+        columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
+
+        # 2. Generate one completion per row.
+        prompt_ids_list = tokenize_prompts(
+            [render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length
+        )
+        raw = self.generation.generate(self.accelerator.unwrap_model(self.model), prompt_ids_list)
+
+        # 3. Cut after the first EOS (kept); a completion without one is truncated.
+        completion_ids_list, truncated = cut_at_eos(raw, self.eos_token_ids, args.max_completion_length)
+        prompt_ids, prompt_mask = pad(prompt_ids_list, tokenizer.pad_token_id, side="left")
+        completion_ids, completion_mask = pad(completion_ids_list, tokenizer.pad_token_id, side="right")
+        is_truncated = torch.tensor(truncated)
+        loss_mask = completion_mask * (~is_truncated).long().unsqueeze(1) if args.mask_truncated_completions \
+            else completion_mask
+
+        # 4. Score, then gather: a group may span processes.
+        completions = decode_completions(completion_ids_list, prompts, tokenizer)
+        rewards_per_func = score_completions(
+            self.reward_funcs,
+            self.reward_tokenizers,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids_list,
+            columns=columns,
+            trainer_state=self.state,
+        ).to(device)  # (B, K)
+        rewards_per_func = gather(rewards_per_func)  # (B_global, K)
+        weighted = rewards_per_func * self.reward_weights.to(device)
+        scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one function scored
+        rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
+
+        # 5. Group advantages over all processes' rows, then this process's share.
+        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
+
+        batch = {
+            "prompt_ids": prompt_ids.to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": completion_ids.to(device),
+            "completion_mask": completion_mask.to(device),
+            "loss_mask": loss_mask.to(device),
+            "advantages": advantages[local],
+        }
+        # 6-7. Old and reference log-probs, recorded once, before any update.
+        with torch.no_grad():
+            logprob_args = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+            chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+            if mode == "train" and self._reuses_batches:
+                batch["old_logps"], _ = completion_logprobs(
+                    self.model, *logprob_args, temperature=args.temperature, batch_size=chunk
+                )
+            if self.ref_model is not None:
+                batch["ref_logps"], _ = completion_logprobs(
+                    self.ref_model, *logprob_args, temperature=args.temperature, batch_size=chunk
+                )
+
+        self._record_round_metrics(
+            mode, rewards_per_func, rewards, batch["prompt_mask"], batch["completion_mask"], is_truncated.to(device)
+        )
+        if args.log_completions and mode == "train":
+            self._samples = [
+                {"prompt": p, "completion": c, "rewards": r, "advantage": a}
+                for p, c, r, a in zip(
+                    gather_object(prompts),
+                    gather_object(completions),
+                    rewards_per_func.tolist(),
+                    advantages.tolist(),
+                )
+            ]
+        return batch
+
+    def _record_round_metrics(self, mode, rewards_per_func, rewards, prompt_mask, completion_mask, is_truncated):
+        """Metrics of one generation round, over the rows of all processes."""
+        device = rewards.device
+        metrics = self._metrics[mode]
+        lengths = gather(completion_mask.sum(dim=1).to(device)).float()  # (B_global,)
+        truncated = gather(is_truncated).float()
+        metrics.add_mean("completions/mean_length", lengths.sum(), lengths.numel())
+        metrics.add_min("completions/min_length", lengths.min())
+        metrics.add_max("completions/max_length", lengths.max())
+        metrics.add_mean("completions/clipped_ratio", truncated.sum(), truncated.numel())
+        terminated = lengths[truncated == 0]
+        metrics.add_mean("completions/mean_terminated_length", terminated.sum(), terminated.numel())
+        for j, name in enumerate(self.reward_names):
+            column = rewards_per_func[:, j]
+            valid = column[~torch.isnan(column)]
+            metrics.add_mean(f"rewards/{name}/mean", valid.sum(), valid.numel())
+            if valid.numel() > 1:
+                metrics.add_mean(f"rewards/{name}/std", valid.std(), 1)
+        valid = rewards[~torch.isnan(rewards)]
+        metrics.add_mean("reward", valid.sum(), valid.numel())
+        for key, value in group_reward_stats(rewards, self.args.num_generations).items():
+            metrics.add_mean(key, value, 1)
+        if mode == "train":
+            tokens = self.accelerator.reduce((prompt_mask.sum() + completion_mask.sum()).to(device), reduction="sum")
+            self._num_tokens += int(tokens)
+            metrics.set_last("num_tokens", self._num_tokens)
+
+    # ---- Step 8: the loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
+        args = self.args
+        mode = "train" if model.training else "eval"
+        logps, entropy = completion_logprobs(
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            temperature=args.temperature,
+            with_entropy=True,
+        )
+        normalizer = None
+        if args.loss_type == "dapo":
+            # Loss tokens of the whole optimizer step on all processes; divided by the process count because
+            # data parallelism averages the gradients of the processes.
+            normalizer = inputs["window_loss_tokens"] / self.accelerator.num_processes
+        loss, stats = policy_loss(
+            logps,
+            inputs.get("old_logps"),
+            inputs.get("ref_logps"),
+            inputs["advantages"],
+            inputs["loss_mask"],
+            loss_type=args.loss_type,
+            beta=args.beta,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            max_completion_length=args.max_completion_length,
+            normalizer=normalizer,
+        )
+        if mode == "train" and args.loss_type != "dapo":
+            # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
+            # (dapo's normaliser already spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
+            loss = loss / self.current_gradient_accumulation_steps
+
+        # Token-weighted metrics, summed over processes.
+        mask = inputs["loss_mask"].bool()
+        tokens = mask.sum().float()
+        stats["entropy"] = torch.where(mask, entropy, 0.0).sum() / tokens.clamp(min=1)
+        names = sorted(stats)
+        totals = self.accelerator.reduce(torch.stack([tokens] + [stats[n].float() * tokens for n in names]), "sum")
+        for name, total in zip(names, totals[1:]):
+            self._metrics[mode].add_mean(name, total, totals[0])
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # ---- Logging ----
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode].pop()
+        if mode == "eval":
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+        super().log({**logs, **metrics}, start_time)
+        if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
+            print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
+
