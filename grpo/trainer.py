@@ -462,7 +462,8 @@ class GRPOTrainer(Trainer):
         metrics = self._metrics[mode].pop()
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
-        super().log({**logs, **metrics}, start_time)
+        logs.update(metrics)  # in place: `evaluate()` returns this dict to the caller
+        super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
 

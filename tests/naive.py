@@ -1,0 +1,74 @@
+"""Deliberately naive loop implementations of the GRPO math, one scalar at a time, written straight from
+GRPO_SPEC.md. grpo/loss.py must agree with them on random inputs (tests/test_loss.py)."""
+
+import math
+
+import torch
+
+
+def naive_group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
+    rewards = [float(r) for r in rewards]
+    valid_all = [r for r in rewards if not math.isnan(r)]
+    if len(valid_all) > 1:
+        m = sum(valid_all) / len(valid_all)
+        batch_std = math.sqrt(sum((r - m) ** 2 for r in valid_all) / (len(valid_all) - 1))
+    else:
+        batch_std = 0.0
+    out = []
+    for start in range(0, len(rewards), num_generations):
+        group = rewards[start : start + num_generations]
+        valid = [r for r in group if not math.isnan(r)]
+        if len(valid) <= 1 or max(valid) == min(valid):
+            out += [0.0] * len(group)
+            continue
+        mean = sum(valid) / len(valid)
+        std = math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
+        for r in group:
+            if math.isnan(r):
+                out.append(0.0)
+            elif scale_rewards == "group":
+                out.append((r - mean) / (std + eps))
+            elif scale_rewards == "batch":
+                out.append((r - mean) / (batch_std + eps))
+            else:
+                out.append(r - mean)
+    return out
+
+
+def naive_policy_loss(
+    logps, old_logps, ref_logps, advantages, mask, loss_type, beta, eps_low, eps_high, max_len=None, normalizer=None
+):
+    """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too)."""
+    B, T = logps.shape
+    token_loss = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if not mask[i][t]:
+                continue
+            a = advantages[i] if advantages.dim() == 1 else advantages[i][t]
+            old = logps[i][t].detach() if old_logps is None else old_logps[i][t]
+            ratio = torch.exp(logps[i][t] - old)
+            clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+            surrogate = torch.min(ratio * a, clipped * a)
+            loss = -surrogate
+            if beta != 0:
+                d = ref_logps[i][t] - logps[i][t]
+                loss = loss + beta * (torch.exp(d) - d - 1)
+            token_loss[i][t] = loss
+    zero = logps.sum() * 0
+    if loss_type == "grpo":
+        total = zero
+        for i in range(B):
+            n = sum(int(mask[i][t]) for t in range(T))
+            row = sum((token_loss[i][t] for t in range(T) if mask[i][t]), zero)
+            total = total + (row / n if n > 0 else zero)
+        return total / B
+    all_tokens = [token_loss[i][t] for i in range(B) for t in range(T) if mask[i][t]]
+    total = sum(all_tokens, zero)
+    if loss_type == "bnpo":
+        return total / max(len(all_tokens), 1)
+    if loss_type == "dr_grpo":
+        return total / (B * max_len)
+    if loss_type == "dapo":
+        return total / (normalizer if normalizer is not None else max(len(all_tokens), 1))
+    raise ValueError(loss_type)

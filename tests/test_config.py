@@ -1,0 +1,75 @@
+import pytest
+
+from grpo import GRPOConfig
+
+
+def make(**kwargs):
+    return GRPOConfig(output_dir="/tmp/grpo-test-config", report_to="none", **kwargs)
+
+
+def test_defaults_resolve():
+    args = make(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert args.steps_per_generation == 2 and args.generation_batch_size == 8
+    assert args.epsilon_high == args.epsilon == 0.2
+    assert args.loss_type == "dapo" and args.beta == 0.0 and args.top_k == 0
+    assert args.bf16 is False  # no CUDA here: the CPU run must not fail on precision
+    assert args.remove_unused_columns is False
+
+
+def test_generation_batch_size_resolves_steps_per_generation():
+    args = make(per_device_train_batch_size=4, generation_batch_size=16)
+    assert args.steps_per_generation == 4
+
+
+def test_scale_rewards_accepts_booleans():
+    assert make(scale_rewards=True).scale_rewards == "group"
+    assert make(scale_rewards=False).scale_rewards == "none"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_generations": 1}, "at least 2 completions"),
+        ({"loss_type": "ppo"}, "loss_type='ppo' is not one of"),
+        ({"scale_rewards": "sometimes"}, "scale_rewards='sometimes'"),
+        ({"temperature": 0.0}, "temperature=0.0 must be > 0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_k": -1}, "top_k=-1"),
+        ({"min_p": 2.0}, "min_p=2.0"),
+        ({"beta": -0.1}, "beta=-0.1"),
+        ({"epsilon": 0.0}, "epsilon=0.0"),
+        ({"num_iterations": 0}, "num_iterations=0"),
+        ({"max_completion_length": 0}, "max_completion_length=0"),
+        ({"max_prompt_length": 0}, "max_prompt_length=0"),
+        ({"generation_batch_size": 16, "steps_per_generation": 2}, "not both"),
+        ({"per_device_train_batch_size": 4, "generation_batch_size": 6}, "multiple of per_device_train_batch_size"),
+        ({"per_device_train_batch_size": 3, "num_generations": 4}, "not a multiple of num_generations=4"),
+        (
+            {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 3,
+             "num_generations": 4},
+            "steps_per_generation a multiple of",
+        ),
+        ({"eval_strategy": "steps", "per_device_eval_batch_size": 3}, "per_device_eval_batch_size"),
+    ],
+)
+def test_invalid_settings_raise_with_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_dapo_misalignment_is_fine_for_other_loss_types():
+    args = make(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3,
+                num_generations=4, loss_type="grpo")
+    assert args.generation_batch_size == 12
+
+
+def test_every_field_has_help():
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    own = {f.name for f in fields(GRPOConfig)} - {f.name for f in fields(TrainingArguments)}
+    assert "num_generations" in own
+    for f in fields(GRPOConfig):
+        if f.name in own or f.name in {"learning_rate", "logging_steps", "bf16", "remove_unused_columns"}:
+            assert f.metadata.get("help"), f.name
