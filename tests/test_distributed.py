@@ -1,0 +1,45 @@
+"""Two processes (gloo on CPU) against one: the same global batch must give the same update (GRPO_SPEC.md s. 3)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_update import LOSS_TYPES, one_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("per_device, accumulation", [(4, 1), (2, 2)])
+def test_two_processes_match_one(tmp_path, per_device, accumulation):
+    out_file = tmp_path / "two.pt"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+        str(ROOT / "tests" / "distributed_update.py"), str(out_file), str(per_device), str(accumulation),
+    ]
+    # The launcher does not export use_cpu from the config file; without this each process trains alone.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(out_file)
+    # The global batch: 2 processes x per_device x accumulation rows = one process with twice the rows per step.
+    for loss_type in LOSS_TYPES:
+        update, world_size, loss = two[loss_type]
+        assert world_size == 2  # check the launcher really started two processes
+        reference, _, reference_loss = one_step(loss_type, 2 * per_device, accumulation, str(tmp_path / "one"))
+        assert sum(d.abs().sum() for d in reference.values()) > 0
+        assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6)
+        for name in reference:
+            torch.testing.assert_close(update[name], reference[name], rtol=1e-4, atol=1e-6, msg=f"{loss_type} {name}")
