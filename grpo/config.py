@@ -21,7 +21,9 @@ class GRPOConfig(TrainingArguments):
     # ---- Overridden TrainingArguments defaults ----
     learning_rate: float = field(
         default=1e-6,
-        metadata={"help": "Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training."},
+        metadata={
+            "help": "Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training."
+        },
     )
     logging_steps: float = field(
         default=10,
@@ -113,7 +115,8 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Extra keyword arguments for the generation backend (for `model.generate`, fields of "
-            "`GenerationConfig`); they override the sampling fields above."
+            "`GenerationConfig`); they override top_p, top_k, min_p and repetition_penalty. temperature and the "
+            "length come from their own fields."
         },
     )
 
@@ -152,7 +155,9 @@ class GRPOConfig(TrainingArguments):
     )
     epsilon_high: float | None = field(
         default=None,
-        metadata={"help": "Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28."},
+        metadata={
+            "help": "Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28."
+        },
     )
     num_iterations: int = field(
         default=1,
@@ -218,6 +223,17 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"epsilon_high={self.epsilon_high} must be > 0 (or None to use epsilon).")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be at least 1.")
+        fixed = {"temperature", "max_new_tokens", "do_sample"} & set(self.generation_kwargs or {})
+        if fixed:
+            raise ValueError(
+                f"generation_kwargs sets {sorted(fixed)}: use GRPOConfig.temperature and max_completion_length "
+                "instead (the loss computes log-probs at the sampling temperature, and GRPO always samples)."
+            )
+        if self.remove_unused_columns:
+            raise ValueError(
+                "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
+                "GRPO needs them. Leave it False."
+            )
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
 
@@ -238,9 +254,9 @@ class GRPOConfig(TrainingArguments):
                 raise ValueError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
             self.generation_batch_size = rows_per_step * self.steps_per_generation
         else:
-            if self.generation_batch_size % rows_per_step != 0:
+            if self.generation_batch_size < 1 or self.generation_batch_size % rows_per_step != 0:
                 raise ValueError(
-                    f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                    f"generation_batch_size={self.generation_batch_size} must be a positive multiple of "
                     f"per_device_train_batch_size x processes = {rows_per_step}, so that a generation round splits "
                     "into whole micro-batches."
                 )

@@ -41,19 +41,19 @@ class TransformersGeneration:
         generation_kwargs: dict | None = None,
     ):
         self.pad_token_id = pad_token_id
-        self.generation_config = GenerationConfig(
-            max_new_tokens=max_completion_length,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,  # 0 disables the top-k filter; left unset it would default to 50
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            pad_token_id=pad_token_id,
-            eos_token_id=list(eos_token_ids),
-            use_cache=True,
-            **(generation_kwargs or {}),
-        )
+        settings = {
+            "max_new_tokens": max_completion_length,
+            "do_sample": True,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,  # 0 disables the top-k filter; left unset it would default to 50
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+            "pad_token_id": pad_token_id,
+            "eos_token_id": list(eos_token_ids),
+            "use_cache": True,
+        }
+        self.generation_config = GenerationConfig(**{**settings, **(generation_kwargs or {})})
 
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:

@@ -57,5 +57,7 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     lines = [" | ".join(header)]
     for s in rows:
         rewards = [f"{r:.3f}" for r in s["rewards"]]
-        lines.append(" | ".join([clip(s["prompt"], 40), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"]))
+        lines.append(
+            " | ".join([clip(s["prompt"], 40), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"])
+        )
     return "\n".join(lines)

@@ -100,7 +100,11 @@ def call_reward_function(func: Callable, available: dict[str, Any], num_rows: in
 def score_with_model(model: PreTrainedModel, tokenizer, prompts: Sequence, completions: Sequence) -> list[float]:
     """Scalar score of each (prompt, completion) pair from a one-label sequence-classification model."""
     if is_conversational(prompts[0]):
-        texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        # A prompt ending in an assistant message (prefill) is continued: that text already starts the completion.
+        texts = [
+            tokenizer.apply_chat_template((p[:-1] if p[-1]["role"] == "assistant" else p) + c, tokenize=False)
+            for p, c in zip(prompts, completions)
+        ]
     else:
         texts = [p + c for p, c in zip(prompts, completions)]
     inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)

@@ -43,7 +43,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model(tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, **config_overrides) -> LlamaForCausalLM:
+def tiny_model(
+    tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, **config_overrides
+) -> LlamaForCausalLM:
     """A randomly initialised Llama with hidden size 64 and 2 layers (about 60k parameters), float32."""
     tokenizer = tokenizer or tiny_tokenizer()
     config = LlamaConfig(

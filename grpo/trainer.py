@@ -107,8 +107,10 @@ class GRPOTrainer(Trainer):
         if processing_class is None:
             path = model.config._name_or_path
             if not path:
-                raise ValueError("The model was built in code and has no path to load a tokenizer from; pass it as "
-                                 "`processing_class=`.")
+                raise ValueError(
+                    "The model was built in code and has no path to load a tokenizer from; pass it as "
+                    "`processing_class=`."
+                )
             processing_class = AutoTokenizer.from_pretrained(path)
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
@@ -189,8 +191,10 @@ class GRPOTrainer(Trainer):
         ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
         ids.discard(None)
         if not ids:
-            raise ValueError("Neither the tokenizer nor the model's generation config defines an EOS token; set "
-                             "`tokenizer.eos_token`.")
+            raise ValueError(
+                "Neither the tokenizer nor the model's generation config defines an EOS token; set "
+                "`tokenizer.eos_token`."
+            )
         return sorted(ids)
 
     @staticmethod
@@ -201,8 +205,10 @@ class GRPOTrainer(Trainer):
         elif not isinstance(given, list):
             given = [given]
         if len(given) != len(reward_funcs):
-            raise ValueError(f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
-                             "functions; align them (None for plain functions).")
+            raise ValueError(
+                f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
+                "functions; align them (None for plain functions)."
+            )
         tokenizers = []
         for func, tokenizer in zip(reward_funcs, given):
             if isinstance(func, PreTrainedModel) and tokenizer is None:
@@ -256,9 +262,11 @@ class GRPOTrainer(Trainer):
 
     @property
     def _reuses_batches(self) -> bool:
-        """A batch is off-policy for some micro-step when it is replayed, or when one round spans several
-        optimizer steps; then the old log-probs must be recorded before any update."""
-        return self.args.num_iterations > 1 or self.args.steps_per_generation > self.args.gradient_accumulation_steps
+        """A batch is off-policy for some micro-step when it is replayed, or when its round does not fit inside
+        one optimizer step (rounds tile the steps only if the accumulation count is a multiple of the round's
+        micro-steps); then the old log-probs must be recorded before any update."""
+        args = self.args
+        return args.num_iterations > 1 or args.gradient_accumulation_steps % args.steps_per_generation != 0
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not self.model.training:  # evaluation: every batch is generated and scored afresh
@@ -314,8 +322,11 @@ class GRPOTrainer(Trainer):
         prompt_ids, prompt_mask = pad(prompt_ids_list, tokenizer.pad_token_id, side="left")
         completion_ids, completion_mask = pad(completion_ids_list, tokenizer.pad_token_id, side="right")
         is_truncated = torch.tensor(truncated)
-        loss_mask = completion_mask * (~is_truncated).long().unsqueeze(1) if args.mask_truncated_completions \
+        loss_mask = (
+            completion_mask * (~is_truncated).long().unsqueeze(1)
+            if args.mask_truncated_completions
             else completion_mask
+        )
 
         # 4. Score, then gather: a group may span processes.
         completions = decode_completions(completion_ids_list, prompts, tokenizer)
@@ -335,7 +346,9 @@ class GRPOTrainer(Trainer):
 
         # 5. Group advantages over all processes' rows, then this process's share.
         advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
-        local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
+        local = slice(
+            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
+        )
 
         batch = {
             "prompt_ids": prompt_ids.to(device),
@@ -347,7 +360,12 @@ class GRPOTrainer(Trainer):
         }
         # 6-7. Old and reference log-probs, recorded once, before any update.
         with torch.no_grad():
-            logprob_args = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+            logprob_args = (
+                batch["prompt_ids"],
+                batch["prompt_mask"],
+                batch["completion_ids"],
+                batch["completion_mask"],
+            )
             chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
             if mode == "train" and self._reuses_batches:
                 batch["old_logps"], _ = completion_logprobs(
@@ -466,4 +484,4 @@ class GRPOTrainer(Trainer):
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
-
+            self._samples = []

@@ -24,13 +24,26 @@ def one_step(loss_type, per_device, accumulation, output_dir):
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
     args = GRPOConfig(
-        output_dir=output_dir, report_to="none", max_completion_length=8, num_generations=4, max_steps=1,
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, optim="sgd",
-        learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False, loss_type=loss_type, beta=0.04,
-        save_strategy="no", disable_tqdm=True, logging_steps=1,
+        output_dir=output_dir,
+        report_to="none",
+        max_completion_length=8,
+        num_generations=4,
+        max_steps=1,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        optim="sgd",
+        learning_rate=0.5,
+        max_grad_norm=0.0,
+        shuffle_dataset=False,
+        loss_type=loss_type,
+        beta=0.04,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
     )
-    trainer = GRPOTrainer(tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     local_rows = per_device * args.steps_per_generation
     trainer.generation = ScriptedGeneration(4, 8, offset=trainer.accelerator.process_index * local_rows)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

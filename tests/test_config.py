@@ -45,8 +45,12 @@ def test_scale_rewards_accepts_booleans():
         ({"per_device_train_batch_size": 4, "generation_batch_size": 6}, "multiple of per_device_train_batch_size"),
         ({"per_device_train_batch_size": 3, "num_generations": 4}, "not a multiple of num_generations=4"),
         (
-            {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 3,
-             "num_generations": 4},
+            {
+                "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 2,
+                "steps_per_generation": 3,
+                "num_generations": 4,
+            },
             "steps_per_generation a multiple of",
         ),
         ({"eval_strategy": "steps", "per_device_eval_batch_size": 3}, "per_device_eval_batch_size"),
@@ -58,8 +62,13 @@ def test_invalid_settings_raise_with_the_fix(kwargs, message):
 
 
 def test_dapo_misalignment_is_fine_for_other_loss_types():
-    args = make(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3,
-                num_generations=4, loss_type="grpo")
+    args = make(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=3,
+        num_generations=4,
+        loss_type="grpo",
+    )
     assert args.generation_batch_size == 12
 
 
@@ -73,3 +82,25 @@ def test_every_field_has_help():
     for f in fields(GRPOConfig):
         if f.name in own or f.name in {"learning_rate", "logging_steps", "bf16", "remove_unused_columns"}:
             assert f.metadata.get("help"), f.name
+
+
+def test_generation_kwargs_override_and_reserved_keys():
+    from grpo.generation import TransformersGeneration
+
+    backend = TransformersGeneration(
+        max_completion_length=4,
+        pad_token_id=0,
+        eos_token_ids=[1],
+        top_p=0.9,
+        generation_kwargs={"top_p": 0.5, "typical_p": 0.8},
+    )
+    assert backend.generation_config.top_p == 0.5 and backend.generation_config.typical_p == 0.8
+    with pytest.raises(ValueError, match="use GRPOConfig.temperature"):
+        make(generation_kwargs={"temperature": 0.5})
+
+
+def test_config_rejects_dropping_columns_and_empty_generation_batch():
+    with pytest.raises(ValueError, match="remove_unused_columns=True would drop"):
+        make(remove_unused_columns=True)
+    with pytest.raises(ValueError, match="positive multiple"):
+        make(generation_batch_size=0)

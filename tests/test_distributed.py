@@ -25,9 +25,17 @@ def _free_port():
 def test_two_processes_match_one(tmp_path, per_device, accumulation):
     out_file = tmp_path / "two.pt"
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
-        str(ROOT / "tests" / "distributed_update.py"), str(out_file), str(per_device), str(accumulation),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"),
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "tests" / "distributed_update.py"),
+        str(out_file),
+        str(per_device),
+        str(accumulation),
     ]
     # The launcher does not export use_cpu from the config file; without this each process trains alone.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}

@@ -36,7 +36,12 @@ def test_completion_logprobs_match_unpadded_computation(tokenizer, temperature):
     completion_ids, completion_mask = pad(completions, 256, "right")
     with torch.no_grad():
         logps, entropy = completion_logprobs(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
             with_entropy=True,
         )
         chunked, _ = completion_logprobs(

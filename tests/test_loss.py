@@ -154,8 +154,17 @@ def test_policy_loss_matches_naive_loop(loss_type, beta, eps_high, on_policy):
         expected = naive_policy_loss(logps, old, ref, advantages, mask, loss_type, beta, 0.2, eps_high, **kwargs)
         (expected_grad,) = torch.autograd.grad(expected, logps)
         loss, _ = policy_loss(
-            logps, old, ref, advantages, mask, loss_type=loss_type, beta=beta, epsilon_low=0.2,
-            epsilon_high=eps_high, max_completion_length=9, normalizer=17.0,
+            logps,
+            old,
+            ref,
+            advantages,
+            mask,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon_low=0.2,
+            epsilon_high=eps_high,
+            max_completion_length=9,
+            normalizer=17.0,
         )
         (grad,) = torch.autograd.grad(loss, logps)
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
@@ -176,8 +185,9 @@ def test_masked_tokens_get_zero_gradient_even_with_extreme_values():
     old[mask == 0] = -1e4  # exp(logp - old) would overflow if masked positions reached exp
     ref[mask == 0] = 1e4
     for loss_type in LOSS_TYPES:
-        loss, _ = policy_loss(logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04,
-                              max_completion_length=7)
+        loss, _ = policy_loss(
+            logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, max_completion_length=7
+        )
         (grad,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(grad).all()
         assert (grad[mask == 0] == 0).all()
@@ -210,8 +220,15 @@ def _accumulated(loss_type, logps, old, ref, advantages, mask, num_micro):
     for k in range(num_micro):
         s = slice(k * rows, (k + 1) * rows)
         loss, _ = policy_loss(
-            logps[s], old[s], ref[s], advantages[s], mask[s], loss_type=loss_type, beta=0.04,
-            max_completion_length=7, normalizer=total_tokens,
+            logps[s],
+            old[s],
+            ref[s],
+            advantages[s],
+            mask[s],
+            loss_type=loss_type,
+            beta=0.04,
+            max_completion_length=7,
+            normalizer=total_tokens,
         )
         total = total + (loss if loss_type == "dapo" else loss / num_micro)
     (grad,) = torch.autograd.grad(total, logps)

@@ -105,12 +105,21 @@ def test_reward_names():
 def test_reward_model_scores_prompt_and_completion(tokenizer):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForSequenceClassification(config).eval()
-    rewards = score_completions([model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"],
-                                completion_ids=[[1], [1, 2]], columns={})
+    rewards = score_completions(
+        [model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={}
+    )
     with torch.no_grad():
         direct = model(**tokenizer(["abc"], return_tensors="pt")).logits[0, 0].item()
     assert rewards.shape == (2, 1)

@@ -12,8 +12,15 @@ from grpo.testing import tiny_model
 from tests.scripted import ScriptedGeneration
 
 # Tiny settings keep each test to a second or two: 8-token completions and G = 4.
-TINY = dict(report_to="none", max_completion_length=8, num_generations=4, per_device_train_batch_size=4,
-            logging_steps=1, save_strategy="no", disable_tqdm=True)
+TINY = dict(
+    report_to="none",
+    max_completion_length=8,
+    num_generations=4,
+    per_device_train_batch_size=4,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+)
 
 
 def reward_len(prompts, completions):
@@ -36,18 +43,34 @@ def test_train_logs_every_metric(tmp_path, tiny_model_path, prompt_dataset):
         return [None if i % 2 else 0.5 for i in range(len(completions))]
 
     args = make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, beta=0.04)
-    trainer = GRPOTrainer(tiny_model_path, [reward_len, answer_match, sometimes], args=args,
-                          train_dataset=prompt_dataset)
+    trainer = GRPOTrainer(
+        tiny_model_path, [reward_len, answer_match, sometimes], args=args, train_dataset=prompt_dataset
+    )
     trainer.train()
     logs = trainer.state.log_history[0]
-    expected = ["loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean",
-                "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
-                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "num_tokens"]
+    expected = [
+        "loss",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "num_tokens",
+    ]
     expected += [f"rewards/{n}/{s}" for n in ("reward_len", "answer_match", "sometimes") for s in ("mean", "std")]
     missing = [k for k in expected if k not in logs]
     assert not missing, missing
     assert logs["rewards/sometimes/mean"] == 0.5
-    assert 1 <= logs["completions/min_length"] <= logs["completions/mean_length"] <= logs["completions/max_length"] <= 8
+    assert (
+        1 <= logs["completions/min_length"] <= logs["completions/mean_length"] <= logs["completions/max_length"] <= 8
+    )
     assert logs["kl"] >= 0 and math.isfinite(logs["loss"])
     assert trainer.state.log_history[1]["num_tokens"] > logs["num_tokens"]  # cumulative
 
@@ -72,8 +95,9 @@ def test_conversational_prompts_and_evaluation(tmp_path, tiny_model_path, chat_d
 def test_model_object_with_processing_class_and_reused_batches(tmp_path, tokenizer, prompt_dataset):
     # num_iterations=2 replays each round, so old log-probs are recorded and the clip metrics become meaningful.
     model = tiny_model(tokenizer)
-    args = make_config(tmp_path, max_steps=2, num_iterations=2, learning_rate=1e-2, mask_truncated_completions=True,
-                       loss_type="grpo")
+    args = make_config(
+        tmp_path, max_steps=2, num_iterations=2, learning_rate=1e-2, mask_truncated_completions=True, loss_type="grpo"
+    )
     trainer = GRPOTrainer(model, reward_len, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     assert trainer._reuses_batches
     captured = []
@@ -124,8 +148,13 @@ def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_da
     output_dir = str(tmp_path / "user")
     dataset = prompt_dataset
     model_path = tiny_model_path
-    training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                               logging_steps=2, report_to="none")
+    training_args = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=2,
+        report_to="none",
+    )
 
     def reward_len(prompts, completions):
         return [len(completion) for completion in completions]
@@ -143,10 +172,21 @@ def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_da
 def _one_sgd_step(tmp_path, tokenizer, dataset, name, **kwargs):
     """Parameters after one plain-SGD optimizer step on scripted completions (no clipping, so any scale error in
     the loss shows up in the update; Adam would hide it)."""
-    args = GRPOConfig(output_dir=str(tmp_path / name), **{**TINY, "max_steps": 1, "optim": "sgd",
-                      "learning_rate": 0.5, "max_grad_norm": 0.0, "shuffle_dataset": False, **kwargs})
-    trainer = GRPOTrainer(tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / name),
+        **{
+            **TINY,
+            "max_steps": 1,
+            "optim": "sgd",
+            "learning_rate": 0.5,
+            "max_grad_norm": 0.0,
+            "shuffle_dataset": False,
+            **kwargs,
+        },
+    )
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length)
     before = params_of(trainer.model)
     trainer.train()
@@ -156,13 +196,28 @@ def _one_sgd_step(tmp_path, tokenizer, dataset, name, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_accumulation_gives_the_same_update(tmp_path, tokenizer, prompt_dataset, loss_type):
-    reference, _ = _one_sgd_step(tmp_path, tokenizer, prompt_dataset, "ref", loss_type=loss_type, beta=0.04,
-                                 per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    reference, _ = _one_sgd_step(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        "ref",
+        loss_type=loss_type,
+        beta=0.04,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+    )
     assert sum(d.abs().sum() for d in reference.values()) > 0
     for per_device, accumulation in [(4, 2), (2, 4)]:
-        update, _ = _one_sgd_step(tmp_path, tokenizer, prompt_dataset, f"{per_device}", loss_type=loss_type,
-                                  beta=0.04, per_device_train_batch_size=per_device,
-                                  gradient_accumulation_steps=accumulation)
+        update, _ = _one_sgd_step(
+            tmp_path,
+            tokenizer,
+            prompt_dataset,
+            f"{per_device}",
+            loss_type=loss_type,
+            beta=0.04,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+        )
         for n in reference:
             torch.testing.assert_close(update[n], reference[n], rtol=1e-4, atol=1e-7, msg=f"{loss_type} {n}")
 
@@ -172,11 +227,25 @@ def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_
     # One round of 8 rows feeding two optimizer steps of 2 x 2 rows: the first step sees exactly the rows (group 1)
     # that a round of 4 rows feeding one step sees, so both first updates must match if dapo divides by the
     # step's tokens (dividing by the round's tokens would shrink it).
-    aligned, _ = _one_sgd_step(tmp_path, tokenizer, prompt_dataset, "aligned", loss_type="dapo",
-                               per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    spanning, trainer = _one_sgd_step(tmp_path, tokenizer, prompt_dataset, "spanning", loss_type="dapo",
-                                      per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                      steps_per_generation=4)
+    aligned, _ = _one_sgd_step(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        "aligned",
+        loss_type="dapo",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
+    spanning, trainer = _one_sgd_step(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        "spanning",
+        loss_type="dapo",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+    )
     assert trainer._reuses_batches
     for n in aligned:
         torch.testing.assert_close(spanning[n], aligned[n], rtol=1e-4, atol=1e-6, msg=n)
@@ -184,8 +253,9 @@ def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_
 
 @pytest.mark.slow
 def test_beta_zero_on_policy_grpo_logs_zero_loss_and_still_learns(tmp_path, tokenizer, prompt_dataset):
-    update, trainer = _one_sgd_step(tmp_path, tokenizer, prompt_dataset, "zero", loss_type="grpo",
-                                    gradient_accumulation_steps=2, logging_steps=1)
+    update, trainer = _one_sgd_step(
+        tmp_path, tokenizer, prompt_dataset, "zero", loss_type="grpo", gradient_accumulation_steps=2, logging_steps=1
+    )
     assert abs(trainer.state.log_history[0]["loss"]) < 1e-6
     assert all(d.abs().sum() > 0 for d in update.values())
 
@@ -199,13 +269,29 @@ def test_resume_continues_the_same_sequence_of_prompts(tmp_path, tokenizer, prom
             seen.append(prompts[0])
             return [float(len(c)) for c in completions]
 
-        args = GRPOConfig(output_dir=str(tmp_path / name), **{**TINY, "max_steps": steps, "save_strategy": "steps",
-                                                              "save_steps": 2})
-        trainer = GRPOTrainer(tiny_model(tokenizer), spy, args=args, train_dataset=prompt_dataset,
-                              processing_class=tokenizer)
+        args = GRPOConfig(
+            output_dir=str(tmp_path / name), **{**TINY, "max_steps": steps, "save_strategy": "steps", "save_steps": 2}
+        )
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer), spy, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        )
         trainer.train(resume_from_checkpoint=resume)
         return seen
 
     full = run("full")
     resumed = run("full-again", resume=str(tmp_path / "full" / "checkpoint-2"))
     assert len(full) == 4 and resumed == full[2:]
+
+
+def test_rounds_that_straddle_optimizer_steps_record_old_logprobs(tmp_path, tiny_model_path, prompt_dataset):
+    # 2 micro-steps per round, 3 per optimizer step: the second round spans two steps, so it is off-policy.
+    for accumulation, steps_per_generation, reused in [(3, 2, True), (4, 2, False), (2, 2, False), (2, 4, True)]:
+        args = make_config(
+            tmp_path,
+            loss_type="grpo",
+            num_generations=2,
+            gradient_accumulation_steps=accumulation,
+            steps_per_generation=steps_per_generation,
+        )
+        trainer = GRPOTrainer(tiny_model_path, reward_len, args=args, train_dataset=prompt_dataset)
+        assert trainer._reuses_batches is reused, (accumulation, steps_per_generation)
