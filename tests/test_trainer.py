@@ -144,7 +144,7 @@ def test_failing_reward_stops_training_with_function_and_row(tmp_path, tiny_mode
 
 @pytest.mark.slow
 def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_dataset):
-    # The script, unchanged but for the model path and the data (plus report_to to keep the test quiet).
+    # The script, unchanged but for the model path and the data.
     output_dir = str(tmp_path / "user")
     dataset = prompt_dataset
     model_path = tiny_model_path
@@ -153,7 +153,6 @@ def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_da
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         logging_steps=2,
-        report_to="none",
     )
 
     def reward_len(prompts, completions):
