@@ -43,12 +43,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model(
-    tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, **config_overrides
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama with hidden size 64 and 2 layers (about 60k parameters), float32."""
+def tiny_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides) -> LlamaConfig:
+    """The tiny Llama configuration: hidden size 64, 2 layers, 2 heads of dimension 32, 1 KV head."""
     tokenizer = tokenizer or tiny_tokenizer()
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -61,8 +59,16 @@ def tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **config_overrides,
     )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def tiny_model(
+    tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, **config_overrides
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama with hidden size 64 and 2 layers (about 100k parameters), float32."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = tiny_config(tokenizer, **config_overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(

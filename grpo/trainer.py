@@ -39,8 +39,7 @@ from grpo.scoring import reward_name, score_completions
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
-# Per-row tensors of a batch; every other entry of a batch dict is a scalar tensor.
-_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "advantages")
+# Entries of a batch with one column per completion token (trimmed to each micro-batch's longest completion).
 _COMPLETION_KEYS = ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
 
 

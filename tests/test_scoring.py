@@ -103,19 +103,11 @@ def test_reward_names():
 
 
 def test_reward_model_scores_prompt_and_completion(tokenizer):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    from grpo.testing import tiny_config
+
+    config = tiny_config(tokenizer, num_hidden_layers=1, num_labels=1)
     model = LlamaForSequenceClassification(config).eval()
     rewards = score_completions(
         [model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={}
