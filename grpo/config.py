@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
+from grpo.loss import LOSS_TYPES, SCALE_REWARDS
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -55,8 +56,8 @@ def group_advantages(
     group's mean and std and gets A = 0; a group whose valid rewards are all equal (or which has at most one) gets
     A = 0 for every row, exactly. Returns (B,).
     """
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of ('group', 'batch', 'none')")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
     r, valid, mean, std, flat = _group_moments(rewards, num_generations)
     advantages = r - mean  # (N, G)
     if scale_rewards == "group":

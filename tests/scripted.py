@@ -1,9 +1,26 @@
-"""A deterministic generation backend for tests that compare parameter updates across batch layouts.
+"""Deterministic runs for tests that compare parameter updates across batch layouts and process counts.
 
-Completion k of a group (k = global row index mod G) depends only on the prompt and k: ragged lengths, and the last
-copy of every group never emits EOS (truncated). `offset` is the global index of this process's first row."""
+`ScriptedGeneration`: completion k of a group (k = global row index mod G) depends only on the prompt and k: ragged
+lengths, and the last copy of every group never emits EOS (truncated). `offset` is the global index of this
+process's first row. `sgd_step_update` trains one plain-SGD step on such completions."""
+
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.testing import tiny_model, tiny_tokenizer
 
 EOS = 258
+
+# Tiny settings keep each run to a second or two: 8-token completions and G = 4.
+TINY = dict(
+    report_to="none",
+    max_completion_length=8,
+    num_generations=4,
+    per_device_train_batch_size=4,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+)
 
 
 class ScriptedGeneration:
@@ -22,3 +39,25 @@ class ScriptedGeneration:
             else:
                 out.append([(seed + 7 * j) % 200 + 32 for j in range(1 + k % 5)] + [EOS])
         return out
+
+
+def reward_len(prompts, completions):
+    return [float(len(completion)) for completion in completions]
+
+
+def sgd_step_update(output_dir, **config):
+    """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts.
+    No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide it)."""
+    tokenizer = tiny_tokenizer()
+    dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
+    settings = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
+    args = GRPOConfig(output_dir=str(output_dir), **{**TINY, **settings, **config})
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    rows_per_process = args.per_device_train_batch_size * args.steps_per_generation
+    offset = trainer.accelerator.process_index * rows_per_process
+    trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer

@@ -9,22 +9,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model
-from tests.scripted import ScriptedGeneration
-
-# Tiny settings keep each test to a second or two: 8-token completions and G = 4.
-TINY = dict(
-    report_to="none",
-    max_completion_length=8,
-    num_generations=4,
-    per_device_train_batch_size=4,
-    logging_steps=1,
-    save_strategy="no",
-    disable_tqdm=True,
-)
-
-
-def reward_len(prompts, completions):
-    return [len(completion) for completion in completions]
+from tests.scripted import TINY, reward_len, sgd_step_update
 
 
 def make_config(tmp_path, **kwargs):
@@ -127,7 +112,7 @@ def test_misuse_gives_clear_errors(tmp_path, tiny_model_path, tokenizer):
         GRPOTrainer(tiny_model_path, [reward_len, 3], args=args)
 
 
-def test_failing_reward_stops_training_with_function_and_row(tmp_path, tiny_model_path, prompt_dataset):
+def test_failing_reward_stops_training_with_function_and_row(tmp_path, tiny_model_path):
     def broken(prompts, completions, bad):
         return [float("x") if b else 1.0 for b in bad]
 
@@ -168,38 +153,11 @@ def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_da
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
 
 
-def _one_sgd_step(tmp_path, tokenizer, dataset, name, **kwargs):
-    """Parameters after one plain-SGD optimizer step on scripted completions (no clipping, so any scale error in
-    the loss shows up in the update; Adam would hide it)."""
-    args = GRPOConfig(
-        output_dir=str(tmp_path / name),
-        **{
-            **TINY,
-            "max_steps": 1,
-            "optim": "sgd",
-            "learning_rate": 0.5,
-            "max_grad_norm": 0.0,
-            "shuffle_dataset": False,
-            **kwargs,
-        },
-    )
-    trainer = GRPOTrainer(
-        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length)
-    before = params_of(trainer.model)
-    trainer.train()
-    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-def test_accumulation_gives_the_same_update(tmp_path, tokenizer, prompt_dataset, loss_type):
-    reference, _ = _one_sgd_step(
-        tmp_path,
-        tokenizer,
-        prompt_dataset,
-        "ref",
+def test_accumulation_gives_the_same_update(tmp_path, loss_type):
+    reference, _ = sgd_step_update(
+        tmp_path / "ref",
         loss_type=loss_type,
         beta=0.04,
         per_device_train_batch_size=8,
@@ -207,11 +165,8 @@ def test_accumulation_gives_the_same_update(tmp_path, tokenizer, prompt_dataset,
     )
     assert sum(d.abs().sum() for d in reference.values()) > 0
     for per_device, accumulation in [(4, 2), (2, 4)]:
-        update, _ = _one_sgd_step(
-            tmp_path,
-            tokenizer,
-            prompt_dataset,
-            f"{per_device}",
+        update, _ = sgd_step_update(
+            tmp_path / f"{per_device}",
             loss_type=loss_type,
             beta=0.04,
             per_device_train_batch_size=per_device,
@@ -222,24 +177,18 @@ def test_accumulation_gives_the_same_update(tmp_path, tokenizer, prompt_dataset,
 
 
 @pytest.mark.slow
-def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_path, tokenizer, prompt_dataset):
+def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_path):
     # One round of 8 rows feeding two optimizer steps of 2 x 2 rows: the first step sees exactly the rows (group 1)
     # that a round of 4 rows feeding one step sees, so both first updates must match if dapo divides by the
     # step's tokens (dividing by the round's tokens would shrink it).
-    aligned, _ = _one_sgd_step(
-        tmp_path,
-        tokenizer,
-        prompt_dataset,
-        "aligned",
+    aligned, _ = sgd_step_update(
+        tmp_path / "aligned",
         loss_type="dapo",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
     )
-    spanning, trainer = _one_sgd_step(
-        tmp_path,
-        tokenizer,
-        prompt_dataset,
-        "spanning",
+    spanning, trainer = sgd_step_update(
+        tmp_path / "spanning",
         loss_type="dapo",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -251,9 +200,9 @@ def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_
 
 
 @pytest.mark.slow
-def test_beta_zero_on_policy_grpo_logs_zero_loss_and_still_learns(tmp_path, tokenizer, prompt_dataset):
-    update, trainer = _one_sgd_step(
-        tmp_path, tokenizer, prompt_dataset, "zero", loss_type="grpo", gradient_accumulation_steps=2, logging_steps=1
+def test_beta_zero_on_policy_grpo_logs_zero_loss_and_still_learns(tmp_path):
+    update, trainer = sgd_step_update(
+        tmp_path / "zero", loss_type="grpo", gradient_accumulation_steps=2, logging_steps=1
     )
     assert abs(trainer.state.log_history[0]["loss"]) < 1e-6
     assert all(d.abs().sum() > 0 for d in update.values())
