@@ -58,6 +58,23 @@ class GRPOConfig(TrainingArguments):
             "the same tokens differ between passes, so the ratio pi/pi_old would not be 1 on-policy."
         },
     )
+    logprobs_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completion tokens projected onto the vocabulary at a time when computing log-probs (the full "
+            "batch x length x vocabulary logits are never built). None picks it from the vocabulary size so one "
+            "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster."
+        },
+    )
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the log-prob forward passes on all sequences of a micro-batch packed into one row, without "
+            "padding. None turns it on where the attention implementation has variable-length kernels "
+            "(flash_attention_2/3), where packing saves work; with sdpa or eager it is correct but builds a dense "
+            "mask over the packed row, so it is off by default there."
+        },
+    )
 
     # ---- Data and generation ----
     num_generations: int = field(
@@ -196,6 +213,11 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
+        if self.logprobs_chunk_size is not None and self.logprobs_chunk_size < 1:
+            raise ValueError(
+                f"logprobs_chunk_size={self.logprobs_chunk_size} must be a positive number of tokens, or None to "
+                "choose it from the vocabulary size."
+            )
         if self.max_completion_length < 1:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be at least 1.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:

@@ -1,22 +1,133 @@
-"""Per-token log-probs of completions under a model: the one place where the trainer turns logits into numbers.
+"""Per-token log-probs of completions under a model: the one place where the trainer turns hidden states into numbers.
 
 Policy, old and reference log-probs all come from `completion_logprobs`, so they agree on temperature, positions and
-masking. Spec section 8: only the selected token's logit and the log-sum-exp over the vocabulary are needed.
+masking. Spec section 8: a log-prob needs only the selected token's logit and the log-sum-exp over the vocabulary, so
+the backbone runs as usual but the output projection never builds the (B, T, V) logits. `chunked_logprobs` projects
+the hidden states of completion positions in chunks of rows and recomputes each chunk in backward: peak memory is
+O(chunk x V) instead of O(B x T x V), and padding and prompt positions never reach the projection.
 """
 
 from __future__ import annotations
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
+
+# Rows per chunk are chosen so one float32 (rows, V) tensor takes about this many bytes (backward holds two).
+CHUNK_BYTES = 128 * 2**20
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Rows of the (rows, V) float32 chunk that fit `CHUNK_BYTES`, rounded down to a power of two (at least 16)."""
+    rows = max(CHUNK_BYTES // (4 * vocab_size), 16)
+    return 1 << (rows.bit_length() - 1)
+
+
+def _tempered_logits(hidden, weight, bias, scale, softcap, temperature):
+    """z = softcap(scale * (h W^T + b)) / temperature in float32, and tanh(...) when soft-capping (for backward).
+
+    softcap(u) = c * tanh(u / c) as in Gemma 2; `scale` is the model's own logit multiplier (Cohere's logit_scale,
+    1 / Granite's logits_scaling)."""
+    logits = nn.functional.linear(hidden, weight, bias).float() * scale  # (c, V)
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        logits = tanh * softcap
+    return logits / temperature, tanh
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Selected-token log-probs (and entropies) of hidden @ weight^T, one chunk of rows at a time.
+
+    Forward keeps only the inputs and the per-row log-sum-exp. Backward recomputes each chunk's logits z and uses
+        d logp_i / d z_i = onehot(target_i) - softmax(z_i)
+    so the largest temporary in either direction is one float32 (chunk, V) tensor and its in-place gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy):
+        num_rows = hidden.shape[0]
+        logps = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if with_entropy else None
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z, _ = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature)  # (c, V)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v
+                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.settings = (temperature, scale, softcap, chunk_size)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, scale, softcap, chunk_size = ctx.settings
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Accumulate the projection's gradient over chunks in float32, whatever the weight's dtype.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z, tanh = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature)  # (c, V)
+            g = grad_logps[rows].float()  # (c,)
+            # dL/dz = g * (onehot - softmax(z)), built in place in z's storage.
+            grad_z = z.sub_(lse[rows, None]).exp_().mul_(-g[:, None])
+            grad_z.scatter_add_(-1, targets[rows, None], g[:, None])
+            # Back through / temperature, the soft cap (d c tanh(u/c) / du = 1 - tanh^2) and the scale.
+            if tanh is not None:
+                grad_z.mul_(1 - tanh.square_())
+            grad_u = grad_z.mul_(scale / temperature).to(weight.dtype)  # (c, V)
+            if need_hidden:
+                grad_hidden[rows] = grad_u @ weight
+            if need_weight:
+                grad_weight += (grad_u.T @ hidden[rows]).float()
+            if need_bias:
+                grad_bias += grad_u.float().sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(z_i)[targets_i] for z_i = softcap(scale * (hidden_i W^T + b)) / temperature, without the full
+    logits.
+
+    hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) -> logps (N,) float32 and, if `with_entropy`, the
+    entropy (N,) of softmax(z_i) (no gradient). Equals, in float32,
+        torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    with z the full (N, V) logits, but materialises only `chunk_size` rows of z at a time, in forward and backward.
+    Gradients flow to `hidden`, `weight` and `bias`. `chunk_size` defaults to `auto_chunk_size(V)`.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden (N, H) and targets (N,), got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    chunk_size = chunk_size or auto_chunk_size(weight.shape[0])
+    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[..., index], without materialising the full log-softmax.
+    """log_softmax(logits)[..., index] from full logits: logp_t = logits_t[index_t] - logsumexp(logits_t).
 
-        logp_t = logits_t[index_t] - logsumexp(logits_t)
-
-    logits (B, T, V), index (B, T) -> (B, T) in float32. Rows are processed one at a time so the float32 temporary
-    is (T, V), not (B, T, V).
+    logits (B, T, V), index (B, T) -> (B, T) in float32, one row at a time. Used only where the output projection is
+    sharded (see `completion_logprobs`) and as the naive reference in tests and benchmarks.
     """
     rows = []
     for row_logits, row_index in zip(logits, index):  # (T, V), (T,)
@@ -29,13 +140,57 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 @torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position, H = logsumexp(z) - sum_v p_v z_v. (B, T, V) -> (B, T), float32,
-    one row at a time. Used for metrics only, hence no gradient."""
+    one row at a time. No gradient."""
     rows = []
     for row_logits in logits:
         row_logits = row_logits.float()
         probs = torch.softmax(row_logits, dim=-1)
         rows.append(torch.logsumexp(row_logits, dim=-1) - (probs * row_logits).sum(-1))
     return torch.stack(rows)
+
+
+def _language_model(model: nn.Module) -> nn.Module:
+    """The causal LM inside DDP / DeepSpeed / compile wrappers and a PEFT model (whose layers carry the adapters)."""
+    model = extract_model_from_parallel(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]:
+    """The output projection of a causal LM and the logit transforms its forward applies after it:
+    (lm_head, scale, softcap). Covers Gemma 2/3 (`final_logit_softcapping`), Cohere (`logit_scale`) and Granite
+    (`logits_scaling`); other models have scale 1 and no soft cap."""
+    lm = _language_model(model)
+    head = lm.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(lm).__name__} has no output projection (get_output_embeddings() is {head!r}).")
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:
+        scale /= float(config.logits_scaling)
+    return head, scale, getattr(config, "final_logit_softcapping", None)
+
+
+def _is_sharded(weight: torch.Tensor) -> bool:
+    """True when the projection's weight is not whole on this process (DeepSpeed ZeRO-3 partitions, FSDP shards)."""
+    return weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor"
+
+
+def _packed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """All real tokens of the batch in one row, each sequence's positions restarting at 0, plus the index of every
+    completion-predicting position in that row. Row-major order of completion_mask == 1, as boolean indexing gives."""
+    prompt_lengths = prompt_mask.sum(1)
+    completion_lengths = completion_mask.sum(1)
+    sequences, positions, targets_at = [], [], []
+    offset = 0
+    for i in range(prompt_ids.shape[0]):
+        p, c = int(prompt_lengths[i]), int(completion_lengths[i])
+        sequences += [prompt_ids[i, prompt_ids.shape[1] - p :], completion_ids[i, :c]]
+        positions.append(torch.arange(p + c, device=prompt_ids.device))
+        targets_at.append(torch.arange(offset + p - 1, offset + p - 1 + c, device=prompt_ids.device))
+        offset += p + c
+    return torch.cat(sequences)[None], torch.cat(positions)[None], torch.cat(targets_at)
 
 
 def completion_logprobs(
@@ -48,15 +203,23 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     batch_size: int | None = None,
+    chunk_size: int | None = None,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
     prompt_ids/prompt_mask (B, P) left-padded; completion_ids/completion_mask (B, T) right-padded, the mask 1 for
     tokens up to and including EOS. Returns logps (B, T) float32 and, if `with_entropy`, the per-token entropy (B, T)
-    of the same tempered distribution. Values at masked positions are meaningless; callers mask them.
+    of the same tempered distribution; both are 0 where completion_mask is 0.
 
-    Position ids count only real tokens (cumsum of the attention mask), as `generate` does for left-padded prompts,
-    so scoring sees the positions that sampling saw. `batch_size` splits the rows into chunks (for no-grad passes).
+    1. The backbone runs on the batch (padded, or with `padding_free` all sequences packed into one row with
+       positions restarting per sequence, which attention kernels with variable-length support run without any
+       padding). Position ids count only real tokens, as `generate` does for left-padded prompts.
+    2. The final hidden states of the positions that predict completion tokens, and only those, go through
+       `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
+    `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
+    the projection (default: from the vocabulary size). Where the projection's weight is sharded (FSDP, ZeRO-3), it
+    can only run inside the model's forward, so the logits of the completion positions are built there instead.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         chunks = [
@@ -68,6 +231,8 @@ def completion_logprobs(
                 completion_mask[i : i + batch_size],
                 temperature=temperature,
                 with_entropy=with_entropy,
+                chunk_size=chunk_size,
+                padding_free=padding_free,
             )
             for i in range(0, prompt_ids.shape[0], batch_size)
         ]
@@ -75,20 +240,89 @@ def completion_logprobs(
         entropy = torch.cat([c[1] for c in chunks]) if with_entropy else None
         return logps, entropy
 
+    # Columns that are padding in every row (the batch may be padded to a longer one's width) are dropped here.
+    num_completion = completion_ids.shape[1]
+    prompt_width = max(int(prompt_mask.sum(1).max()), 1)
+    completion_width = max(int(completion_mask.sum(1).max()), 1)
+    prompt_ids, prompt_mask = prompt_ids[:, -prompt_width:], prompt_mask[:, -prompt_width:]
+    completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
+
+    head, scale, softcap = output_projection(model)
+    if _is_sharded(head.weight):
+        logps, entropy = _logprobs_from_full_logits(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
+        )
+    else:
+        # 2. Chunked projection of the completion positions only.
+        hidden = _completion_hidden_states(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free
+        )
+        mask = completion_mask.bool()
+        values = chunked_logprobs(
+            hidden,
+            head.weight,
+            completion_ids[mask],
+            bias=head.bias,
+            temperature=temperature,
+            scale=scale,
+            softcap=softcap,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
+    widen = (0, num_completion - completion_width)
+    return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+
+
+def _completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free):
+    """1. The backbone's final (normed) hidden states at the positions that predict completion tokens: (N, H), in
+    row-major order of completion_mask == 1.
+
+    A hook on the decoder catches its output while the model's own head runs on one position only
+    (logits_to_keep=1); calling the outer model keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward."""
+    captured = []
+    decoder = _language_model(model).get_decoder()
+    hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        if padding_free:
+            input_ids, position_ids, targets_at = _packed_inputs(
+                prompt_ids, prompt_mask, completion_ids, completion_mask
+            )
+            model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
+            return captured[0][0, targets_at]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        # Position j predicts token j+1: positions P-1 .. P+T-2 predict the T completion tokens.
+        predicting = captured[0][:, prompt_ids.shape[1] - 1 : -1]  # (B, T, H)
+        return predicting[completion_mask.bool()]
+    finally:
+        hook.remove()
+
+
+def _logprobs_from_full_logits(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
+):
+    """Fallback for a sharded output projection: the model's forward builds the (B, T, V) logits."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    num_completion = completion_ids.shape[1]
-    # The logit at position j predicts token j+1: the last prompt position predicts the first completion token,
-    # and the last completion position predicts nothing. Keeping T+1 logits and dropping the last gives (B, T, V).
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        logits_to_keep=num_completion + 1,
+        logits_to_keep=completion_ids.shape[1] + 1,
         use_cache=False,
     ).logits[:, :-1, :]
     logits = logits / temperature
-    logps = selective_log_softmax(logits, completion_ids)
-    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+    mask = completion_mask.bool()
+    logps = selective_log_softmax(logits, completion_ids).masked_fill(~mask, 0.0)
+    entropy = entropy_from_logits(logits.detach()).masked_fill(~mask, 0.0) if with_entropy else None
     return logps, entropy

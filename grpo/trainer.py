@@ -141,6 +141,9 @@ class GRPOTrainer(Trainer):
 
         # The reference policy exists only when the KL term does.
         self.ref_model = frozen_copy(model) if args.beta != 0 else None
+        # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
+        attention = getattr(model.config, "_attn_implementation", None) or ""
+        self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
 
         self.generation = TransformersGeneration(
             max_completion_length=args.max_completion_length,
@@ -359,21 +362,11 @@ class GRPOTrainer(Trainer):
         }
         # 6-7. Old and reference log-probs, recorded once, before any update.
         with torch.no_grad():
-            logprob_args = (
-                batch["prompt_ids"],
-                batch["prompt_mask"],
-                batch["completion_ids"],
-                batch["completion_mask"],
-            )
             chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
             if mode == "train" and self._reuses_batches:
-                batch["old_logps"], _ = completion_logprobs(
-                    self.model, *logprob_args, temperature=args.temperature, batch_size=chunk
-                )
+                batch["old_logps"], _ = self._logprobs(self.model, batch, batch_size=chunk)
             if self.ref_model is not None:
-                batch["ref_logps"], _ = completion_logprobs(
-                    self.ref_model, *logprob_args, temperature=args.temperature, batch_size=chunk
-                )
+                batch["ref_logps"], _ = self._logprobs(self.ref_model, batch, batch_size=chunk)
 
         self._record_round_metrics(
             mode, rewards_per_func, rewards, batch["prompt_mask"], batch["completion_mask"], is_truncated.to(device)
@@ -424,15 +417,7 @@ class GRPOTrainer(Trainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         args = self.args
         mode = "train" if model.training else "eval"
-        logps, entropy = completion_logprobs(
-            model,
-            inputs["prompt_ids"],
-            inputs["prompt_mask"],
-            inputs["completion_ids"],
-            inputs["completion_mask"],
-            temperature=args.temperature,
-            with_entropy=True,
-        )
+        logps, entropy = self._logprobs(model, inputs, with_entropy=True)
         normalizer = None
         if args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
@@ -465,6 +450,21 @@ class GRPOTrainer(Trainer):
         for name, total in zip(names, totals[1:]):
             self._metrics[mode].add_mean(name, total, totals[0])
         return loss
+
+    def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
+        """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref."""
+        return completion_logprobs(
+            model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            temperature=self.args.temperature,
+            with_entropy=with_entropy,
+            batch_size=batch_size,
+            chunk_size=self.args.logprobs_chunk_size,
+            padding_free=self.padding_free,
+        )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from grpo.data import pad
-from grpo.logprobs import completion_logprobs, entropy_from_logits, selective_log_softmax
+from grpo.logprobs import (
+    auto_chunk_size,
+    chunked_logprobs,
+    completion_logprobs,
+    entropy_from_logits,
+    selective_log_softmax,
+)
 from grpo.testing import tiny_model
 
 
@@ -61,3 +67,174 @@ def test_completion_logprobs_backpropagate(tokenizer):
     logps, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logps.sum().backward()
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+# --- chunked projection (spec section 8) -------------------------------------------------------------------------
+
+
+def _naive_chunk_reference(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, softcap=None):
+    """The full (N, V) logits and an ordinary log-softmax: what `chunked_logprobs` must equal."""
+    z = torch.nn.functional.linear(hidden, weight, bias).float() * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logps = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    p = torch.softmax(z, -1)
+    return logps, -(p * torch.log_softmax(z, -1)).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(temperature=0.7),
+        dict(bias=True, temperature=1.3),
+        dict(scale=0.25, softcap=3.0, temperature=0.9),
+    ],
+    ids=["plain", "temperature", "bias", "scale+softcap"],
+)
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(settings):
+    torch.manual_seed(0)
+    num_rows, hidden_size, vocab = 23, 16, 97  # 23 rows in chunks of 5: the last chunk is ragged
+    settings = dict(settings)
+    use_bias = settings.pop("bias", False)
+    hidden = torch.randn(num_rows, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    bias = torch.randn(vocab, requires_grad=True) if use_bias else None
+    targets = torch.randint(0, vocab, (num_rows,))
+    # A weighted sum with one row weighted 0 (a masked row) and negative weights, like a policy-gradient loss.
+    row_weights = torch.randn(num_rows)
+    row_weights[4] = 0.0
+
+    logps, entropy = chunked_logprobs(hidden, weight, targets, bias=bias, chunk_size=5, with_entropy=True, **settings)
+    grads = torch.autograd.grad((logps * row_weights).sum(), [hidden, weight] + ([bias] if use_bias else []))
+    expected, expected_entropy = _naive_chunk_reference(hidden, weight, targets, bias=bias, **settings)
+    expected_grads = torch.autograd.grad(
+        (expected * row_weights).sum(), [hidden, weight] + ([bias] if use_bias else [])
+    )
+
+    torch.testing.assert_close(logps, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), rtol=0, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert grads[0][4].abs().max() == 0  # the masked row gets no gradient
+
+
+def test_chunked_logprobs_chunk_size_does_not_change_results():
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(10, 8), torch.randn(50, 8)
+    targets = torch.randint(0, 50, (10,))
+    one, _ = chunked_logprobs(hidden, weight, targets, chunk_size=1)
+    whole, _ = chunked_logprobs(hidden, weight, targets, chunk_size=64)
+    torch.testing.assert_close(one, whole, rtol=0, atol=1e-6)
+
+
+def test_auto_chunk_size_scales_with_vocabulary():
+    assert auto_chunk_size(151_936) == 128  # 128 MiB / (4 B x 151,936) = 220 rows, rounded down to a power of 2
+    assert auto_chunk_size(49_152) == 512
+    assert auto_chunk_size(10**9) == 16  # never below 16 rows
+
+
+def test_chunked_logprobs_rejects_misshapen_inputs():
+    with pytest.raises(ValueError, match=r"hidden \(N, H\)"):
+        chunked_logprobs(torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long))
+
+
+def _batch():
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    completions = [[20, 21, 258], [30, 31, 32, 33, 34], [40]]
+    prompt_ids, prompt_mask = pad(prompts, 256, "left")
+    completion_ids, completion_mask = pad(completions, 256, "right")
+    return prompts, completions, (prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+def _naive_model_logps(model, prompts, completions, temperature):
+    """Per sequence, unpadded: the model's own logits (with its soft cap / scaling), log-softmax, pick."""
+    return [_naive_logps(model, p, c, temperature) for p, c in zip(prompts, completions)]
+
+
+def _tiny_variant(kind, tokenizer):
+    """Tiny causal LMs whose output projections differ: tied, with a bias, soft-capped, scaled."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+    )
+    if kind == "tied":
+        return tiny_model(tokenizer, tie_word_embeddings=True)
+    if kind == "bias":  # Phi's lm_head has a bias
+        config = transformers.PhiConfig(**{k: v for k, v in common.items() if k != "head_dim"})
+        return transformers.PhiForCausalLM(config)
+    if kind == "softcap":
+        config = transformers.Gemma2Config(**common, final_logit_softcapping=2.0)
+        return transformers.Gemma2ForCausalLM(config)
+    if kind == "scale":
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=4.0))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["tied", "bias", "softcap", "scale"])
+def test_completion_logprobs_follow_the_models_own_output_projection(tokenizer, kind):
+    torch.manual_seed(0)
+    model = _tiny_variant(kind, tokenizer).eval()
+    if kind == "bias":
+        torch.nn.init.normal_(model.lm_head.bias)  # a zero bias would not test anything
+    prompts, completions, batch = _batch()
+    logps, _ = completion_logprobs(model, *batch, temperature=0.8, chunk_size=3)
+    expected = _naive_model_logps(model, prompts, completions, 0.8)
+
+    weights = torch.randn(logps.shape)
+    (logps * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    sum((e * weights[i, : len(e)]).sum() for i, e in enumerate(expected)).backward()
+    for i, e in enumerate(expected):
+        torch.testing.assert_close(logps[i, : len(e)], e, rtol=0, atol=1e-5)
+        assert (logps[i, len(e) :] == 0).all()
+    assert grads, "no parameter received a gradient"
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_padding_free_equals_padded(tokenizer):
+    model = tiny_model(tokenizer).eval()
+    _, _, batch = _batch()
+    padded, padded_entropy = completion_logprobs(model, *batch, with_entropy=True)
+    packed, packed_entropy = completion_logprobs(model, *batch, with_entropy=True, padding_free=True)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_entropy, padded_entropy, rtol=0, atol=1e-5)
+
+
+def test_extra_padding_columns_change_nothing(tokenizer):
+    model = tiny_model(tokenizer).eval()
+    _, _, (prompt_ids, prompt_mask, completion_ids, completion_mask) = _batch()
+    logps, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    widened, _ = completion_logprobs(
+        model,
+        torch.nn.functional.pad(prompt_ids, (3, 0), value=256),
+        torch.nn.functional.pad(prompt_mask, (3, 0)),
+        torch.nn.functional.pad(completion_ids, (0, 4), value=256),
+        torch.nn.functional.pad(completion_mask, (0, 4)),
+    )
+    assert widened.shape == (3, completion_ids.shape[1] + 4)
+    torch.testing.assert_close(widened[:, : completion_ids.shape[1]], logps, rtol=0, atol=1e-6)
+    assert (widened[:, completion_ids.shape[1] :] == 0).all()
+
+
+def test_sharded_projection_falls_back_to_the_models_logits(tokenizer, monkeypatch):
+    import grpo.logprobs
+
+    model = tiny_model(tokenizer).eval()
+    _, _, batch = _batch()
+    chunked, chunked_entropy = completion_logprobs(model, *batch, with_entropy=True)
+    monkeypatch.setattr(grpo.logprobs, "_is_sharded", lambda weight: True)
+    full, full_entropy = completion_logprobs(model, *batch, with_entropy=True)
+    torch.testing.assert_close(full, chunked, rtol=0, atol=1e-5)
+    torch.testing.assert_close(full_entropy, chunked_entropy, rtol=0, atol=1e-5)
