@@ -27,13 +27,15 @@ def _tempered_logits(hidden, weight, bias, scale, softcap, temperature):
     """z = softcap(scale * (h W^T + b)) / temperature in float32, and tanh(...) when soft-capping (for backward).
 
     softcap(u) = c * tanh(u / c) as in Gemma 2; `scale` is the model's own logit multiplier (Cohere's logit_scale,
-    1 / Granite's logits_scaling)."""
-    logits = nn.functional.linear(hidden, weight, bias).float() * scale  # (c, V)
+    1 / Granite's logits_scaling). In place wherever possible: each extra (c, V) temporary is memory and time."""
+    logits = nn.functional.linear(hidden, weight, bias).float()  # (c, V)
+    if scale != 1.0:
+        logits.mul_(scale)
     tanh = None
     if softcap is not None:
-        tanh = torch.tanh(logits / softcap)
-        logits = tanh * softcap
-    return logits / temperature, tanh
+        tanh = torch.tanh(logits.div_(softcap))
+        logits = torch.mul(tanh, softcap, out=logits)
+    return logits.div_(temperature), tanh
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -53,10 +55,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             z, _ = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature)  # (c, V)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v
-                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            picked = z.gather(-1, targets[rows, None]).squeeze(-1)
+            peak = z.amax(dim=-1)
+            shifted = z.sub_(peak[:, None])  # y = z - max z, in place
+            if with_entropy:
+                # H = logsumexp(z) - sum_v p_v z_v = log(sum e) - sum_v p_v y_v with e = exp(y), p = e / sum e.
+                e = torch.exp(shifted)
+                total = e.sum(-1)
+                entropy[rows] = total.log() - (e[:, None, :] @ shifted[:, :, None]).view(-1) / total
+            else:
+                total = shifted.exp_().sum(-1)
+            lse[rows] = peak + total.log()
+            logps[rows] = picked - lse[rows]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.settings = (temperature, scale, softcap, chunk_size)
         if with_entropy:
@@ -85,7 +95,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad_u = grad_z.mul_(scale / temperature).to(weight.dtype)  # (c, V)
             if need_hidden:
                 grad_hidden[rows] = grad_u @ weight
-            if need_weight:
+            if need_weight and grad_u.dtype == torch.float32:
+                grad_weight.addmm_(grad_u.T, hidden[rows])  # no (V, H) temporary
+            elif need_weight:
                 grad_weight += (grad_u.T @ hidden[rows]).float()
             if need_bias:
                 grad_bias += grad_u.float().sum(0)
