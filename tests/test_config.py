@@ -41,6 +41,7 @@ def test_scale_rewards_accepts_booleans():
         ({"num_iterations": 0}, "num_iterations=0"),
         ({"max_completion_length": 0}, "max_completion_length=0"),
         ({"max_prompt_length": 0}, "max_prompt_length=0"),
+        ({"logprobs_chunk_size": 0}, "logprobs_chunk_size=0 must be a positive"),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, "not both"),
         ({"per_device_train_batch_size": 4, "generation_batch_size": 6}, "multiple of per_device_train_batch_size"),
         ({"per_device_train_batch_size": 3, "num_generations": 4}, "not a multiple of num_generations=4"),

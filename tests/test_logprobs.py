@@ -238,3 +238,21 @@ def test_sharded_projection_falls_back_to_the_models_logits(tokenizer, monkeypat
     full, full_entropy = completion_logprobs(model, *batch, with_entropy=True)
     torch.testing.assert_close(full, chunked, rtol=0, atol=1e-5)
     torch.testing.assert_close(full_entropy, chunked_entropy, rtol=0, atol=1e-5)
+
+
+def test_lora_adapters_get_the_same_gradients_as_through_full_logits(tokenizer):
+    peft = pytest.importorskip("peft", reason="the peft extra is not installed")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        tiny_model(tokenizer), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    prompts, completions, batch = _batch()
+    logps, _ = completion_logprobs(model, *batch, temperature=0.7)
+    logps.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    sum(e.sum() for e in _naive_model_logps(model, prompts, completions, 0.7)).backward()
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)

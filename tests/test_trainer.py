@@ -243,3 +243,17 @@ def test_rounds_that_straddle_optimizer_steps_record_old_logprobs(tmp_path, tiny
         )
         trainer = GRPOTrainer(tiny_model_path, reward_len, args=args, train_dataset=prompt_dataset)
         assert trainer._reuses_batches is reused, (accumulation, steps_per_generation)
+
+
+@pytest.mark.slow
+def test_padding_free_and_chunk_size_leave_the_update_unchanged(tmp_path):
+    # Packing sequences and the projection's chunking change how the log-probs are computed, not what they are.
+    reference, trainer = sgd_step_update(tmp_path / "ref", loss_type="dapo", beta=0.04, num_iterations=2)
+    assert trainer.padding_free is False  # sdpa on CPU: packing is off unless asked for
+    packed, trainer = sgd_step_update(
+        tmp_path / "packed", loss_type="dapo", beta=0.04, num_iterations=2, padding_free=True, logprobs_chunk_size=3
+    )
+    assert trainer.padding_free is True
+    assert sum(d.abs().sum() for d in reference.values()) > 0
+    for n in reference:
+        torch.testing.assert_close(packed[n], reference[n], rtol=1e-4, atol=1e-7, msg=n)
