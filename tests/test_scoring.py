@@ -6,16 +6,21 @@ import torch
 from grpo.scoring import call_reward_function, reward_name, score_completions
 
 
-def _score(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), **columns):
+def _scores(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), options=None, **columns):
     return score_completions(
         funcs,
         [None] * len(funcs),
         prompts=list(prompts),
         completions=list(completions),
-        completion_ids=[[1], [2, 2], [3, 3, 3]],
+        completion_ids=[[1] * (i + 1) for i in range(len(completions))],
         columns={k: list(v) for k, v in columns.items()},
         trainer_state="STATE",
+        **(options or {}),
     )
+
+
+def _score(funcs, **kwargs):
+    return _scores(funcs, **kwargs).rewards
 
 
 def test_functions_receive_only_the_arguments_they_accept():
@@ -111,7 +116,7 @@ def test_reward_model_scores_prompt_and_completion(tokenizer):
     model = LlamaForSequenceClassification(config).eval()
     rewards = score_completions(
         [model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={}
-    )
+    ).rewards
     with torch.no_grad():
         direct = model(**tokenizer(["abc"], return_tensors="pt")).logits[0, 0].item()
     assert rewards.shape == (2, 1)
