@@ -287,9 +287,10 @@ def code_execution(
     A completion whose code raises at top level, times out, exceeds a limit or tries a refused operation gets
     `on_error` (0.0, or None to leave the row out). Up to `max_parallel` rows run at once.
 
-    >>> reward = code_execution(wall_seconds=5, cpu_seconds=1)
+    >>> reward = code_execution(wall_seconds=5)
     >>> reward(["```python\\ndef add(a, b):\\n    return a + b\\n```", "def add(a, b): return a - b",
-    ...         "while True: pass"], tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"]] * 3)
+    ...         "import socket; socket.create_connection(('example.com', 80))"],
+    ...        tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"]] * 3)
     [1.0, 0.5, 0.0]
     """
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)
