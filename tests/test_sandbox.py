@@ -78,7 +78,7 @@ def test_files_outside_the_working_directory_are_out_of_reach(tmp_path):
     secret.write_text("s3cret")
     keep.write_text("keep me")
     read = f"data = open({str(secret)!r}).read()"
-    assert score(read, [f"assert data == 's3cret'"]) == 0.0
+    assert score(read, ["assert data == 's3cret'"]) == 0.0
     assert score(f"open({str(escape)!r}, 'w').write('x')") == 0.0
     assert score(f"import os\nos.remove({str(keep)!r})") == 0.0
     assert score(f"import shutil\nshutil.rmtree({str(tmp_path)!r})") == 0.0
