@@ -115,7 +115,7 @@ def _math_verify():
 
 def accuracy(completions, answer, **kwargs) -> list[float | None]:
     """1.0 when the completion's final answer equals the row's `answer` column mathematically, else 0.0; None for
-    rows whose `answer` is None or cannot be parsed. Uses math-verify when installed (`pip install grpo[math]`:
+    rows whose `answer` is None (or, with math-verify, cannot be parsed). Uses math-verify when installed (`pip install grpo[math]`:
     LaTeX, sets, intervals, symbolic equality), else `extract_answer` and `answers_match`. A gold answer in
     GSM8K form ("... #### 72") is cut to the part after "####".
 
