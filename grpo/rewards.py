@@ -115,9 +115,9 @@ def _math_verify():
 
 def accuracy(completions, answer, **kwargs) -> list[float | None]:
     """1.0 when the completion's final answer equals the row's `answer` column mathematically, else 0.0; None for
-    rows whose `answer` is None (or, with math-verify, cannot be parsed). Uses math-verify when installed (`pip install grpo[math]`:
-    LaTeX, sets, intervals, symbolic equality), else `extract_answer` and `answers_match`. A gold answer in
-    GSM8K form ("... #### 72") is cut to the part after "####".
+    rows whose `answer` is None (or, with math-verify, cannot be parsed). Uses math-verify when installed
+    (`pip install grpo[math]`: LaTeX, sets, intervals, symbolic equality), else `extract_answer` and
+    `answers_match`. A gold answer in GSM8K form ("... #### 72") is cut to the part after "####".
 
     >>> accuracy(["The total is \\\\boxed{1,234}.", "I think 5/10", "It is 7."], answer=["1234", "\\\\frac{1}{2}", 8])
     [1.0, 1.0, 0.0]
