@@ -63,8 +63,10 @@ class GRPOTrainer(Trainer):
     Args:
         model: a path or hub id (loaded with `AutoModelForCausalLM.from_pretrained` and `args.model_init_kwargs`),
             or a `PreTrainedModel`.
-        reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`,
-            reward models (`PreTrainedModel` with one label) or paths/hub ids of reward models.
+        reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`
+            (plain or `async def`), reward models (`PreTrainedModel` with one label) or paths/hub ids of reward
+            models. Built-ins are in `grpo.rewards`; how they are called is set by `reward_errors`,
+            `reward_timeout` and `reward_num_workers` (docs/rewards.md).
         args: a `GRPOConfig`; default `GRPOConfig(output_dir="<model name>-GRPO")`.
         train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
             column is passed to the reward functions.
