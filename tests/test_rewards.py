@@ -100,3 +100,37 @@ def test_reasoning_gym_reward_uses_the_tasks_scorer():
     expected = [task.score_answer(answer=a, entry=task[i]) for i, a in enumerate([truth[0], "nonsense", truth[2]])]
     assert scores == expected and scores[0] == 1.0 and scores[1] < 1.0
     assert reasoning_gym(["x"], metadata=[None], answer=["1"]) == [None]
+
+
+def test_every_built_in_plugs_into_the_trainer(tmp_path, tiny_model_path):
+    pytest.importorskip("reasoning_gym")
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.rewards import code_execution
+    from tests.scripted import TINY
+
+    dataset = reasoning_gym_dataset("basic_arithmetic", size=4, seed=0)
+    dataset = dataset.add_column("tests", [["assert answer() == 42"]] * 4)
+    funcs = [
+        accuracy,
+        reasoning_gym,
+        format_reward(),
+        soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4),
+        code_execution(wall_seconds=5, cpu_seconds=2),
+    ]
+    # One step, with the reward calls split over 2 threads.
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, reward_num_workers=2, **TINY)
+    trainer = GRPOTrainer(tiny_model_path, funcs, args=args, train_dataset=dataset)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert trainer.reward_names == [
+        "accuracy",
+        "reasoning_gym",
+        "format",
+        "soft_overlong_punishment",
+        "code_execution",
+    ]
+    # A random tiny model writes 8 random bytes: no format, no passing code, and always the full length
+    # (L = 8 = L_max gives -1).
+    assert logs["rewards/format/mean"] == 0.0 and logs["rewards/code_execution/mean"] == 0.0
+    assert logs["rewards/soft_overlong_punishment/mean"] == -1.0
+    assert 0.0 <= logs["rewards/accuracy/mean"] <= 1.0 and 0.0 <= logs["rewards/reasoning_gym/mean"] <= 1.0
