@@ -13,7 +13,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo.loss import LOSS_TYPES, SCALE_REWARDS
-from grpo.scoring import REWARD_ERRORS
+from grpo.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
 @dataclass
@@ -149,6 +149,14 @@ class GRPOConfig(TrainingArguments):
             "the trainer's thread, one after the other. Async functions always run concurrently."
         },
     )
+    reward_worker_type: str = field(
+        default="thread",
+        metadata={
+            "help": "What runs the reward_num_workers slices: 'thread' (for functions that wait: HTTP calls, "
+            "subprocesses) or 'process', a pool of spawned worker processes (for CPU-bound pure-Python functions; "
+            "the function and its arguments must be picklable, so define it at the top level of a module)."
+        },
+    )
     scale_rewards: str = field(
         default="group",
         metadata={
@@ -267,6 +275,8 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"reward_timeout={self.reward_timeout} must be a positive number of seconds, or None.")
         if not isinstance(self.reward_num_workers, int) or self.reward_num_workers < 0:
             raise ValueError(f"reward_num_workers={self.reward_num_workers} must be an integer >= 0 (0 = no threads).")
+        if self.reward_worker_type not in REWARD_WORKER_TYPES:
+            raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
 

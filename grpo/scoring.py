@@ -11,9 +11,11 @@ prompt and completion text, rendered with the chat template for conversational d
 How the functions run (`score_completions`):
   - async functions run concurrently, in one event loop;
   - with `num_workers > 0`, each synchronous function is called on `num_workers` slices of the rows at once, in
-    threads (for slow row-wise functions: remote judges, sandboxes); with a `timeout` alone, each runs in a thread;
+    threads (for slow row-wise functions: remote judges, sandboxes) or, with `worker_type="process"`, in a pool of
+    worker processes (for CPU-bound pure-Python functions); with a `timeout` alone, each runs in a thread;
     otherwise synchronous functions run one after the other in the caller's thread;
-  - every call may have a timeout; a timed-out thread cannot be killed and is abandoned (it is a daemon thread);
+  - every call may have a timeout; a timed-out thread cannot be killed and is abandoned (it is a daemon thread),
+    a process pool with a timed-out call is killed once the round's other calls have finished;
   - on an exception the rows are retried one by one to name the failing row; `errors="skip"` gives failed rows
     None for that function and counts them instead of raising.
 """
@@ -23,11 +25,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import multiprocessing
 import numbers
+import pickle
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +41,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from grpo.data import is_conversational
 
 REWARD_ERRORS = ("raise", "skip")
+REWARD_WORKER_TYPES = ("thread", "process")
 
 
 class RewardScores(NamedTuple):
@@ -182,12 +188,47 @@ def _retry_rows(call: _Call, batch_error: Exception, one_row: Callable, stop_at_
     return values + [math.nan] * (call.num_rows - len(values)), failures
 
 
-def _run_sync(call: _Call, stop_at_first: bool) -> _Outcome:
+def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) -> _Outcome:
+    """Call a synchronous function, here or through `invoke(kwargs)` (a call in a worker process)."""
+    invoke = invoke or (lambda kwargs: call.func(**kwargs))
     try:
-        values = call.func(**call.kwargs)
+        values = invoke(call.kwargs)
     except Exception as error:
-        return _retry_rows(call, error, lambda kwargs: call.func(**kwargs), stop_at_first)
+        return _retry_rows(call, error, invoke, stop_at_first)
     return _checked(values, reward_name(call.func), call.num_rows, call.start), []
+
+
+# Worker-process pools, one per size, kept between rounds (starting a process costs far more than a call).
+_PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def _process_pool(num_workers: int) -> ProcessPoolExecutor:
+    if num_workers not in _PROCESS_POOLS:
+        # spawn, not fork: the trainer has threads (and maybe CUDA), which a forked child would inherit broken.
+        context = multiprocessing.get_context("spawn")
+        _PROCESS_POOLS[num_workers] = ProcessPoolExecutor(num_workers, mp_context=context)
+    return _PROCESS_POOLS[num_workers]
+
+
+def _discard_process_pool(num_workers: int) -> None:
+    """Kill a pool's workers (one may be stuck in a timed-out call) and forget it; the next round starts anew."""
+    pool = _PROCESS_POOLS.pop(num_workers, None)
+    if pool is not None:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_process(call: _Call, pool: ProcessPoolExecutor) -> Callable:
+    try:
+        pickle.dumps((call.func, call.kwargs))
+    except Exception as e:
+        raise TypeError(
+            f"Reward function '{reward_name(call.func)}' cannot be sent to a worker process "
+            f"(reward_worker_type='process'): {type(e).__name__}: {e}. Define it at the top level of a module "
+            "(not a lambda or a nested function), keep its arguments picklable, or use reward_worker_type='thread'."
+        ) from e
+    return lambda kwargs: pool.submit(call.func, **kwargs).result()
 
 
 async def _run_async(call: _Call, stop_at_first: bool) -> _Outcome:
@@ -226,19 +267,30 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return future
 
 
-async def _run_concurrently(calls: list[_Call], timeout: float | None, num_workers: int, stop_at_first: bool):
-    workers = asyncio.Semaphore(num_workers or max(len(calls), 1))  # threads running at once
+async def _run_concurrently(
+    calls: list[_Call], timeout: float | None, num_workers: int, worker_type: str, stop_at_first: bool
+):
+    workers = asyncio.Semaphore(num_workers or max(len(calls), 1))  # sync calls running at once
+    pool = _process_pool(num_workers) if worker_type == "process" and num_workers > 0 else None
+    invokers = {id(call): _in_process(call, pool) for call in calls if pool is not None and not is_async(call.func)}
+    timed_out = False
 
     async def run(call: _Call) -> _Outcome:
+        nonlocal timed_out
         try:
             if is_async(call.func):
                 return await asyncio.wait_for(_run_async(call, stop_at_first), timeout)
             async with workers:
-                return await asyncio.wait_for(_in_daemon_thread(lambda: _run_sync(call, stop_at_first)), timeout)
+                work = _in_daemon_thread(lambda: _run_sync(call, stop_at_first, invokers.get(id(call))))
+                return await asyncio.wait_for(work, timeout)
         except (asyncio.TimeoutError, TimeoutError):
+            timed_out = True
             return [math.nan] * call.num_rows, [(None, TimeoutError(f"timed out after {timeout} s (reward_timeout)"))]
 
-    return await asyncio.gather(*(run(call) for call in calls))
+    outcomes = await asyncio.gather(*(run(call) for call in calls))
+    if pool is not None and (timed_out or getattr(pool, "_broken", False)):
+        _discard_process_pool(num_workers)  # after every call has finished: none of theirs is killed
+    return outcomes
 
 
 def _run_event_loop(coroutine):
@@ -247,11 +299,8 @@ def _run_event_loop(coroutine):
     except RuntimeError:
         return asyncio.run(coroutine)
     # Already inside an event loop (a notebook, an async caller): run ours in a thread of its own.
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", asyncio.run(coroutine)))
-    thread.start()
-    thread.join()
-    return result["value"]
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
 
 
 def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
@@ -279,7 +328,7 @@ def call_reward_function(func: Callable, available: dict[str, Any], num_rows: in
     the function, the first row that fails alone, and what it raised."""
     call = _Call(0, func, _accepted_kwargs(func, available), 0, num_rows)
     if is_async(func):
-        values, failures = _run_event_loop(_run_concurrently([call], None, 0, True))[0]
+        values, failures = _run_event_loop(_run_concurrently([call], None, 0, "thread", True))[0]
     else:
         values, failures = _run_sync(call, stop_at_first=True)
     _report(call, failures, available.get("prompts", [None] * num_rows), "raise")
@@ -328,6 +377,7 @@ def score_completions(
     errors: str = "raise",
     timeout: float | None = None,
     num_workers: int = 0,
+    worker_type: str = "thread",
     model_batch_size: int | None = None,
 ) -> RewardScores:
     """Rewards of every row under every function: (B, K) float32, NaN where a function returned None, with the
@@ -335,6 +385,8 @@ def score_completions(
     how `timeout` and `num_workers` run the functions."""
     if errors not in REWARD_ERRORS:
         raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
+    if worker_type not in REWARD_WORKER_TYPES:
+        raise ValueError(f"worker_type={worker_type!r} must be one of {REWARD_WORKER_TYPES}.")
     began = time.perf_counter()
     num_rows = len(prompts)
     available = {
@@ -360,7 +412,11 @@ def score_completions(
             inline.append(_Call(k, func, kwargs, 0, num_rows))
 
     stop_at_first = errors == "raise"
-    outcomes = _run_event_loop(_run_concurrently(in_loop, timeout, num_workers, stop_at_first)) if in_loop else []
+    outcomes = (
+        _run_event_loop(_run_concurrently(in_loop, timeout, num_workers, worker_type, stop_at_first))
+        if in_loop
+        else []
+    )
     outcomes += [_run_sync(call, stop_at_first) for call in inline]
 
     rewards = torch.full((num_rows, len(reward_funcs)), math.nan)  # (B, K)

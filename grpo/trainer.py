@@ -66,7 +66,7 @@ class GRPOTrainer(Trainer):
         reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`
             (plain or `async def`), reward models (`PreTrainedModel` with one label) or paths/hub ids of reward
             models. Built-ins are in `grpo.rewards`; how they are called is set by `reward_errors`,
-            `reward_timeout` and `reward_num_workers` (docs/rewards.md).
+            `reward_timeout`, `reward_num_workers` and `reward_worker_type` (docs/rewards.md).
         args: a `GRPOConfig`; default `GRPOConfig(output_dir="<model name>-GRPO")`.
         train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
             column is passed to the reward functions.
@@ -308,6 +308,7 @@ class GRPOTrainer(Trainer):
             errors=args.reward_errors,
             timeout=args.reward_timeout,
             num_workers=args.reward_num_workers,
+            worker_type=args.reward_worker_type,
             model_batch_size=args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
         )
         self._record_reward_call_metrics(mode, scores.errors, scores.seconds)

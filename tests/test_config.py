@@ -114,3 +114,5 @@ def test_reward_call_options_are_checked():
         make(reward_timeout=0)
     with pytest.raises(ValueError, match="reward_num_workers=-1 must be an integer >= 0"):
         make(reward_num_workers=-1)
+    with pytest.raises(ValueError, match="reward_worker_type='gpu' is not one of"):
+        make(reward_worker_type="gpu")

@@ -292,3 +292,28 @@ def test_reward_model_checks(tokenizer):
         load_reward_funcs([_reward_model(tokenizer)])
     with pytest.raises(ValueError, match="reward_processing_classes has 2 entries for 1"):
         load_reward_funcs([_reward_model(tokenizer)], [tokenizer, None])
+
+
+def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
+    import os
+    import time
+
+    from tests.process_rewards import fails_on_row_1, sleeps_on_long_completions, worker_pid
+
+    options = {"num_workers": 2, "worker_type": "process"}
+    pids = _score([worker_pid], options=options)[:, 0].tolist()
+    assert os.getpid() not in pids and len(pids) == 3
+
+    with pytest.raises(RuntimeError, match=r"'fails_on_row_1' failed on row 1 \(prompt: 'p1'\): KeyError"):
+        _score([fails_on_row_1], options=options)
+
+    began = time.perf_counter()
+    scores = _scores([sleeps_on_long_completions], options={**options, "timeout": 1.0, "errors": "skip"})
+    assert time.perf_counter() - began < 10  # the stuck worker was killed, not waited for
+    # Slices are rows [0, 2) and [2, 3): only the one holding "ccc" sleeps.
+    assert scores.rewards[:2, 0].tolist() == [1.0, 1.0] and torch.isnan(scores.rewards[2, 0])
+    assert scores.errors == [1]
+    assert _score([worker_pid], options=options).shape == (3, 1)  # a fresh pool serves the next round
+
+    with pytest.raises(TypeError, match="cannot be sent to a worker process"):
+        _score([lambda completions: [0.0] * len(completions)], options=options)
