@@ -12,7 +12,8 @@ What the child process gets (each layer is best effort; see docs/rewards.md for 
     user namespaces); otherwise only the audit hook below blocks the network.
   - a `sys.addaudithook` hook, installed before the untrusted code runs and impossible to remove from Python,
     that refuses sockets, new processes (fork, exec, subprocess, os.system), signals to other processes, ctypes,
-    and any file open, listing or change outside the working directory (reads of the standard library excepted).
+    links, opening directories, and any file open, listing or change outside the working directory (reads of the
+    standard library excepted).
 
 The harness reports through a file outside the working directory, opened before the code runs, with a random
 token, so a completion that exits early (`os._exit(0)`) or prints a fake result does not pass.
@@ -83,13 +84,14 @@ def _lock_down(job):
             return None
         if isinstance(path, bytes):
             path = os.fsdecode(path)
-        return os.path.realpath(os.path.join(workdir, os.fspath(path)))
+        return os.path.realpath(os.fspath(path))  # relative to the current directory, wherever that is
 
     refused = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
                "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
                "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
                "ctypes.call_function", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.chroot",
-               "sys._current_frames", "resource.setrlimit", "resource.prlimit"}
+               "sys._current_frames", "resource.setrlimit", "resource.prlimit",
+               "os.symlink", "os.link"}  # links could point out of the directory after the check
     written = {"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
                "os.chflags", "os.lchflags", "os.setxattr", "os.removexattr", "shutil.rmtree", "os.mkfifo", "os.mknod"}
 
@@ -103,11 +105,16 @@ def _lock_down(job):
             write = any(c in str(mode) for c in "wax+") or (isinstance(args[2], int) and args[2] & 0o3)
             if path is not None and not inside(path, [workdir] if write else readable):
                 raise PermissionError(f"sandbox: opening {args[0]!r} is not allowed")
+            if path is not None and os.path.isdir(path):  # a directory descriptor would allow dir_fd= paths
+                raise PermissionError(f"sandbox: opening the directory {args[0]!r} is not allowed")
+        elif event == "os.chdir":
+            if real(args[0]) is None or not inside(real(args[0]), [workdir]):
+                raise PermissionError(f"sandbox: changing directory to {args[0]!r} is not allowed")
         elif event in ("os.listdir", "os.scandir") and args[0] is not None:
             if real(args[0]) is not None and not inside(real(args[0]), readable):
                 raise PermissionError(f"sandbox: listing {args[0]!r} is not allowed")
-        elif event in written or event in ("os.rename", "os.link", "os.symlink"):
-            paths = args[:2] if event in ("os.rename", "os.link", "os.symlink") else args[:1]
+        elif event in written or event == "os.rename":
+            paths = args[:2] if event == "os.rename" else args[:1]
             for p in paths:
                 if real(p) is not None and not inside(real(p), [workdir]):
                     raise PermissionError(f"sandbox: {event} on {p!r} is not allowed")

@@ -84,6 +84,9 @@ def test_files_outside_the_working_directory_are_out_of_reach(tmp_path):
     assert score(f"import shutil\nshutil.rmtree({str(tmp_path)!r})") == 0.0
     assert score(f"import os\nos.symlink({str(keep)!r}, 'link')\nopen('link', 'w').write('x')") == 0.0
     assert score(f"import os\nfiles = os.listdir({str(tmp_path)!r})") == 0.0
+    assert score(f"import os\nos.chdir({str(tmp_path)!r})\nopen('escape.txt', 'w').write('x')") == 0.0
+    deep = "import os\nos.makedirs('a/b')\nfd = os.open('a/b', os.O_RDONLY)\n"
+    assert score(deep + f"os.open('../../../..{str(escape)}', os.O_WRONLY | os.O_CREAT, dir_fd=fd)") == 0.0
     assert not escape.exists() and keep.read_text() == "keep me"
 
 
