@@ -308,7 +308,8 @@ def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
         _score([fails_on_row_1], options=options)
 
     began = time.perf_counter()
-    scores = _scores([sleeps_on_long_completions], options={**options, "timeout": 1.0, "errors": "skip"})
+    with pytest.warns(UserWarning, match=r"row\(s\) \[2\] of this batch \(1 of 3\): each returned None or failed"):
+        scores = _scores([sleeps_on_long_completions], options={**options, "timeout": 1.0, "errors": "skip"})
     assert time.perf_counter() - began < 10  # the stuck worker was killed, not waited for
     # Slices are rows [0, 2) and [2, 3): only the one holding "ccc" sleeps.
     assert scores.rewards[:2, 0].tolist() == [1.0, 1.0] and torch.isnan(scores.rewards[2, 0])
