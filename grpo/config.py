@@ -13,6 +13,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo.loss import LOSS_TYPES, SCALE_REWARDS
+from grpo.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
 @dataclass
@@ -141,6 +142,38 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "One weight per reward function for the weighted sum of rewards (default: all 1.0)."},
     )
+    reward_errors: str = field(
+        default="raise",
+        metadata={
+            "help": "What an exception (or timeout) in a reward function does: 'raise' stops training with an error "
+            "naming the function, the row and the exception; 'skip' gives that row None for that function, counts "
+            "it in `rewards/<name>/errors` and continues."
+        },
+    )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one reward-function call may take (None = no limit). A call that takes longer is "
+            "abandoned and treated as a failure of its rows (see reward_errors). Synchronous functions then run in "
+            "threads."
+        },
+    )
+    reward_num_workers: int = field(
+        default=0,
+        metadata={
+            "help": "Threads for synchronous reward functions: with N > 0, each function is called on N slices of the "
+            "rows at once (for slow row-wise functions such as remote judges or code execution). 0 calls them in "
+            "the trainer's thread, one after the other. Async functions always run concurrently."
+        },
+    )
+    reward_worker_type: str = field(
+        default="thread",
+        metadata={
+            "help": "What runs the reward_num_workers slices: 'thread' (for functions that wait: HTTP calls, "
+            "subprocesses) or 'process', a pool of spawned worker processes (for CPU-bound pure-Python functions; "
+            "the function and its arguments must be picklable, so define it at the top level of a module)."
+        },
+    )
     scale_rewards: str = field(
         default="group",
         metadata={
@@ -255,6 +288,17 @@ class GRPOConfig(TrainingArguments):
                 "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
                 "GRPO needs them. Leave it False."
             )
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ValueError(
+                f"reward_errors={self.reward_errors!r} is not one of {REWARD_ERRORS}: 'raise' stops on a failing reward "
+                "function, 'skip' gives the failed rows None and continues."
+            )
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout} must be a positive number of seconds, or None.")
+        if not isinstance(self.reward_num_workers, int) or self.reward_num_workers < 0:
+            raise ValueError(f"reward_num_workers={self.reward_num_workers} must be an integer >= 0 (0 = no threads).")
+        if self.reward_worker_type not in REWARD_WORKER_TYPES:
+            raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
 

@@ -17,12 +17,17 @@ class MetricsWindow:
         self._mins: dict[str, float] = {}
         self._maxs: dict[str, float] = {}
         self._last: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
 
     def add_mean(self, name: str, total: float, weight: float = 1.0) -> None:
         """Add `total` (a value already multiplied by its weight) and its `weight`."""
         entry = self._sums.setdefault(name, [0.0, 0.0])
         entry[0] += float(total)
         entry[1] += float(weight)
+
+    def add_sum(self, name: str, value: float) -> None:
+        """A count: the logged value is the total over the window."""
+        self._totals[name] = self._totals.get(name, 0.0) + float(value)
 
     def add_min(self, name: str, value: float) -> None:
         self._mins[name] = min(self._mins.get(name, math.inf), float(value))
@@ -40,6 +45,7 @@ class MetricsWindow:
         out.update(self._mins)
         out.update(self._maxs)
         out.update(self._last)
+        out.update(self._totals)
         self.__init__()
         return out
 

@@ -1,26 +1,53 @@
 """Scoring completions with reward functions and reward models.
 
-A reward function is a plain callable `f(prompts, completions, **kwargs) -> list[float | None]`. It receives, as
-keyword arguments and only if its signature accepts them (or it takes `**kwargs`): `prompts`, `completions`,
-`completion_ids`, `trainer_state`, and every other dataset column as a list with one entry per row. `None` means
-"does not apply to this row" and becomes NaN, which the advantage computation ignores.
+A reward function is a plain callable `f(prompts, completions, **kwargs) -> list[float | None]`, or an `async def`
+one. It receives, as keyword arguments and only if its signature accepts them (or it takes `**kwargs`): `prompts`,
+`completions`, `completion_ids`, `trainer_state`, and every other dataset column as a list with one entry per row.
+`None` means "does not apply to this row" and becomes NaN, which the advantage computation ignores.
 
 A reward model is a `PreTrainedModel` with one output label (`AutoModelForSequenceClassification`); it scores the
 prompt and completion text, rendered with the chat template for conversational data, using its own tokenizer.
+
+How the functions run (`score_completions`):
+  - async functions run concurrently, in one event loop;
+  - with `num_workers > 0`, each synchronous function is called on `num_workers` slices of the rows at once, in
+    threads (for slow row-wise functions: remote judges, sandboxes) or, with `worker_type="process"`, in a pool of
+    worker processes (for CPU-bound pure-Python functions); with a `timeout` alone, each runs in a thread;
+    otherwise synchronous functions run one after the other in the caller's thread;
+  - every call may have a timeout; a timed-out thread cannot be killed and is abandoned (it is a daemon thread),
+    a process pool with a timed-out call is killed once the round's other calls have finished;
+  - on an exception the rows are retried one by one to name the failing row; `errors="skip"` gives failed rows
+    None for that function and counts them instead of raising.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
+import multiprocessing
 import numbers
+import pickle
+import threading
+import time
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from grpo.data import is_conversational
+
+REWARD_ERRORS = ("raise", "skip")
+REWARD_WORKER_TYPES = ("thread", "process")
+
+
+class RewardScores(NamedTuple):
+    rewards: torch.Tensor  # (B, K) float32, NaN where a function returned None (or failed, under errors="skip")
+    errors: list[int]  # per function: rows whose call failed or timed out (always 0 under errors="raise")
+    seconds: float  # wall-clock time of the whole scoring
 
 
 def reward_name(func: Callable | PreTrainedModel) -> str:
@@ -28,6 +55,58 @@ def reward_name(func: Callable | PreTrainedModel) -> str:
     if isinstance(func, PreTrainedModel):
         return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+def load_reward_funcs(reward_funcs, reward_processing_classes=None) -> tuple[list, list]:
+    """Check the rewards given to the trainer; load reward models given by path or hub id and the tokenizers of
+    reward models given without one. Returns (reward functions and models, tokenizers aligned with them)."""
+    reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    if not reward_funcs:
+        raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+    reward_funcs = [
+        AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
+        for f in reward_funcs
+    ]
+    for f in reward_funcs:
+        if not (callable(f) or isinstance(f, PreTrainedModel)):
+            raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
+        if isinstance(f, PreTrainedModel) and getattr(f.config, "num_labels", None) != 1:
+            raise ValueError(
+                f"Reward model '{reward_name(f)}' has num_labels={f.config.num_labels}; a reward model must output "
+                "one score per sequence. Load it with `AutoModelForSequenceClassification.from_pretrained(path, "
+                "num_labels=1)`."
+            )
+    given = reward_processing_classes
+    if given is None:
+        given = [None] * len(reward_funcs)
+    elif not isinstance(given, list):
+        given = [given]
+    if len(given) != len(reward_funcs):
+        raise ValueError(
+            f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
+            "functions; align them (None for plain functions)."
+        )
+    tokenizers = []
+    for func, tokenizer in zip(reward_funcs, given):
+        if isinstance(func, PreTrainedModel) and tokenizer is None:
+            path = func.config._name_or_path
+            if not path:
+                raise ValueError(
+                    f"Reward model '{reward_name(func)}' was built in code and has no path to load a tokenizer "
+                    "from; pass its tokenizer in `reward_processing_classes`."
+                )
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer is not None and tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if isinstance(func, PreTrainedModel) and func.config.pad_token_id is None:
+            func.config.pad_token_id = tokenizer.pad_token_id
+        tokenizers.append(tokenizer)
+    return reward_funcs, tokenizers
+
+
+def is_async(func: Callable) -> bool:
+    """An `async def` function, or an object whose `__call__` is one."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 def _accepted_kwargs(func: Callable, available: dict[str, Any]) -> dict[str, Any]:
@@ -49,8 +128,9 @@ def _accepted_kwargs(func: Callable, available: dict[str, Any]) -> dict[str, Any
     return {k: v for k, v in available.items() if k in params}
 
 
-def _row_slice(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
-    return {k: (v[i : i + 1] if isinstance(v, (list, tuple, torch.Tensor)) else v) for k, v in kwargs.items()}
+def _rows(kwargs: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Every per-row argument cut to rows [start, stop); others (trainer_state) unchanged."""
+    return {k: (v[start:stop] if isinstance(v, (list, tuple, torch.Tensor)) else v) for k, v in kwargs.items()}
 
 
 def _to_float(value: Any, name: str, row: int) -> float:
@@ -66,39 +146,201 @@ def _to_float(value: Any, name: str, row: int) -> float:
     )
 
 
-def call_reward_function(func: Callable, available: dict[str, Any], num_rows: int) -> list[float]:
-    """Call `func` with the arguments it accepts and check what it returns. On an exception, the rows are tried one
-    by one to name the first that fails, and the error says which function, which row and what it raised."""
-    name = reward_name(func)
-    kwargs = _accepted_kwargs(func, available)
-    try:
-        values = func(**kwargs)
-    except Exception as batch_error:
-        failing_row, error = None, batch_error
-        if num_rows > 1:
-            for i in range(num_rows):
-                try:
-                    func(**_row_slice(kwargs, i))
-                except Exception as row_error:
-                    failing_row, error = i, row_error
-                    break
-        where = f"row {failing_row}" if failing_row is not None else f"a batch of {num_rows} rows"
-        prompt = available["prompts"][failing_row] if failing_row is not None else None
-        detail = f" (prompt: {str(prompt)[:200]!r})" if prompt is not None else ""
-        raise RuntimeError(
-            f"Reward function '{name}' failed on {where}{detail}: {type(error).__name__}: {error}"
-        ) from batch_error
+def _checked(values: Any, name: str, num_rows: int, offset: int = 0) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
         got = f"length {len(values)}" if isinstance(values, Sequence) else type(values).__name__
         raise ValueError(f"Reward function '{name}' must return a list of {num_rows} values (one per row), got {got}.")
-    return [_to_float(v, name, i) for i, v in enumerate(values)]
+    return [_to_float(v, name, offset + i) for i, v in enumerate(values)]
+
+
+class _Call(NamedTuple):
+    """One call of one function on rows [start, start + num_rows) of the batch."""
+
+    index: int  # the function's position in reward_funcs
+    func: Callable
+    kwargs: dict[str, Any]
+    start: int
+    num_rows: int
+
+
+# The outcome of a call: the values (NaN where a row failed) and the failures as (row in the batch or None for
+# the whole call, exception). Rows are retried one by one only after the call on all of them raised.
+_Outcome = tuple[list[float], list[tuple[int | None, BaseException]]]
+
+
+def _retry_rows(call: _Call, batch_error: Exception, one_row: Callable, stop_at_first: bool) -> _Outcome:
+    name = reward_name(call.func)
+    values, failures = [], []
+    for i in range(call.num_rows):
+        try:
+            value = one_row(_rows(call.kwargs, i, i + 1))
+        except Exception as error:
+            failures.append((call.start + i, error))
+            values.append(math.nan)
+            if stop_at_first:
+                break
+            continue
+        values += _checked(value, name, 1, call.start + i)  # a malformed result is a bug: raise, never skip
+    if not failures:  # every row alone works, the batch does not
+        return [math.nan] * call.num_rows, [(None, batch_error)]
+    return values + [math.nan] * (call.num_rows - len(values)), failures
+
+
+def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) -> _Outcome:
+    """Call a synchronous function, here or through `invoke(kwargs)` (a call in a worker process)."""
+    invoke = invoke or (lambda kwargs: call.func(**kwargs))
+    try:
+        values = invoke(call.kwargs)
+    except Exception as error:
+        return _retry_rows(call, error, invoke, stop_at_first)
+    return _checked(values, reward_name(call.func), call.num_rows, call.start), []
+
+
+# Worker-process pools, one per size, kept between rounds (starting a process costs far more than a call).
+_PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def _process_pool(num_workers: int) -> ProcessPoolExecutor:
+    if num_workers not in _PROCESS_POOLS:
+        # spawn, not fork: the trainer has threads (and maybe CUDA), which a forked child would inherit broken.
+        context = multiprocessing.get_context("spawn")
+        _PROCESS_POOLS[num_workers] = ProcessPoolExecutor(num_workers, mp_context=context)
+    return _PROCESS_POOLS[num_workers]
+
+
+def _discard_process_pool(num_workers: int) -> None:
+    """Kill a pool's workers (one may be stuck in a timed-out call) and forget it; the next round starts anew."""
+    pool = _PROCESS_POOLS.pop(num_workers, None)
+    if pool is not None:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_process(call: _Call, pool: ProcessPoolExecutor) -> Callable:
+    try:
+        pickle.dumps((call.func, call.kwargs))
+    except Exception as e:
+        raise TypeError(
+            f"Reward function '{reward_name(call.func)}' cannot be sent to a worker process "
+            f"(reward_worker_type='process'): {type(e).__name__}: {e}. Define it at the top level of a module "
+            "(not a lambda or a nested function), keep its arguments picklable, or use reward_worker_type='thread'."
+        ) from e
+    return lambda kwargs: pool.submit(call.func, **kwargs).result()
+
+
+async def _run_async(call: _Call, stop_at_first: bool) -> _Outcome:
+    try:
+        values = await call.func(**call.kwargs)
+    except Exception as error:
+        batch_error = error
+        # Retried rows run in a private event loop in a thread of their own: this loop is busy awaiting us.
+        return await _in_daemon_thread(
+            lambda: _retry_rows(call, batch_error, lambda kwargs: asyncio.run(call.func(**kwargs)), stop_at_first)
+        )
+    return _checked(values, reward_name(call.func), call.num_rows, call.start), []
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run `fn` in a daemon thread: unlike an executor's threads, one that hangs past its timeout does not block
+    the interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target():
+        try:
+            result, error = fn(), None
+        except BaseException as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: the call timed out and was abandoned
+            pass
+
+    threading.Thread(target=target, daemon=True, name="grpo-reward").start()
+    return future
+
+
+async def _run_concurrently(
+    calls: list[_Call], timeout: float | None, num_workers: int, worker_type: str, stop_at_first: bool
+):
+    workers = asyncio.Semaphore(num_workers or max(len(calls), 1))  # sync calls running at once
+    pool = _process_pool(num_workers) if worker_type == "process" and num_workers > 0 else None
+    invokers = {id(call): _in_process(call, pool) for call in calls if pool is not None and not is_async(call.func)}
+    timed_out = False
+
+    async def run(call: _Call) -> _Outcome:
+        nonlocal timed_out
+        try:
+            if is_async(call.func):
+                return await asyncio.wait_for(_run_async(call, stop_at_first), timeout)
+            async with workers:
+                work = _in_daemon_thread(lambda: _run_sync(call, stop_at_first, invokers.get(id(call))))
+                return await asyncio.wait_for(work, timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            timed_out = True
+            return [math.nan] * call.num_rows, [(None, TimeoutError(f"timed out after {timeout} s (reward_timeout)"))]
+
+    outcomes = await asyncio.gather(*(run(call) for call in calls))
+    if pool is not None and (timed_out or getattr(pool, "_broken", False)):
+        _discard_process_pool(num_workers)  # after every call has finished: none of theirs is killed
+    return outcomes
+
+
+def _run_event_loop(coroutine):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    # Already inside an event loop (a notebook, an async caller): run ours in a thread of its own.
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
+def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
+    """Raise for the first failure (errors="raise"), or return the number of rows that failed."""
+    if not failures:
+        return 0
+    if errors == "skip":
+        return sum(call.num_rows if row is None else 1 for row, _ in failures)
+    row, error = failures[0]
+    name = reward_name(call.func)
+    if row is None:
+        last = call.start + call.num_rows - 1
+        where = f"a batch of {call.num_rows} rows ({call.start}-{last})" if call.num_rows > 1 else f"row {last}"
+        detail = ""
+    else:
+        where, detail = f"row {row}", f" (prompt: {str(prompts[row])[:200]!r})"
+    raise RuntimeError(
+        f"Reward function '{name}' failed on {where}{detail}: {type(error).__name__}: {error}. Fix the function, or "
+        "set reward_errors='skip' to give such rows None for this function and continue."
+    ) from error
+
+
+def call_reward_function(func: Callable, available: dict[str, Any], num_rows: int) -> list[float]:
+    """Call one function (sync or async) on all rows and check what it returns; an exception is re-raised naming
+    the function, the first row that fails alone, and what it raised."""
+    call = _Call(0, func, _accepted_kwargs(func, available), 0, num_rows)
+    if is_async(func):
+        values, failures = _run_event_loop(_run_concurrently([call], None, 0, "thread", True))[0]
+    else:
+        values, failures = _run_sync(call, stop_at_first=True)
+    _report(call, failures, available.get("prompts", [None] * num_rows), "raise")
+    return values
 
 
 @torch.no_grad()
-def score_with_model(model: PreTrainedModel, tokenizer, prompts: Sequence, completions: Sequence) -> list[float]:
-    """Scalar score of each (prompt, completion) pair from a one-label sequence-classification model."""
+def score_with_model(
+    model: PreTrainedModel, tokenizer, prompts: Sequence, completions: Sequence, batch_size: int | None = None
+) -> list[float]:
+    """Scalar score of each (prompt, completion) pair from a one-label sequence-classification model, computed in
+    chunks of `batch_size` rows (all at once when None)."""
     if is_conversational(prompts[0]):
         # A prompt ending in an assistant message (prefill) is continued: that text already starts the completion.
         texts = [
@@ -107,10 +349,20 @@ def score_with_model(model: PreTrainedModel, tokenizer, prompts: Sequence, compl
         ]
     else:
         texts = [p + c for p, c in zip(prompts, completions)]
-    inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
     device = next(model.parameters()).device
-    logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits  # (B, num_labels)
-    return logits[:, 0].float().tolist()
+    batch_size = batch_size or len(texts)
+    scores = []
+    for start in range(0, len(texts), batch_size):
+        inputs = tokenizer(
+            texts[start : start + batch_size],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
+        )
+        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits  # (b, 1)
+        scores += logits[:, 0].float().tolist()
+    return scores
 
 
 def score_completions(
@@ -122,8 +374,20 @@ def score_completions(
     completion_ids: list[list[int]],
     columns: dict[str, list],
     trainer_state: Any = None,
-) -> torch.Tensor:
-    """Rewards of every row under every function: (B, K) float32, NaN where a function returned None."""
+    errors: str = "raise",
+    timeout: float | None = None,
+    num_workers: int = 0,
+    worker_type: str = "thread",
+    model_batch_size: int | None = None,
+) -> RewardScores:
+    """Rewards of every row under every function: (B, K) float32, NaN where a function returned None, with the
+    number of failed rows per function (under `errors="skip"`) and the time taken. See the module docstring for
+    how `timeout` and `num_workers` run the functions."""
+    if errors not in REWARD_ERRORS:
+        raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
+    if worker_type not in REWARD_WORKER_TYPES:
+        raise ValueError(f"worker_type={worker_type!r} must be one of {REWARD_WORKER_TYPES}.")
+    began = time.perf_counter()
     num_rows = len(prompts)
     available = {
         **columns,
@@ -132,10 +396,44 @@ def score_completions(
         "completion_ids": completion_ids,
         "trainer_state": trainer_state,
     }
-    per_func = []
-    for func, tokenizer in zip(reward_funcs, reward_tokenizers):
+    in_loop, inline = [], []  # calls for the event loop (async, threaded), calls in this thread
+    for k, func in enumerate(reward_funcs):
         if isinstance(func, PreTrainedModel):
-            per_func.append(score_with_model(func, tokenizer, prompts, completions))
+            continue
+        kwargs = _accepted_kwargs(func, available)
+        if is_async(func) or (num_workers == 0 and timeout is not None):
+            in_loop.append(_Call(k, func, kwargs, 0, num_rows))
+        elif num_workers > 0:
+            size = math.ceil(num_rows / num_workers)
+            for start in range(0, num_rows, size):
+                stop = min(start + size, num_rows)
+                in_loop.append(_Call(k, func, _rows(kwargs, start, stop), start, stop - start))
         else:
-            per_func.append(call_reward_function(func, available, num_rows))
-    return torch.tensor(per_func, dtype=torch.float32).T.reshape(num_rows, len(reward_funcs))  # (B, K)
+            inline.append(_Call(k, func, kwargs, 0, num_rows))
+
+    stop_at_first = errors == "raise"
+    outcomes = (
+        _run_event_loop(_run_concurrently(in_loop, timeout, num_workers, worker_type, stop_at_first))
+        if in_loop
+        else []
+    )
+    outcomes += [_run_sync(call, stop_at_first) for call in inline]
+
+    rewards = torch.full((num_rows, len(reward_funcs)), math.nan)  # (B, K)
+    failed = [0] * len(reward_funcs)
+    for call, (values, failures) in zip(in_loop + inline, outcomes):
+        failed[call.index] += _report(call, failures, prompts, errors)
+        rewards[call.start : call.start + call.num_rows, call.index] = torch.tensor(values)
+    for k, (func, tokenizer) in enumerate(zip(reward_funcs, reward_tokenizers)):
+        if isinstance(func, PreTrainedModel):
+            rewards[:, k] = torch.tensor(score_with_model(func, tokenizer, prompts, completions, model_batch_size))
+
+    unscored = torch.isnan(rewards).all(dim=1).nonzero().flatten().tolist()
+    if unscored:
+        warnings.warn(
+            f"No reward function scored row(s) {unscored[:20]}{' ...' if len(unscored) > 20 else ''} of this batch "
+            f"({len(unscored)} of {num_rows}): each returned None{' or failed' if any(failed) else ''}. These rows "
+            "get advantage 0. Make sure at least one reward function applies to every row.",
+            stacklevel=2,
+        )
+    return RewardScores(rewards, failed, time.perf_counter() - began)

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from accelerate.utils import gather, gather_object, set_seed
 from transformers import (
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -35,7 +34,7 @@ from grpo.loss import group_advantages, group_reward_stats, policy_loss
 from grpo.metrics import MetricsWindow, format_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
 from grpo.sampler import RepeatSampler
-from grpo.scoring import reward_name, score_completions
+from grpo.scoring import load_reward_funcs, reward_name, score_completions
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -64,8 +63,10 @@ class GRPOTrainer(Trainer):
     Args:
         model: a path or hub id (loaded with `AutoModelForCausalLM.from_pretrained` and `args.model_init_kwargs`),
             or a `PreTrainedModel`.
-        reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`,
-            reward models (`PreTrainedModel` with one label) or paths/hub ids of reward models.
+        reward_funcs: one or a list of reward functions `f(prompts, completions, **kwargs) -> list[float | None]`
+            (plain or `async def`), reward models (`PreTrainedModel` with one label) or paths/hub ids of reward
+            models. Built-ins are in `grpo.rewards`; how they are called is set by `reward_errors`,
+            `reward_timeout`, `reward_num_workers` and `reward_worker_type` (docs/rewards.md).
         args: a `GRPOConfig`; default `GRPOConfig(output_dir="<model name>-GRPO")`.
         train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
             column is passed to the reward functions.
@@ -117,20 +118,10 @@ class GRPOTrainer(Trainer):
         if args.disable_dropout:
             disable_dropout(model)
 
-        # Reward functions, their names and weights.
-        reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        if not reward_funcs:
-            raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
-        reward_funcs = [
-            AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
-            for f in reward_funcs
-        ]
-        for f in reward_funcs:
-            if not (callable(f) or isinstance(f, PreTrainedModel)):
-                raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
-        self.reward_funcs = reward_funcs
+        # Reward functions (reward models loaded from paths), their tokenizers, names and weights.
+        self.reward_funcs, self.reward_tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes)
+        reward_funcs = self.reward_funcs
         self.reward_names = [reward_name(f) for f in reward_funcs]
-        self.reward_tokenizers = self._reward_tokenizers(reward_funcs, reward_processing_classes)
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ValueError(
@@ -198,29 +189,6 @@ class GRPOTrainer(Trainer):
                 "`tokenizer.eos_token`."
             )
         return sorted(ids)
-
-    @staticmethod
-    def _reward_tokenizers(reward_funcs, reward_processing_classes) -> list:
-        given = reward_processing_classes
-        if given is None:
-            given = [None] * len(reward_funcs)
-        elif not isinstance(given, list):
-            given = [given]
-        if len(given) != len(reward_funcs):
-            raise ValueError(
-                f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
-                "functions; align them (None for plain functions)."
-            )
-        tokenizers = []
-        for func, tokenizer in zip(reward_funcs, given):
-            if isinstance(func, PreTrainedModel) and tokenizer is None:
-                tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
-            if tokenizer is not None and tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            if isinstance(func, PreTrainedModel) and func.config.pad_token_id is None:
-                func.config.pad_token_id = tokenizer.pad_token_id
-            tokenizers.append(tokenizer)
-        return tokenizers
 
     # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/sampler.py) ----
 
@@ -332,7 +300,7 @@ class GRPOTrainer(Trainer):
 
         # 4. Score, then gather: a group may span processes.
         completions = decode_completions(completion_ids_list, prompts, tokenizer)
-        rewards_per_func = score_completions(
+        scores = score_completions(
             self.reward_funcs,
             self.reward_tokenizers,
             prompts=prompts,
@@ -340,8 +308,14 @@ class GRPOTrainer(Trainer):
             completion_ids=completion_ids_list,
             columns=columns,
             trainer_state=self.state,
-        ).to(device)  # (B, K)
-        rewards_per_func = gather(rewards_per_func)  # (B_global, K)
+            errors=args.reward_errors,
+            timeout=args.reward_timeout,
+            num_workers=args.reward_num_workers,
+            worker_type=args.reward_worker_type,
+            model_batch_size=args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
+        )
+        self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
+        rewards_per_func = gather(scores.rewards.to(device))  # (B_global, K)
         weighted = rewards_per_func * self.reward_weights.to(device)
         scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one function scored
         rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
@@ -382,6 +356,16 @@ class GRPOTrainer(Trainer):
                 )
             ]
         return batch
+
+    def _record_reward_call_metrics(self, mode: str, errors: list[int], seconds: float) -> None:
+        """Failed reward rows (summed over processes) and scoring time (the slowest process) of one round."""
+        device = self.accelerator.device
+        totals = self.accelerator.reduce(torch.tensor(errors, dtype=torch.float32, device=device), reduction="sum")
+        if self.args.reward_errors == "skip":
+            for name, count in zip(self.reward_names, totals.tolist()):
+                self._metrics[mode].add_sum(f"rewards/{name}/errors", count)
+        slowest = gather(torch.tensor([seconds], device=device)).max()
+        self._metrics[mode].add_mean("timing/rewards", slowest, 1)
 
     def _record_round_metrics(self, mode, rewards_per_func, rewards, prompt_mask, completion_mask, is_truncated):
         """Metrics of one generation round, over the rows of all processes."""

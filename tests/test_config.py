@@ -105,3 +105,15 @@ def test_config_rejects_dropping_columns_and_empty_generation_batch():
         make(remove_unused_columns=True)
     with pytest.raises(ValueError, match="positive multiple"):
         make(generation_batch_size=0)
+
+
+def test_reward_call_options_are_checked():
+    assert make(reward_errors="skip", reward_timeout=2.5, reward_num_workers=4).reward_num_workers == 4
+    with pytest.raises(ValueError, match="reward_errors='ignore' is not one of"):
+        make(reward_errors="ignore")
+    with pytest.raises(ValueError, match="reward_timeout=0 must be a positive number"):
+        make(reward_timeout=0)
+    with pytest.raises(ValueError, match="reward_num_workers=-1 must be an integer >= 0"):
+        make(reward_num_workers=-1)
+    with pytest.raises(ValueError, match="reward_worker_type='gpu' is not one of"):
+        make(reward_worker_type="gpu")

@@ -6,16 +6,21 @@ import torch
 from grpo.scoring import call_reward_function, reward_name, score_completions
 
 
-def _score(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), **columns):
+def _scores(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), options=None, **columns):
     return score_completions(
         funcs,
         [None] * len(funcs),
         prompts=list(prompts),
         completions=list(completions),
-        completion_ids=[[1], [2, 2], [3, 3, 3]],
+        completion_ids=[[1] * (i + 1) for i in range(len(completions))],
         columns={k: list(v) for k, v in columns.items()},
         trainer_state="STATE",
+        **(options or {}),
     )
+
+
+def _score(funcs, **kwargs):
+    return _scores(funcs, **kwargs).rewards
 
 
 def test_functions_receive_only_the_arguments_they_accept():
@@ -44,7 +49,8 @@ def test_none_becomes_nan():
     def partial(completions):
         return [None, 1.0, None]
 
-    rewards = _score([partial])
+    with pytest.warns(UserWarning, match=r"row\(s\) \[0, 2\]"):
+        rewards = _score([partial])
     assert math.isnan(rewards[0, 0]) and rewards[1, 0] == 1.0 and math.isnan(rewards[2, 0])
 
 
@@ -111,9 +117,204 @@ def test_reward_model_scores_prompt_and_completion(tokenizer):
     model = LlamaForSequenceClassification(config).eval()
     rewards = score_completions(
         [model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={}
-    )
+    ).rewards
     with torch.no_grad():
         direct = model(**tokenizer(["abc"], return_tensors="pt")).logits[0, 0].item()
     assert rewards.shape == (2, 1)
     assert rewards[0, 0].item() == pytest.approx(direct, abs=1e-5)
     assert rewards[0, 0] != rewards[1, 0]
+
+
+# ---- concurrency, timeouts and the error policy ----
+
+
+def test_async_functions_run_concurrently():
+    import asyncio
+    import time
+
+    async def judge_a(completions):
+        await asyncio.sleep(0.3)
+        return [1.0] * len(completions)
+
+    class JudgeB:  # an object with an async __call__ counts as async too
+        async def __call__(self, completions):
+            await asyncio.sleep(0.3)
+            return [float(len(c)) for c in completions]
+
+    began = time.perf_counter()
+    scores = _scores([judge_a, JudgeB()])
+    elapsed = time.perf_counter() - began
+    assert scores.rewards.tolist() == [[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]
+    assert elapsed < 0.55, f"two 0.3 s async calls took {elapsed:.2f} s: they did not overlap"
+    assert scores.seconds >= 0.3
+
+
+def test_workers_split_sync_functions_into_row_slices():
+    import threading
+    import time
+
+    calls = []
+
+    def slow_judge(prompts, completions):
+        calls.append((threading.current_thread().name, list(prompts)))
+        time.sleep(0.2)
+        return [float(len(c)) for c in completions]
+
+    prompts = [f"p{i}" for i in range(6)]
+    began = time.perf_counter()
+    scores = _scores(
+        [slow_judge], prompts=prompts, completions=["x" * i for i in range(6)], options={"num_workers": 3}
+    )
+    elapsed = time.perf_counter() - began
+    assert scores.rewards[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # rows back in their places
+    assert sorted(p for _, rows in calls for p in rows) == prompts and all(len(rows) == 2 for _, rows in calls)
+    assert all(name != threading.main_thread().name for name, _ in calls)
+    assert elapsed < 0.5, f"3 slices of 0.2 s took {elapsed:.2f} s: they did not overlap"
+
+
+def test_timeout_raises_or_skips():
+    import time
+
+    def hangs(completions):
+        time.sleep(2)
+        return [1.0] * len(completions)
+
+    async def hangs_async(completions):
+        import asyncio
+
+        await asyncio.sleep(2)
+        return [1.0] * len(completions)
+
+    def fine(completions):
+        return [0.5] * len(completions)
+
+    for func in (hangs, hangs_async):
+        name = func.__name__
+        began = time.perf_counter()
+        with pytest.raises(RuntimeError, match=rf"'{name}' failed on a batch of 3 rows \(0-2\): TimeoutError"):
+            _scores([func, fine], options={"timeout": 0.2})
+        scores = _scores([func, fine], options={"timeout": 0.2, "errors": "skip"})
+        assert time.perf_counter() - began < 1.5  # neither call waited for the 2 s sleeps
+        assert torch.isnan(scores.rewards[:, 0]).all() and scores.rewards[:, 1].tolist() == [0.5] * 3
+        assert scores.errors == [3, 0]
+
+
+def test_skip_keeps_the_rows_that_work_and_counts_the_others():
+    def fragile(completions):
+        return [1.0 / (len(c) - 2) for c in completions]  # fails on "bb" only
+
+    async def fragile_async(completions):
+        return fragile(completions)
+
+    for func in (fragile, fragile_async):
+        with pytest.warns(UserWarning, match=r"returned None or failed"):
+            scores = _scores([func], options={"errors": "skip"})
+        values = scores.rewards[:, 0]
+        assert values[0].item() == -1.0 and math.isnan(values[1]) and values[2].item() == 1.0
+        assert scores.errors == [1]
+    with pytest.raises(RuntimeError, match=r"'fragile_async' failed on row 1 \(prompt: 'p1'\): ZeroDivisionError"):
+        _scores([fragile_async])
+    with pytest.raises(ValueError, match="errors='sometimes'"):
+        _scores([fragile], options={"errors": "sometimes"})
+
+
+def test_malformed_results_raise_even_when_skipping():
+    def words(completions):
+        return ["good"] * len(completions)
+
+    with pytest.raises(TypeError, match="'words' returned 'good'"):
+        _scores([words], options={"errors": "skip", "num_workers": 2})
+
+
+def test_rows_no_function_scored_are_named_in_a_warning():
+    def only_first(completions):
+        return [1.0, None, None]
+
+    def only_last(completions):
+        return [None, None, 2.0]
+
+    with pytest.warns(UserWarning, match=r"No reward function scored row\(s\) \[1\] of this batch \(1 of 3\)"):
+        _scores([only_first, only_last])
+
+
+# ---- reward models ----
+
+
+def _reward_model(tokenizer, seed=0):
+    from transformers import LlamaForSequenceClassification
+
+    from grpo.testing import tiny_config
+
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=1)).eval()
+
+
+def test_reward_model_from_a_path_scores_like_the_loaded_one(tmp_path, tokenizer):
+    from grpo.scoring import load_reward_funcs
+
+    model = _reward_model(tokenizer)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    funcs, tokenizers = load_reward_funcs(str(tmp_path / "rm"))  # the tokenizer comes from the same folder
+    assert reward_name(funcs[0]) == "rm" and tokenizers[0] is not None
+    kwargs = dict(prompts=["ab", "xy", "ab"], completions=["c", "zzz", "cd"], completion_ids=[[1]] * 3, columns={})
+    from_path = score_completions(funcs, tokenizers, **kwargs).rewards
+    loaded = score_completions([model], [tokenizer], **kwargs).rewards
+    in_batches = score_completions([model], [tokenizer], model_batch_size=2, **kwargs).rewards
+    torch.testing.assert_close(from_path, loaded)
+    torch.testing.assert_close(in_batches, loaded, atol=1e-5, rtol=1e-5)  # right padding: batching changes nothing
+
+
+def test_reward_model_uses_the_chat_template_for_conversations(tokenizer):
+    model = _reward_model(tokenizer)
+    prompt = [{"role": "user", "content": "2+2?"}]
+    completion = [{"role": "assistant", "content": "4"}]
+    rewards = score_completions(
+        [model], [tokenizer], prompts=[prompt], completions=[completion], completion_ids=[[1]], columns={}
+    ).rewards
+    text = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+    assert tokenizer.apply_chat_template(prompt + completion, tokenize=False) == text
+    with torch.no_grad():
+        direct = model(**tokenizer([text], return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+    assert rewards[0, 0].item() == pytest.approx(direct, abs=1e-5)
+
+
+def test_reward_model_checks(tokenizer):
+    from transformers import LlamaForSequenceClassification
+
+    from grpo.scoring import load_reward_funcs
+    from grpo.testing import tiny_config
+
+    two_labels = LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=2))
+    with pytest.raises(ValueError, match="num_labels=2; a reward model must output one score"):
+        load_reward_funcs([two_labels], [tokenizer])
+    with pytest.raises(ValueError, match="pass its tokenizer in `reward_processing_classes`"):
+        load_reward_funcs([_reward_model(tokenizer)])
+    with pytest.raises(ValueError, match="reward_processing_classes has 2 entries for 1"):
+        load_reward_funcs([_reward_model(tokenizer)], [tokenizer, None])
+
+
+def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
+    import os
+    import time
+
+    from tests.process_rewards import fails_on_row_1, sleeps_on_long_completions, worker_pid
+
+    options = {"num_workers": 2, "worker_type": "process"}
+    pids = _score([worker_pid], options=options)[:, 0].tolist()
+    assert os.getpid() not in pids and len(pids) == 3
+
+    with pytest.raises(RuntimeError, match=r"'fails_on_row_1' failed on row 1 \(prompt: 'p1'\): KeyError"):
+        _score([fails_on_row_1], options=options)
+
+    began = time.perf_counter()
+    with pytest.warns(UserWarning, match=r"row\(s\) \[2\] of this batch \(1 of 3\): each returned None or failed"):
+        scores = _scores([sleeps_on_long_completions], options={**options, "timeout": 1.0, "errors": "skip"})
+    assert time.perf_counter() - began < 10  # the stuck worker was killed, not waited for
+    # Slices are rows [0, 2) and [2, 3): only the one holding "ccc" sleeps.
+    assert scores.rewards[:2, 0].tolist() == [1.0, 1.0] and torch.isnan(scores.rewards[2, 0])
+    assert scores.errors == [1]
+    assert _score([worker_pid], options=options).shape == (3, 1)  # a fresh pool serves the next round
+
+    with pytest.raises(TypeError, match="cannot be sent to a worker process"):
+        _score([lambda completions: [0.0] * len(completions)], options=options)

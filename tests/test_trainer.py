@@ -124,6 +124,40 @@ def test_failing_reward_stops_training_with_function_and_row(tmp_path, tiny_mode
         trainer.train()
 
 
+def test_rewards_async_skip_errors_timing_and_reward_model_by_path(tmp_path, tiny_model_path, prompt_dataset):
+    from transformers import LlamaForSequenceClassification
+
+    from grpo.testing import tiny_config, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=1)).save_pretrained(
+        tmp_path / "judge"
+    )
+    tokenizer.save_pretrained(tmp_path / "judge")
+
+    async def async_len(completions):
+        return [float(len(c)) for c in completions]
+
+    def flaky(prompts, completions):  # fails on "Question 0: ...", the prompt of the first round
+        if any(p.startswith("Question 0:") for p in prompts):
+            raise ConnectionError("judge unreachable")
+        return [1.0] * len(completions)
+
+    args = make_config(
+        tmp_path, max_steps=2, reward_errors="skip", reward_num_workers=2, reward_timeout=30, shuffle_dataset=False
+    )
+    funcs = [async_len, flaky, str(tmp_path / "judge")]
+    trainer = GRPOTrainer(tiny_model_path, funcs, args=args, train_dataset=prompt_dataset)
+    assert trainer.reward_names == ["async_len", "flaky", "judge"]
+    trainer.train()
+    first, second = trainer.state.log_history[:2]
+    # One round of 4 rows is one prompt x G: all 4 rows of prompt 0 fail, none of prompt 1.
+    assert (first["rewards/flaky/errors"], second["rewards/flaky/errors"]) == (4.0, 0.0)
+    assert math.isnan(first["rewards/flaky/mean"]) and second["rewards/flaky/mean"] == 1.0
+    assert first["rewards/async_len/errors"] == 0.0 and first["rewards/async_len/mean"] > 0
+    assert first["timing/rewards"] > 0 and math.isfinite(first["rewards/judge/mean"])
+
+
 # ---- slow: longer runs and update-equality checks ----
 
 
