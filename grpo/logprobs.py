@@ -23,19 +23,30 @@ def auto_chunk_size(vocab_size: int) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def _tempered_logits(hidden, weight, bias, scale, softcap, temperature):
-    """z = softcap(scale * (h W^T + b)) / temperature in float32, and tanh(...) when soft-capping (for backward).
+def _tempered_logits(hidden, weight, bias, scale, softcap, temperature, out):
+    """z = softcap(scale * (h W^T + b)) / temperature, written into the float32 buffer `out` (c, V); also returns
+    tanh(...) when soft-capping (for backward).
 
     softcap(u) = c * tanh(u / c) as in Gemma 2; `scale` is the model's own logit multiplier (Cohere's logit_scale,
-    1 / Granite's logits_scaling). In place wherever possible: each extra (c, V) temporary is memory and time."""
-    logits = nn.functional.linear(hidden, weight, bias).float()  # (c, V)
+    1 / Granite's logits_scaling). One buffer reused by every chunk and in-place arithmetic: each fresh (c, V)
+    tensor would cost memory and, on CPU, the page faults of touching it."""
+    if weight.dtype == torch.float32:
+        torch.mm(hidden, weight.T, out=out)
+    else:  # half-precision matmul as the model's own head would do it, then float32
+        out.copy_(hidden @ weight.T)
+    if bias is not None:
+        out.add_(bias)
     if scale != 1.0:
-        logits.mul_(scale)
+        out.mul_(scale)
     tanh = None
     if softcap is not None:
-        tanh = torch.tanh(logits.div_(softcap))
-        logits = torch.mul(tanh, softcap, out=logits)
-    return logits.div_(temperature), tanh
+        tanh = torch.tanh(out.div_(softcap))
+        torch.mul(tanh, softcap, out=out)
+    return out.div_(temperature), tanh
+
+
+def _chunk_buffer(hidden, weight, chunk_size):
+    return torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -52,15 +63,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logps = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else None
+        buffer = _chunk_buffer(hidden, weight, chunk_size)
+        exp_buffer = torch.empty_like(buffer) if with_entropy else None
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            z, _ = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature)  # (c, V)
+            size = min(chunk_size, num_rows - start)
+            z, _ = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature, buffer[:size])  # (c, V)
             picked = z.gather(-1, targets[rows, None]).squeeze(-1)
             peak = z.amax(dim=-1)
             shifted = z.sub_(peak[:, None])  # y = z - max z, in place
             if with_entropy:
                 # H = logsumexp(z) - sum_v p_v z_v = log(sum e) - sum_v p_v y_v with e = exp(y), p = e / sum e.
-                e = torch.exp(shifted)
+                e = torch.exp(shifted, out=exp_buffer[:size])
                 total = e.sum(-1)
                 entropy[rows] = total.log() - (e[:, None, :] @ shifted[:, :, None]).view(-1) / total
             else:
@@ -82,9 +96,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         # Accumulate the projection's gradient over chunks in float32, whatever the weight's dtype.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        buffer = _chunk_buffer(hidden, weight, chunk_size)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            z, tanh = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature)  # (c, V)
+            size = min(chunk_size, hidden.shape[0] - start)
+            z, tanh = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature, buffer[:size])
             g = grad_logps[rows].float()  # (c,)
             # dL/dz = g * (onehot - softmax(z)), built in place in z's storage.
             grad_z = z.sub_(lse[rows, None]).exp_().mul_(-g[:, None])
