@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-slow test-distributed lint format demo clean
+.PHONY: install test test-fast test-slow test-distributed lint format demo bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,12 +30,16 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow or distributed" tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check grpo tests examples
-	$(VENV)/bin/ruff format --check grpo tests examples
+	$(VENV)/bin/ruff check grpo tests examples benchmarks
+	$(VENV)/bin/ruff format --check grpo tests examples benchmarks
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix grpo tests examples
-	$(VENV)/bin/ruff format grpo tests examples
+	$(VENV)/bin/ruff check --fix grpo tests examples benchmarks
+	$(VENV)/bin/ruff format grpo tests examples benchmarks
+
+# Benchmarks print ratios against a baseline measured in the same run (docs/performance.md).
+bench: $(STAMP)
+	$(PY) benchmarks/logprobs_memory.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
