@@ -158,6 +158,34 @@ def process_advantages(
     return normalised.flip(-1).cumsum(-1).flip(-1)  # (B, T): sum over t' >= t
 
 
+def mixed_advantages(
+    rewards: torch.Tensor,
+    step_rewards: torch.Tensor,
+    step_weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages of outcome and process rewards together.
+
+        A_{i,t} = A_i + sum_k w_k * A^(k)_{i,t}
+
+    A_i is `group_advantages` of the combined outcome reward `rewards` (B,) (NaN where no outcome function scored the
+    row: A_i = 0). A^(k) is `process_advantages` of process function k's step rewards, `step_rewards[:, k]` of
+    (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the normalised advantage, not the raw step
+    rewards, since group normalisation would cancel a positive scale. Returns (B,) when K = 0, else (B, T).
+    """
+    advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    if step_rewards.shape[1] == 0:
+        return advantages
+    advantages = advantages.unsqueeze(1).expand(-1, step_rewards.shape[2])  # (B, T)
+    for k in range(step_rewards.shape[1]):
+        advantages = advantages + step_weights[k] * process_advantages(
+            step_rewards[:, k], num_generations, scale_rewards, eps
+        )
+    return advantages
+
+
 def entropy_threshold(entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:
     """The entropy above which a token is among the `top_quantile` fraction of highest-entropy tokens
     ("Beyond the 80/20 Rule", Wang et al., arXiv:2506.01939): the (1 - top_quantile) quantile of `entropies`.
