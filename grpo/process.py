@@ -75,9 +75,16 @@ def is_process_reward(func: Any) -> bool:
     return bool(getattr(func, "process_reward", False))
 
 
-def _token_char_ends(ids: Sequence[int], tokenizer) -> list[int]:
-    """For each completion token k, the length of the decoded text of tokens 0..k (special tokens decode to '')."""
-    return [len(tokenizer.decode(list(ids[: k + 1]), skip_special_tokens=True)) for k in range(len(ids))]
+def _token_char_ends(ids: Sequence[int], tokenizer, text: str) -> list[int]:
+    """For each completion token k, how many characters of `text` (the decoded completion) tokens 0..k spell out
+    completely: the common prefix of their decoded text with `text`, so that a token holding only part of a
+    multi-byte character does not count that character (special tokens decode to '')."""
+    ends = []
+    for k in range(len(ids)):
+        prefix = tokenizer.decode(list(ids[: k + 1]), skip_special_tokens=True)
+        n = min(len(prefix), len(text))
+        ends.append(next((j for j in range(n) if prefix[j] != text[j]), n))
+    return ends
 
 
 def _text_of(completion: Any) -> str:
@@ -142,8 +149,9 @@ def step_rewards_tensor(
             token_ends = steps.token_ends
         else:
             text = _text_of(available["completions"][i])
-            prefill = len(text) - len(tokenizer.decode(list(completion_ids[i]), skip_special_tokens=True))
-            offsets = _token_char_ends(completion_ids[i], tokenizer)  # chars of the generated text per token
+            generated = tokenizer.decode(list(completion_ids[i]), skip_special_tokens=True)
+            prefill = len(text) - len(generated)
+            offsets = _token_char_ends(completion_ids[i], tokenizer, generated)  # (T,), non-decreasing
             token_ends = []
             for end in steps.char_ends:
                 if not prefill < end <= len(text):

@@ -45,15 +45,17 @@ def reward_len(prompts, completions):
     return [float(len(completion)) for completion in completions]
 
 
-def sgd_step_update(output_dir, **config):
-    """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts.
-    No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide it)."""
+def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config):
+    """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts
+    (or `dataset`). No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide
+    it)."""
     tokenizer = tiny_tokenizer()
-    dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
+    if dataset is None:
+        dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
     settings = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(output_dir=str(output_dir), **{**TINY, **settings, **config})
     trainer = GRPOTrainer(
-        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+        tiny_model(tokenizer), reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     rows_per_process = args.per_device_train_batch_size * args.steps_per_generation
     offset = trainer.accelerator.process_index * rows_per_process
