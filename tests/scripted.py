@@ -6,7 +6,7 @@ process's first row. `sgd_step_update` trains one plain-SGD step on such complet
 
 from datasets import Dataset
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
 from grpo.testing import tiny_model, tiny_tokenizer
 
 EOS = 258
@@ -43,6 +43,26 @@ class ScriptedGeneration:
 
 def reward_len(prompts, completions):
     return [float(len(completion)) for completion in completions]
+
+
+@process_reward
+def len_as_final_step(completions, completion_ids):
+    """reward_len as a process reward: one step, ending at the last token."""
+    return [StepRewards([float(len(c))], token_ends=[len(ids) - 1]) for c, ids in zip(completions, completion_ids)]
+
+
+def half_flat_dataset(num_prompts=32):
+    """Prompts whose `flat` column is True (even index) get a constant reward from `half_flat_reward`."""
+    return Dataset.from_dict(
+        {
+            "prompt": [f"Question {i}: count to three." for i in range(num_prompts)],
+            "flat": [i % 2 == 0 for i in range(num_prompts)],
+        }
+    )
+
+
+def half_flat_reward(completions, flat):
+    return [1.0 if f else float(len(c)) for c, f in zip(completions, flat)]
 
 
 def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config):

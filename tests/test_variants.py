@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
-from tests.scripted import TINY, reward_len, sgd_step_update
+from tests.scripted import TINY, half_flat_dataset, half_flat_reward, len_as_final_step, reward_len, sgd_step_update
 
 
 def _capture_batches(trainer):
@@ -23,12 +22,6 @@ def _capture_batches(trainer):
 
     trainer.compute_loss = capture
     return captured
-
-
-@process_reward
-def len_as_final_step(completions, completion_ids):
-    """reward_len as a process reward: one step, ending at the last token."""
-    return [StepRewards([float(len(c))], token_ends=[len(ids) - 1]) for c, ids in zip(completions, completion_ids)]
 
 
 def test_variants_train_and_log(tmp_path, tiny_model_path, prompt_dataset):
@@ -73,7 +66,7 @@ def test_process_reward_per_token_advantages_reach_the_loss(tmp_path, tiny_model
     assert "rewards/first_and_last/mean" in logs and "rewards/reward_len/mean" in logs
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dapo", marks=pytest.mark.slow)])
 def test_outcome_reward_as_a_single_final_step_gives_the_same_update(tmp_path, loss_type):
     outcome, _ = sgd_step_update(tmp_path / "outcome", loss_type=loss_type, gradient_accumulation_steps=2)
     process, trainer = sgd_step_update(
@@ -85,27 +78,13 @@ def test_outcome_reward_as_a_single_final_step_gives_the_same_update(tmp_path, l
         torch.testing.assert_close(process[n], outcome[n], rtol=1e-4, atol=1e-7, msg=n)
 
 
-def _half_flat_dataset(num_prompts=32):
-    # Prompts with even index get a constant reward (a zero-variance group), odd ones a reward that varies.
-    return Dataset.from_dict(
-        {
-            "prompt": [f"Question {i}: count to three." for i in range(num_prompts)],
-            "flat": [i % 2 == 0 for i in range(num_prompts)],
-        }
-    )
-
-
-def half_flat_reward(completions, flat):
-    return [1.0 if f else float(len(c)) for c, f in zip(completions, flat)]
-
-
 def test_dynamic_sampling_keeps_the_batch_full_of_groups_with_spread(tmp_path):
     # 2 prompts per generation round (8 rows, G = 4), half of all prompts flat: the first round of every step holds
     # one flat group (shuffle off, consecutive prompts), which must be replaced from extra rounds.
     update, trainer = sgd_step_update(
         tmp_path,
         reward_funcs=half_flat_reward,
-        dataset=_half_flat_dataset(),
+        dataset=half_flat_dataset(),
         gradient_accumulation_steps=2,
         dynamic_sampling=True,
         max_steps=3,
@@ -129,7 +108,7 @@ def test_dynamic_sampling_no_zero_variance_group_reaches_the_loss(tmp_path, toke
         tiny_model(tokenizer),
         half_flat_reward,
         args=args,
-        train_dataset=_half_flat_dataset(),
+        train_dataset=half_flat_dataset(),
         processing_class=tokenizer,
     )
     trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length)
