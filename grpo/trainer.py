@@ -57,8 +57,9 @@ class GRPOTrainer(Trainer):
          is replayed `num_iterations` times from a buffer (`_prepare_inputs`).
       2. Generate one completion per row (`self.generation`).
       3. Cut each completion after its first EOS; flag the truncated ones.
-      4. Score every completion with every reward function; gather rewards from all processes.
-      5. Group advantages over the gathered rewards; keep this process's rows.
+      4. Score every completion with every reward function (process functions: step rewards); gather rewards
+         from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
+      5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
       6. Old log-probs, only when the batch is reused (otherwise old = logp.detach()).
       7. Reference log-probs, only when beta != 0.
       8. `compute_loss`: policy log-probs and the clipped objective, scaled once for gradient accumulation.
