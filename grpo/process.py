@@ -129,7 +129,10 @@ def step_rewards_tensor(
     for). `available` holds the reward-function arguments."""
     name = reward_name(func)
     num_rows = len(completion_ids)
-    values = func(**_accepted_kwargs(func, available))
+    try:
+        values = func(**_accepted_kwargs(func, available))
+    except Exception as error:
+        raise RuntimeError(f"Process reward function '{name}' failed: {type(error).__name__}: {error}") from error
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
         got = f"length {len(values)}" if isinstance(values, Sequence) else type(values).__name__
         raise ValueError(

@@ -113,6 +113,13 @@ def test_process_reward_misuse_gives_clear_errors(tokenizer):
         step_rewards_tensor(too_far, _available(["ab"], ids), ids, tokenizer, 2)
 
     @process_reward
+    def broken(completions):
+        raise KeyError("label")
+
+    with pytest.raises(RuntimeError, match="Process reward function 'broken' failed: KeyError: 'label'"):
+        step_rewards_tensor(broken, _available(["ab"], ids), ids, tokenizer, 2)
+
+    @process_reward
     def short(completions):
         return []
 
