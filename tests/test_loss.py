@@ -311,6 +311,18 @@ def test_sequence_level_policy_loss_hand_worked(loss_type, kwargs, expected):
     assert stats["clip_ratio/high_mean"].item() == 0
 
 
+def test_on_policy_sequence_ratio_has_the_gradient_of_token_level_grpo():
+    # On-policy, ratio_i = 1 with gradient mean_t d logp_it, so GSPO under grpo aggregation, -mean_i(A_i ratio_i),
+    # has exactly the gradient of token-level GRPO, -mean_i(A_i mean_t ratio_it).
+    logps, _, _, advantages, mask = _random_case(4)
+    token, _ = policy_loss(logps, None, None, advantages, mask, loss_type="grpo")
+    sequence, _ = policy_loss(
+        logps, None, None, advantages, mask, loss_type="grpo", importance_sampling_level="sequence"
+    )
+    torch.testing.assert_close(sequence, token)
+    torch.testing.assert_close(torch.autograd.grad(sequence, logps)[0], torch.autograd.grad(token, logps)[0])
+
+
 def test_clip_higher_and_two_sided_clipping_hand_worked():
     logps = torch.zeros(3, 1, requires_grad=True)
     # Ratios exp(0.25) = 1.284025 (A = +1), exp(0.5) = 1.648721 (A = -1), exp(0.25) (A = -1).
