@@ -29,6 +29,7 @@ from transformers import (
 
 from grpo.config import GRPOConfig
 from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
 from grpo.generation import TransformersGeneration, cut_at_eos
 from grpo.logprobs import completion_logprobs
 from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss
@@ -423,21 +424,16 @@ class GRPOTrainer(Trainer):
         gradient) by groups with a spread, generated from further prompts, at most `max_dynamic_sampling_rounds`
         extra rounds. Slots still empty then keep zero-advantage groups, so the batch size never changes. Works on
         all processes' rows (a kept group may come from another process) and returns this process's share."""
-        args, G = self.args, self.args.num_generations
-        rows_per_process = round_["prompt_ids"].shape[0]
-        rounds, kept, flat = [self._gather_round(round_)], [], []
+        args, G, pad_id = self.args, self.args.num_generations, self.processing_class.pad_token_id
+        rows_per_process, num_groups = round_["prompt_ids"].shape[0], args.generation_batch_size // G
+        rounds, kept, flat = [], [], []  # gathered rounds; (round, group) pairs with and without a spread
         while True:
-            current = rounds[-1]
-            advantages = self._advantages(current)
-            zero = (advantages.reshape(-1, G, *advantages.shape[1:]) == 0).flatten(1).all(dim=1)  # (groups,)
-            for g, is_zero in enumerate(zero.tolist()):
+            rounds.append(gather_round(self.accelerator, pad_id, round_))
+            for g, is_zero in enumerate(zero_advantage_groups(self._advantages(rounds[-1]), G)):
                 (flat if is_zero else kept).append((len(rounds) - 1, g))
-            num_groups = zero.numel()
             if len(kept) >= num_groups or len(rounds) > args.max_dynamic_sampling_rounds:
                 break
-            rounds.append(
-                self._gather_round(self._generate_round(self._next_refill_inputs(rows_per_process), "train"))
-            )
+            round_ = self._generate_round(self._next_refill_inputs(rows_per_process), "train")
         chosen = (kept + flat)[:num_groups]
         zero_kept = max(num_groups - len(kept), 0)  # slots the extra rounds could not fill
         metrics = self._metrics["train"]
@@ -447,85 +443,17 @@ class GRPOTrainer(Trainer):
         # Whole batch in the chosen order, then this process's contiguous share.
         rows = [(r, g * G + k) for r, g in chosen for k in range(G)]
         start = self.accelerator.process_index * rows_per_process
-        return self._select_rows(rounds, rows, start, rows_per_process)
+        return select_rows(rounds, rows, slice(start, start + rows_per_process), pad_id)
 
     def _next_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
-        """This process's share of a fresh round of prompts for dynamic sampling: the same order on every process
-        (its own seeded shuffle, a stream apart from the training sampler's), G copies per prompt."""
-        args = self.args
+        """This process's share of a fresh round of prompts for dynamic sampling (see `refill_indices`)."""
         if self._refill_prompts is None:
-
-            def forever():
-                sampler = self._get_train_sampler()
-                sampler.repeat_count, sampler.seed = 1, args.seed + 1
-                epoch = 0
-                while True:
-                    sampler.set_epoch(epoch)
-                    yield from sampler
-                    epoch += 1
-
-            self._refill_prompts = forever()
-        indices = [next(self._refill_prompts) for _ in range(args.generation_batch_size)]
+            sampler = self._get_train_sampler()
+            sampler.repeat_count, sampler.seed = 1, self.args.seed + 1  # a stream apart from the training order
+            self._refill_prompts = refill_indices(sampler)
+        indices = [next(self._refill_prompts) for _ in range(self.args.generation_batch_size)]
         start = self.accelerator.process_index * num_rows
         return [self.train_dataset[i] for i in indices[start : start + num_rows]]
-
-    def _gather_round(self, round_: dict[str, Any]) -> dict[str, Any]:
-        """All processes' rows of a round (token tensors padded to a common width)."""
-        pad = self.accelerator.pad_across_processes
-        out = dict(round_)
-        out["prompts"], out["completions"] = gather_object(round_["prompts"]), gather_object(round_["completions"])
-        out["prompt_ids"] = gather(
-            pad(round_["prompt_ids"], dim=1, pad_index=self.processing_class.pad_token_id, pad_first=True)
-        )
-        out["prompt_mask"] = gather(pad(round_["prompt_mask"], dim=1, pad_first=True))
-        for key in ("completion_ids", "completion_mask", "loss_mask"):
-            value = pad(
-                round_[key], dim=1, pad_index=self.processing_class.pad_token_id if key == "completion_ids" else 0
-            )
-            out[key] = gather(value)
-        out["is_truncated"] = gather(round_["is_truncated"])
-        return out
-
-    def _select_rows(self, rounds: list[dict[str, Any]], rows: list[tuple[int, int]], start: int, count: int):
-        """Rows `start:start + count` of the batch made of `rows` ((round, global row) pairs), trimmed to their
-        own widths: prompts on the left, completions and step rewards on the right."""
-        pad_id = self.processing_class.pad_token_id
-        picked = rows[start : start + count]
-        out: dict[str, Any] = {}
-        out["prompts"] = [rounds[r]["prompts"][i] for r, i in picked]
-        out["completions"] = [rounds[r]["completions"][i] for r, i in picked]
-
-        def stack(key, fill, left, selection):
-            width = max(rounds[r][key].shape[-1] for r, _ in selection)
-            values = []
-            for r, i in selection:
-                value = rounds[r][key][i]
-                extra = width - value.shape[-1]
-                padding = value.new_full((*value.shape[:-1], extra), fill)
-                values.append(torch.cat([padding, value], -1) if left else torch.cat([value, padding], -1))
-            return torch.stack(values)
-
-        for key, fill, left in [
-            ("prompt_ids", pad_id, True),
-            ("prompt_mask", 0, True),
-            ("completion_ids", pad_id, False),
-            ("completion_mask", 0, False),
-            ("loss_mask", 0, False),
-        ]:
-            out[key] = stack(key, fill, left, picked)
-        prompt_width = max(int(out["prompt_mask"].sum(dim=1).max()), 1)
-        completion_width = max(int(out["completion_mask"].sum(dim=1).max()), 1)
-        out["prompt_ids"], out["prompt_mask"] = (
-            out["prompt_ids"][:, -prompt_width:],
-            out["prompt_mask"][:, -prompt_width:],
-        )
-        for key in ("completion_ids", "completion_mask", "loss_mask"):
-            out[key] = out[key][:, :completion_width]
-        out["is_truncated"] = torch.stack([rounds[r]["is_truncated"][i] for r, i in picked])
-        # Rewards stay global: every process holds the whole batch's.
-        out["rewards_per_func"] = torch.stack([rounds[r]["rewards_per_func"][i] for r, i in rows])
-        out["step_rewards"] = stack("step_rewards", torch.nan, False, rows)
-        return out
 
     def _make_batch(self, round_: dict[str, Any], mode: str) -> dict[str, torch.Tensor]:
         """Steps 5-7 on a generated (and maybe resampled) round."""
