@@ -1,7 +1,8 @@
 """GRPO: Group Relative Policy Optimization for language models, on top of `transformers.Trainer`."""
 
 from grpo.config import GRPOConfig
+from grpo.process import StepRewards, process_reward
 from grpo.trainer import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "StepRewards", "process_reward"]
 __version__ = "0.1.0"

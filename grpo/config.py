@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from grpo.loss import LOSS_TYPES, SCALE_REWARDS
+from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 from grpo.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
@@ -181,6 +181,20 @@ class GRPOConfig(TrainingArguments):
             "(Dr. GRPO). True means 'group', False means 'none'."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling: drop the groups whose advantages are all zero (equal rewards: no gradient) "
+            "and generate extra rounds from further prompts until the generation batch is full again."
+        },
+    )
+    max_dynamic_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "Most extra generation rounds per generation batch under `dynamic_sampling`. If the batch is still "
+            "not full, the remaining slots keep zero-advantage groups, so the batch size never changes."
+        },
+    )
 
     # ---- Loss ----
     loss_type: str = field(
@@ -206,6 +220,27 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28."
+        },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta, which bounds the update of a "
+            "token with negative advantage whose ratio has grown large. Must exceed 1 + epsilon_high; None = off."
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token': one ratio per token (GRPO). 'sequence': one ratio per completion, exp of the mean "
+            "per-token log-ratio, clipped as a whole (GSPO)."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Train the policy term only on this fraction of completion tokens with the highest entropy "
+            "(threshold over all processes' tokens of the micro-step). 1.0 = all tokens; 0.2 is the paper's choice."
         },
     )
     num_iterations: int = field(
@@ -277,6 +312,26 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"epsilon_high={self.epsilon_high} must be > 0 (or None to use epsilon).")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be at least 1.")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
+            raise ValueError(
+                f"delta={self.delta} must be > 1 + epsilon_high = {1 + self.epsilon_high}: it caps ratios above the "
+                "clipping range. Raise delta, or set None to turn two-sided clipping off."
+            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
+                f"{IMPORTANCE_SAMPLING_LEVELS}."
+            )
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(
+                f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of highest-entropy "
+                "tokens the policy term trains on (1.0 = all)."
+            )
+        if self.max_dynamic_sampling_rounds < 0:
+            raise ValueError(
+                f"max_dynamic_sampling_rounds={self.max_dynamic_sampling_rounds} must be >= 0 (extra generation "
+                "rounds allowed per batch under dynamic_sampling)."
+            )
         fixed = {"temperature", "max_new_tokens", "do_sample"} & set(self.generation_kwargs or {})
         if fixed:
             raise ValueError(

@@ -14,6 +14,7 @@ import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -130,6 +131,73 @@ def aggregate(
     raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
 
 
+def process_advantages(
+    step_rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Token advantages from process (step) rewards (DeepSeekMath, arXiv:2402.03300, section 4.1.3; GRPO_SPEC.md
+    section 4).
+
+        r~_i^(j) = (r_i^(j) - mean(R)) / (std(R) + eps)      R = every step reward of the group's G completions
+        A_{i,t}  = sum over steps j of completion i with index(j) >= t of r~_i^(j)
+
+    `step_rewards` is (B, T), each group's G rows consecutive: entry (i, t) holds the reward of the step of
+    completion i that ends at token t (its last token), NaN where no step ends. `scale_rewards` as in
+    `group_advantages` ("batch": the std of every step reward in `step_rewards`). A group whose step rewards are all
+    equal, or which has at most one, gets 0 everywhere. Returns (B, T); tokens after a row's last step get 0.
+
+    Naive form: for each row i and token t, add up r~ over the steps of row i that end at t or later. An outcome
+    reward is the special case of one step ending at the last token, and then A_{i,t} = A_i of `group_advantages`.
+    """
+    if step_rewards.dim() != 2:
+        raise ValueError(f"step_rewards must be (B, T), got shape {tuple(step_rewards.shape)}")
+    rows, width = step_rewards.shape
+    # A group's G rows are G * width consecutive entries of the flattened tensor, so the outcome formula applies to
+    # the group's step rewards as they are (NaN entries are ignored and come back as 0).
+    normalised = group_advantages(step_rewards.reshape(-1), num_generations * width, scale_rewards, eps)
+    normalised = normalised.view(rows, width)  # (B, T), r~ at each step end, 0 elsewhere
+    return normalised.flip(-1).cumsum(-1).flip(-1)  # (B, T): sum over t' >= t
+
+
+def mixed_advantages(
+    rewards: torch.Tensor,
+    step_rewards: torch.Tensor,
+    step_weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages of outcome and process rewards together.
+
+        A_{i,t} = A_i + sum_k w_k * A^(k)_{i,t}
+
+    A_i is `group_advantages` of the combined outcome reward `rewards` (B,) (NaN where no outcome function scored the
+    row: A_i = 0). A^(k) is `process_advantages` of process function k's step rewards, `step_rewards[:, k]` of
+    (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the normalised advantage, not the raw step
+    rewards, since group normalisation would cancel a positive scale. Returns (B,) when K = 0, else (B, T).
+    """
+    advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    if step_rewards.shape[1] == 0:
+        return advantages
+    advantages = advantages.unsqueeze(1).expand(-1, step_rewards.shape[2])  # (B, T)
+    for k in range(step_rewards.shape[1]):
+        advantages = advantages + step_weights[k] * process_advantages(
+            step_rewards[:, k], num_generations, scale_rewards, eps
+        )
+    return advantages
+
+
+def entropy_threshold(entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """The entropy above which a token is among the `top_quantile` fraction of highest-entropy tokens
+    ("Beyond the 80/20 Rule", Wang et al., arXiv:2506.01939): the (1 - top_quantile) quantile of `entropies`.
+
+    `entropies` is 1-D: the entropy of every loss token the threshold is taken over (NaN entries, e.g. padding from
+    gathering ragged processes, are ignored). Returns a 0-d tensor; +inf when there is no entropy at all."""
+    entropies = entropies.float().reshape(-1)
+    if torch.isnan(entropies).all():
+        return entropies.new_tensor(torch.inf)
+    return torch.nanquantile(entropies, 1.0 - top_quantile, interpolation="linear")
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
@@ -141,29 +209,45 @@ def policy_loss(
     beta: float = 0.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    policy_mask: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (GRPO_SPEC.md section 2).
 
-        ratio_it = exp(logp_it - old_it)
-        s_it     = min(ratio_it * A_i, clip(ratio_it, 1 - epsilon_low, 1 + epsilon_high) * A_i)
-        l_it     = -(s_it - beta * kl_k3(logp_it, ref_it))
+        ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
+        ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
+        s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )
+        l_it     = -(s_it * h_it - beta * kl_k3(logp_it, ref_it))
         loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
 
-    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
-    on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp. `ref_logps` is needed only
-    when beta != 0. Masked positions may hold any value (they are neutralised before exp, so no inf or NaN leaks
-    into the gradient).
+    `delta` (two-sided clipping, INTELLECT-2, arXiv:2505.07291) caps the unclipped ratio, which bounds the update of
+    a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
+    term only where it is 1 (e.g. the highest-entropy tokens); the KL term and the normaliser still cover every
+    loss token. None means h = 1.
 
-    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0),
-    `clip_ratio/low_mean` (ratio < 1 - eps_low with A < 0: the min() picked the clipped term),
-    `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0) and `clip_ratio/region_mean` (either).
+    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
+    on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp (at sequence level, the
+    mean of d logp over the row). `ref_logps` is needed only when beta != 0. Masked positions may hold any value
+    (they are neutralised before exp, so no inf or NaN leaks into the gradient).
+
+    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0), and the fraction of
+    tokens where the min() picked a clipped term, so that the token's gradient is cut: `clip_ratio/low_mean`
+    (ratio < 1 - eps_low with A < 0), `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0) and
+    `clip_ratio/region_mean` (either, or ratio > delta with A < 0).
     """
     if epsilon_high is None:
         epsilon_high = epsilon_low
     if beta != 0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level={importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}"
+        )
+    if delta is not None and delta <= 1 + epsilon_high:
+        raise ValueError(f"delta={delta} must be > 1 + epsilon_high = {1 + epsilon_high}, or None")
     mask = mask.bool()
     if old_logps is None:
         old_logps = logps.detach()
@@ -171,9 +255,15 @@ def policy_loss(
         advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
 
     log_ratio = torch.where(mask, logps - old_logps, 0.0)  # (B, T)
-    ratio = torch.exp(log_ratio)
+    if importance_sampling_level == "sequence":
+        # One ratio per row from the mean log-ratio of its loss tokens (GSPO); a row without loss tokens gets 1.
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+    ratio = torch.exp(log_ratio)  # (B, T) or (B, 1)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    surrogate = torch.min(ratio * advantages, clipped * advantages)  # (B, T)
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    surrogate = torch.min(capped * advantages, clipped * advantages)  # (B, T)
+    if policy_mask is not None:
+        surrogate = surrogate * policy_mask.to(surrogate.dtype)
     per_token_loss = -surrogate
     stats = {}
     if beta != 0:
@@ -187,9 +277,15 @@ def policy_loss(
     )
 
     with torch.no_grad():
-        low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        # Where the min() took the clipped (constant) term: those tokens get no gradient from the policy term.
+        low = (ratio < 1 - epsilon_low) & (advantages < 0)  # (B, T)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        stats["clip_ratio/low_mean"] = masked_mean(low.float(), mask)
-        stats["clip_ratio/high_mean"] = masked_mean(high.float(), mask)
-        stats["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
+        region = low | high
+        if delta is not None:
+            region = region | ((ratio > delta) & (advantages < 0))
+        if policy_mask is not None:
+            low, high, region = (x & policy_mask.bool() for x in (low, high, region))
+        stats["clip_ratio/low_mean"] = masked_mean(low.float().expand_as(mask), mask)
+        stats["clip_ratio/high_mean"] = masked_mean(high.float().expand_as(mask), mask)
+        stats["clip_ratio/region_mean"] = masked_mean(region.float().expand_as(mask), mask)
     return loss, stats

@@ -28,18 +28,21 @@ from transformers import (
 
 from grpo.config import GRPOConfig
 from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
 from grpo.generation import TransformersGeneration, cut_at_eos
 from grpo.logprobs import completion_logprobs
-from grpo.loss import group_advantages, group_reward_stats, policy_loss
+from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss
 from grpo.metrics import MetricsWindow, format_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
+from grpo.process import is_process_reward, score_process
 from grpo.sampler import RepeatSampler
 from grpo.scoring import load_reward_funcs, reward_name, score_completions
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
 # Entries of a batch with one column per completion token (trimmed to each micro-batch's longest completion).
-_COMPLETION_KEYS = ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+# Advantages are per token only with process rewards (B, T); per row (B,) they are not trimmed.
+_COMPLETION_KEYS = ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps", "advantages")
 
 
 def _identity(features):
@@ -54,8 +57,9 @@ class GRPOTrainer(Trainer):
          is replayed `num_iterations` times from a buffer (`_prepare_inputs`).
       2. Generate one completion per row (`self.generation`).
       3. Cut each completion after its first EOS; flag the truncated ones.
-      4. Score every completion with every reward function; gather rewards from all processes.
-      5. Group advantages over the gathered rewards; keep this process's rows.
+      4. Score every completion with every reward function (process functions: step rewards); gather rewards
+         from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
+      5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
       6. Old log-probs, only when the batch is reused (otherwise old = logp.detach()).
       7. Reference log-probs, only when beta != 0.
       8. `compute_loss`: policy log-probs and the clipped objective, scaled once for gradient accumulation.
@@ -129,6 +133,16 @@ class GRPOTrainer(Trainer):
                 f"({self.reward_names}); give one weight per function."
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        # Process reward functions (@process_reward, grpo/process.py) score steps and are kept apart: from here on
+        # reward_funcs, reward_tokenizers and reward_weights are the outcome functions', and reward_names lists the
+        # outcome functions first, then the process functions (the order of the reward columns in metrics).
+        is_process = [is_process_reward(f) for f in reward_funcs]
+        self.process_funcs = [f for f, p in zip(reward_funcs, is_process) if p]
+        self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
+        self.reward_funcs = [f for f, p in zip(reward_funcs, is_process) if not p]
+        self.reward_tokenizers = [t for t, p in zip(self.reward_tokenizers, is_process) if not p]
+        self.reward_weights = self.reward_weights[[not p for p in is_process]]
+        self.reward_names = [reward_name(f) for f in self.reward_funcs] + [reward_name(f) for f in self.process_funcs]
 
         # The reference policy exists only when the KL term does.
         self.ref_model = frozen_copy(model) if args.beta != 0 else None
@@ -152,6 +166,7 @@ class GRPOTrainer(Trainer):
         self._step = 0  # training micro-steps taken (resumes from global_step)
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
+        self._refill_prompts = None  # extra prompts for dynamic sampling (an iterator, made at first use)
 
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             columns = getattr(dataset, "column_names", None)
@@ -270,11 +285,19 @@ class GRPOTrainer(Trainer):
             mb["prompt_ids"] = mb["prompt_ids"][:, -prompt_width:]
             mb["prompt_mask"] = mb["prompt_mask"][:, -prompt_width:]
             for key in _COMPLETION_KEYS:
-                if key in mb:
+                if key in mb and mb[key].dim() == 2:
                     mb[key] = mb[key][:, :completion_width]
         return micro_batches
 
     def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, torch.Tensor]:
+        """Steps 2-7 for one generation batch: this process's rows, ready for `_split`."""
+        round_ = self._generate_round(inputs, mode)
+        if mode == "train" and self.args.dynamic_sampling:
+            round_ = self._dynamic_sampling(round_)
+        return self._make_batch(round_, mode)
+
+    def _generate_round(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+        """Steps 2-4: generate, cut and score this process's rows; rewards are gathered from all processes."""
         args, device, tokenizer = self.args, self.accelerator.device, self.processing_class
         if "prompt" not in inputs[0]:
             raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
@@ -316,24 +339,115 @@ class GRPOTrainer(Trainer):
         )
         self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
         rewards_per_func = gather(scores.rewards.to(device))  # (B_global, K)
-        weighted = rewards_per_func * self.reward_weights.to(device)
-        scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one function scored
-        rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
+        # Process rewards: (B, K_process, T), each step's reward at its last token, NaN elsewhere; padded to the
+        # longest completion of all processes before gathering.
+        step_rewards = score_process(
+            self.process_funcs,
+            tokenizer,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids_list,
+            columns=columns,
+            trainer_state=self.state,
+            width=completion_ids.shape[1],
+        ).to(device)
+        step_rewards = gather(self.accelerator.pad_across_processes(step_rewards, dim=2, pad_index=torch.nan))
 
-        # 5. Group advantages over all processes' rows, then this process's share.
-        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
-        local = slice(
-            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
-        )
-
-        batch = {
+        round_ = {
+            "prompts": prompts,
+            "completions": completions,
             "prompt_ids": prompt_ids.to(device),
             "prompt_mask": prompt_mask.to(device),
             "completion_ids": completion_ids.to(device),
             "completion_mask": completion_mask.to(device),
             "loss_mask": loss_mask.to(device),
-            "advantages": advantages[local],
+            "is_truncated": is_truncated.to(device),
+            "rewards_per_func": rewards_per_func,  # (B_global, K_outcome), gathered
+            "step_rewards": step_rewards,  # (B_global, K_process, T_global), gathered
         }
+        # Metrics cover every generated round, also those dynamic sampling drops.
+        self._record_round_metrics(
+            mode,
+            *self._metric_rewards(round_),
+            prompt_mask.to(device),
+            completion_mask.to(device),
+            round_["is_truncated"],
+        )
+        return round_
+
+    def _metric_rewards(self, round_: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B_global, K) reward columns for metrics (a process function's column: the sum of its step rewards, NaN
+        without steps) and the combined reward: the weighted sum over every function that scored the row."""
+        steps = round_["step_rewards"]
+        step_sums = torch.where(torch.isnan(steps).all(dim=2), torch.nan, steps.nansum(dim=2))  # (B_global, K_p)
+        columns = torch.cat([round_["rewards_per_func"], step_sums], dim=1)
+        weights = torch.cat([self.reward_weights, self.process_weights]).to(columns.device)
+        scored = ~torch.isnan(columns).all(dim=1)
+        return columns, torch.where(scored, (columns * weights).nansum(dim=1), torch.nan)
+
+    def _advantages(self, round_: dict[str, Any]) -> torch.Tensor:
+        """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
+        rewards_per_func = round_["rewards_per_func"]
+        weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
+        scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one outcome function scored
+        rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
+        weights = self.process_weights.to(rewards.device)
+        return mixed_advantages(
+            rewards, round_["step_rewards"], weights, self.args.num_generations, self.args.scale_rewards
+        )
+
+    def _dynamic_sampling(self, round_: dict[str, Any]) -> dict[str, Any]:
+        """Step 4b (DAPO dynamic sampling): replace the groups whose advantages are all zero (equal rewards, so no
+        gradient) by groups with a spread, generated from further prompts, at most `max_dynamic_sampling_rounds`
+        extra rounds. Slots still empty then keep zero-advantage groups, so the batch size never changes. Works on
+        all processes' rows (a kept group may come from another process) and returns this process's share."""
+        args, G, pad_id = self.args, self.args.num_generations, self.processing_class.pad_token_id
+        rows_per_process, num_groups = round_["prompt_ids"].shape[0], args.generation_batch_size // G
+        rounds, kept, flat = [], [], []  # gathered rounds; (round, group) pairs with and without a spread
+        while True:
+            rounds.append(gather_round(self.accelerator, pad_id, round_))
+            for g, is_zero in enumerate(zero_advantage_groups(self._advantages(rounds[-1]), G)):
+                (flat if is_zero else kept).append((len(rounds) - 1, g))
+            if len(kept) >= num_groups or len(rounds) > args.max_dynamic_sampling_rounds:
+                break
+            round_ = self._generate_round(self._next_refill_inputs(rows_per_process), "train")
+        chosen = (kept + flat)[:num_groups]
+        zero_kept = max(num_groups - len(kept), 0)  # slots the extra rounds could not fill
+        metrics = self._metrics["train"]
+        metrics.add_mean("dynamic_sampling/dropped_groups", len(flat) - zero_kept, 1)
+        metrics.add_mean("dynamic_sampling/zero_std_groups_kept", zero_kept, 1)
+        metrics.add_mean("dynamic_sampling/extra_rounds", len(rounds) - 1, 1)
+        # Whole batch in the chosen order, then this process's contiguous share.
+        rows = [(r, g * G + k) for r, g in chosen for k in range(G)]
+        start = self.accelerator.process_index * rows_per_process
+        return select_rows(rounds, rows, slice(start, start + rows_per_process), pad_id)
+
+    def _next_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
+        """This process's share of a fresh round of prompts for dynamic sampling (see `refill_indices`)."""
+        if self._refill_prompts is None:
+            sampler = self._get_train_sampler()
+            sampler.repeat_count, sampler.seed = 1, self.args.seed + 1  # a stream apart from the training order
+            self._refill_prompts = refill_indices(sampler)
+        indices = [next(self._refill_prompts) for _ in range(self.args.generation_batch_size)]
+        start = self.accelerator.process_index * num_rows
+        return [self.train_dataset[i] for i in indices[start : start + num_rows]]
+
+    def _make_batch(self, round_: dict[str, Any], mode: str) -> dict[str, torch.Tensor]:
+        """Steps 5-7 on a generated (and maybe resampled) round."""
+        args = self.args
+        prompts, completions = round_["prompts"], round_["completions"]
+
+        # 5. Advantages over all processes' rows, then this process's share (per token: up to its longest row).
+        advantages = self._advantages(round_)
+        local = slice(
+            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
+        )
+        width = round_["completion_ids"].shape[1]
+        local_advantages = advantages[local] if advantages.dim() == 1 else advantages[local, :width]
+
+        batch = {key: round_[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        batch["loss_mask"] = round_["loss_mask"]
+        batch["advantages"] = local_advantages
         # 6-7. Old and reference log-probs, recorded once, before any update.
         with torch.no_grad():
             chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
@@ -342,17 +456,16 @@ class GRPOTrainer(Trainer):
             if self.ref_model is not None:
                 batch["ref_logps"], _ = self._logprobs(self.ref_model, batch, batch_size=chunk)
 
-        self._record_round_metrics(
-            mode, rewards_per_func, rewards, batch["prompt_mask"], batch["completion_mask"], is_truncated.to(device)
-        )
         if args.log_completions and mode == "train":
+            metric_columns, _ = self._metric_rewards(round_)
             self._samples = [
                 {"prompt": p, "completion": c, "rewards": r, "advantage": a}
                 for p, c, r, a in zip(
                     gather_object(prompts),
                     gather_object(completions),
-                    rewards_per_func.tolist(),
-                    advantages.tolist(),
+                    metric_columns.tolist(),
+                    # Per-token advantages are shown by their value at the first token.
+                    (advantages if advantages.dim() == 1 else advantages[:, 0]).tolist(),
                 )
             ]
         return batch
@@ -402,6 +515,13 @@ class GRPOTrainer(Trainer):
         args = self.args
         mode = "train" if model.training else "eval"
         logps, entropy = self._logprobs(model, inputs, with_entropy=True)
+        policy_mask = None
+        if args.top_entropy_quantile < 1.0:
+            # Train the policy term only on the highest-entropy tokens; the threshold is over the loss tokens of this
+            # micro-step on every process (ragged widths are padded with NaN, which the quantile ignores).
+            local = torch.where(inputs["loss_mask"].bool(), entropy, torch.nan).reshape(-1)
+            everyone = gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
+            policy_mask = entropy >= entropy_threshold(everyone, args.top_entropy_quantile)
         normalizer = None
         if args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
@@ -417,6 +537,9 @@ class GRPOTrainer(Trainer):
             beta=args.beta,
             epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=args.importance_sampling_level,
+            policy_mask=policy_mask,
             max_completion_length=args.max_completion_length,
             normalizer=normalizer,
         )

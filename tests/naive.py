@@ -35,21 +35,76 @@ def naive_group_advantages(rewards, num_generations, scale_rewards="group", eps=
     return out
 
 
+def naive_process_advantages(rows, width, num_generations, scale_rewards="group", eps=1e-4):
+    """rows: one list per row of (reward, index of the step's last token) pairs. Returns B lists of `width` token
+    advantages, spec section 4, one step at a time."""
+    all_rewards = [r for row in rows for r, _ in row]
+    if len(all_rewards) > 1:
+        m = sum(all_rewards) / len(all_rewards)
+        batch_std = math.sqrt(sum((r - m) ** 2 for r in all_rewards) / (len(all_rewards) - 1))
+    else:
+        batch_std = 0.0
+    out = []
+    for start in range(0, len(rows), num_generations):
+        group = rows[start : start + num_generations]
+        R = [r for row in group for r, _ in row]
+        flat = len(R) <= 1 or max(R) == min(R)
+        mean = sum(R) / len(R) if R else 0.0
+        std = math.sqrt(sum((r - mean) ** 2 for r in R) / (len(R) - 1)) if len(R) > 1 else 0.0
+        for row in group:
+            token_adv = [0.0] * width
+            for t in range(width):
+                for r, end in row:
+                    if end >= t and not flat:
+                        if scale_rewards == "group":
+                            token_adv[t] += (r - mean) / (std + eps)
+                        elif scale_rewards == "batch":
+                            token_adv[t] += (r - mean) / (batch_std + eps)
+                        else:
+                            token_adv[t] += r - mean
+            out.append(token_adv)
+    return out
+
+
 def naive_policy_loss(
-    logps, old_logps, ref_logps, advantages, mask, loss_type, beta, eps_low, eps_high, max_len=None, normalizer=None
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    loss_type,
+    beta,
+    eps_low,
+    eps_high,
+    max_len=None,
+    normalizer=None,
+    level="token",
+    delta=None,
+    policy_mask=None,
 ):
     """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too)."""
     B, T = logps.shape
     token_loss = [[None] * T for _ in range(B)]
     for i in range(B):
+        seq_log_ratio = None
+        if level == "sequence":
+            n = sum(int(mask[i][t]) for t in range(T))
+            seq_log_ratio = logps.sum() * 0
+            for t in range(T):
+                if mask[i][t]:
+                    old = logps[i][t].detach() if old_logps is None else old_logps[i][t]
+                    seq_log_ratio = seq_log_ratio + (logps[i][t] - old) / n
         for t in range(T):
             if not mask[i][t]:
                 continue
             a = advantages[i] if advantages.dim() == 1 else advantages[i][t]
             old = logps[i][t].detach() if old_logps is None else old_logps[i][t]
-            ratio = torch.exp(logps[i][t] - old)
+            ratio = torch.exp(logps[i][t] - old) if level == "token" else torch.exp(seq_log_ratio)
             clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-            surrogate = torch.min(ratio * a, clipped * a)
+            capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+            surrogate = torch.min(capped * a, clipped * a)
+            if policy_mask is not None and not policy_mask[i][t]:
+                surrogate = surrogate * 0
             loss = -surrogate
             if beta != 0:
                 d = ref_logps[i][t] - logps[i][t]

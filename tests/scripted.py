@@ -6,7 +6,7 @@ process's first row. `sgd_step_update` trains one plain-SGD step on such complet
 
 from datasets import Dataset
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
 from grpo.testing import tiny_model, tiny_tokenizer
 
 EOS = 258
@@ -45,15 +45,37 @@ def reward_len(prompts, completions):
     return [float(len(completion)) for completion in completions]
 
 
-def sgd_step_update(output_dir, **config):
-    """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts.
-    No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide it)."""
+@process_reward
+def len_as_final_step(completions, completion_ids):
+    """reward_len as a process reward: one step, ending at the last token."""
+    return [StepRewards([float(len(c))], token_ends=[len(ids) - 1]) for c, ids in zip(completions, completion_ids)]
+
+
+def half_flat_dataset(num_prompts=32):
+    """Prompts whose `flat` column is True (even index) get a constant reward from `half_flat_reward`."""
+    return Dataset.from_dict(
+        {
+            "prompt": [f"Question {i}: count to three." for i in range(num_prompts)],
+            "flat": [i % 2 == 0 for i in range(num_prompts)],
+        }
+    )
+
+
+def half_flat_reward(completions, flat):
+    return [1.0 if f else float(len(c)) for c, f in zip(completions, flat)]
+
+
+def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config):
+    """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts
+    (or `dataset`). No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide
+    it)."""
     tokenizer = tiny_tokenizer()
-    dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
+    if dataset is None:
+        dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
     settings = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(output_dir=str(output_dir), **{**TINY, **settings, **config})
     trainer = GRPOTrainer(
-        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+        tiny_model(tokenizer), reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     rows_per_process = args.per_device_train_batch_size * args.steps_per_generation
     offset = trainer.accelerator.process_index * rows_per_process

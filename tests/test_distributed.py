@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_update import LOSS_TYPES, one_step
+from tests.distributed_update import LOSS_TYPES, VARIANTS, one_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,11 +43,15 @@ def test_two_processes_match_one(tmp_path, per_device, accumulation):
     assert result.returncode == 0, result.stderr[-3000:]
     two = torch.load(out_file)
     # The global batch: 2 processes x per_device x accumulation rows = one process with twice the rows per step.
-    for loss_type in LOSS_TYPES:
+    for loss_type in (*LOSS_TYPES, *VARIANTS):
+        if loss_type == "top_entropy" and accumulation > 1:
+            # The entropy threshold is per micro-step, and with accumulation the two layouts put different rows
+            # in a micro-step (process p holds a contiguous block of the round), so only GA = 1 is comparable.
+            continue
         update, world_size, loss = two[loss_type]
         assert world_size == 2  # check the launcher really started two processes
         reference, _, reference_loss = one_step(loss_type, 2 * per_device, accumulation, str(tmp_path / "one"))
         assert sum(d.abs().sum() for d in reference.values()) > 0
-        assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6)
+        assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6), loss_type
         for name in reference:
             torch.testing.assert_close(update[name], reference[name], rtol=1e-4, atol=1e-6, msg=f"{loss_type} {name}")

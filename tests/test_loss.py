@@ -6,8 +6,17 @@ import math
 import pytest
 import torch
 
-from grpo.loss import aggregate, group_advantages, group_reward_stats, kl_k3, masked_mean, policy_loss
-from tests.naive import naive_group_advantages, naive_policy_loss
+from grpo.loss import (
+    aggregate,
+    entropy_threshold,
+    group_advantages,
+    group_reward_stats,
+    kl_k3,
+    masked_mean,
+    policy_loss,
+    process_advantages,
+)
+from tests.naive import naive_group_advantages, naive_policy_loss, naive_process_advantages
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -68,6 +77,78 @@ def test_group_reward_stats():
 def test_group_advantages_rejects_partial_groups():
     with pytest.raises(ValueError, match="multiple of num_generations"):
         group_advantages(torch.ones(5), 2)
+
+
+# ---- Process (step) rewards ----
+
+
+def _dense_steps(rows, width):
+    """Step rewards as process_advantages takes them: (B, T), the reward at each step's last token, NaN elsewhere."""
+    dense = torch.full((len(rows), width), math.nan)
+    for i, row in enumerate(rows):
+        for reward, end in row:
+            dense[i, end] = reward
+    return dense
+
+
+def test_process_advantages_hand_worked_two_and_three_steps():
+    # One group of two completions: o_1 has 2 steps ending at tokens 1 and 3; o_2 has 3 steps ending at 0, 2 and 4.
+    # R = [1, 0, 1, 1, 0]: mean 0.6; deviations 0.4, -0.6, 0.4, 0.4, -0.6; squares sum 3 x 0.16 + 2 x 0.36 = 1.2;
+    #   unbiased std = sqrt(1.2 / 4) = 0.547723
+    #   r~ = 0.4 / (0.547723 + 1e-4) = 0.730166 for reward 1, -0.6 / 0.547823 = -1.095248 for reward 0
+    # o_1: steps (1 at t=1), (0 at t=3): A_t = sum of r~ of steps ending at or after t
+    #   t=0,1: 0.730166 - 1.095248 = -0.365082; t=2,3: -1.095248; t=4: 0 (no step ends there or later)
+    # o_2: steps (1 at t=0), (1 at t=2), (0 at t=4)
+    #   t=0: 0.730166 + 0.730166 - 1.095248 = 0.365083; t=1,2: 0.730166 - 1.095248 = -0.365082; t=3,4: -1.095248
+    rows = [[(1.0, 1), (0.0, 3)], [(1.0, 0), (1.0, 2), (0.0, 4)]]
+    adv = process_advantages(_dense_steps(rows, 5), num_generations=2)
+    expected = [
+        [-0.365082, -0.365082, -1.095248, -1.095248, 0.0],
+        [0.365083, -0.365082, -0.365082, -1.095248, -1.095248],
+    ]
+    assert adv.tolist()[0] == pytest.approx(expected[0], abs=1e-5)
+    assert adv.tolist()[1] == pytest.approx(expected[1], abs=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_process_advantages_match_naive(scale):
+    g = torch.Generator().manual_seed(0)
+    width, rows = 9, []
+    for _ in range(12):
+        num_steps = int(torch.randint(0, 4, (1,), generator=g))  # some rows have no step at all
+        ends = sorted(torch.randperm(width, generator=g)[:num_steps].tolist())
+        rows.append([(float(torch.randn(1, generator=g)), end) for end in ends])
+    rows[8:12] = [[(0.5, 2)], [(0.5, 0), (0.5, 6)], [], [(0.5, 8)]]  # a flat group
+    expected = naive_process_advantages(rows, width, 4, scale)
+    got = process_advantages(_dense_steps(rows, width), 4, scale)
+    for g_row, e_row in zip(got.tolist(), expected):
+        assert g_row == pytest.approx(e_row, abs=1e-5)
+    assert (got[8:12] == 0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_outcome_reward_as_one_final_step_equals_the_outcome_path(scale):
+    torch.manual_seed(1)
+    rewards = torch.randn(8)
+    rewards[5] = math.nan  # an unscored row has no step
+    lengths = torch.tensor([3, 5, 1, 4, 5, 2, 5, 3])
+    width = 5
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    steps = [[] if math.isnan(r) else [(float(r), int(n) - 1)] for r, n in zip(rewards, lengths)]
+    token_adv = process_advantages(_dense_steps(steps, width), 4, scale)
+    outcome = group_advantages(rewards, 4, scale)
+    expected = outcome[:, None].expand(-1, width)
+    torch.testing.assert_close(token_adv[mask], expected[mask], rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_threshold_keeps_the_top_fraction():
+    entropies = torch.arange(10, dtype=torch.float)  # 0..9
+    assert entropy_threshold(entropies, 1.0).item() == 0.0  # everything
+    threshold = entropy_threshold(torch.cat([entropies, torch.full((5,), math.nan)]), 0.2)
+    # The 0.8 quantile of 0..9 (linear interpolation): position 0.8 x 9 = 7.2 -> 7.2; tokens 8 and 9 are kept.
+    assert threshold.item() == pytest.approx(7.2)
+    assert (entropies >= threshold).sum() == 2
+    assert entropy_threshold(torch.full((3,), math.nan), 0.5).item() == math.inf
 
 
 # ---- KL ----
@@ -143,14 +224,15 @@ def _random_case(seed, B=6, T=7, token_advantages=False):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("eps_high", [0.2, 0.28])
+@pytest.mark.parametrize("eps_high, delta", [(0.2, None), (0.28, None), (0.28, 1.4)])
 @pytest.mark.parametrize("on_policy", [False, True])
-def test_policy_loss_matches_naive_loop(loss_type, beta, eps_high, on_policy):
+def test_policy_loss_matches_naive_loop(loss_type, level, beta, eps_high, delta, on_policy):
     for seed in range(3):
         logps, old, ref, advantages, mask = _random_case(seed)
         old = None if on_policy else old
-        kwargs = dict(max_len=9, normalizer=17.0)
+        kwargs = dict(max_len=9, normalizer=17.0, level=level, delta=delta)
         expected = naive_policy_loss(logps, old, ref, advantages, mask, loss_type, beta, 0.2, eps_high, **kwargs)
         (expected_grad,) = torch.autograd.grad(expected, logps)
         loss, _ = policy_loss(
@@ -163,6 +245,8 @@ def test_policy_loss_matches_naive_loop(loss_type, beta, eps_high, on_policy):
             beta=beta,
             epsilon_low=0.2,
             epsilon_high=eps_high,
+            delta=delta,
+            importance_sampling_level=level,
             max_completion_length=9,
             normalizer=17.0,
         )
@@ -171,11 +255,121 @@ def test_policy_loss_matches_naive_loop(loss_type, beta, eps_high, on_policy):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_policy_loss_accepts_token_level_advantages():
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_policy_loss_accepts_token_level_advantages_and_a_policy_mask(level):
     logps, old, ref, advantages, mask = _random_case(0, token_advantages=True)
-    expected = naive_policy_loss(logps, old, ref, advantages, mask, "bnpo", 0.1, 0.2, 0.2)
-    loss, _ = policy_loss(logps, old, ref, advantages, mask, loss_type="bnpo", beta=0.1)
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    policy_mask = torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)) < 0.5
+    for loss_type in LOSS_TYPES:
+        expected = naive_policy_loss(
+            logps, old, ref, advantages, mask, loss_type, 0.1, 0.2, 0.2, 9, 17.0, level, policy_mask=policy_mask
+        )
+        loss, _ = policy_loss(
+            logps,
+            old,
+            ref,
+            advantages,
+            mask,
+            loss_type=loss_type,
+            beta=0.1,
+            importance_sampling_level=level,
+            policy_mask=policy_mask,
+            max_completion_length=9,
+            normalizer=17.0,
+        )
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    # With beta = 0, the tokens outside the policy mask get no gradient at all.
+    loss, _ = policy_loss(logps, old, None, advantages, mask, policy_mask=policy_mask)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert (grad[~policy_mask] == 0).all() and (grad[policy_mask & mask.bool()] != 0).any()
+
+
+@pytest.mark.parametrize(
+    "loss_type, kwargs, expected",
+    [
+        # Sequence level (GSPO): one ratio per row from the mean log-ratio of its loss tokens.
+        # Row 0 (A = +1): mean log-ratio (0.1 + 0) / 2 = 0.05, ratio exp(0.05) = 1.051271, inside [0.8, 1.2]
+        #                 -> l = -1.051271 on both tokens
+        # Row 1 (A = -1): one loss token, mean log-ratio -0.3, ratio 0.740818 < 0.8 -> clipped -> l = 0.8
+        # grpo:    mean(-1.051271, 0.8) = -0.125636
+        ("grpo", {}, -0.125636),
+        # bnpo:    (-2 x 1.051271 + 0.8) / 3 = -0.434181
+        ("bnpo", {}, -0.434181),
+        # dr_grpo: -1.302542 / (2 x 4) = -0.162818
+        ("dr_grpo", {"max_completion_length": 4}, -0.162818),
+        # dapo:    -1.302542 / 10 = -0.130254
+        ("dapo", {"normalizer": 10}, -0.130254),
+    ],
+)
+def test_sequence_level_policy_loss_hand_worked(loss_type, kwargs, expected):
+    logps, old, advantages, mask = _hand_case()
+    loss, stats = policy_loss(
+        logps, old, None, advantages, mask, loss_type=loss_type, importance_sampling_level="sequence", **kwargs
+    )
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    # Row 1's one loss token is clipped from below: 1 of 3 tokens.
+    assert stats["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/high_mean"].item() == 0
+
+
+def test_on_policy_sequence_ratio_has_the_gradient_of_token_level_grpo():
+    # On-policy, ratio_i = 1 with gradient mean_t d logp_it, so GSPO under grpo aggregation, -mean_i(A_i ratio_i),
+    # has exactly the gradient of token-level GRPO, -mean_i(A_i mean_t ratio_it).
+    logps, _, _, advantages, mask = _random_case(4)
+    token, _ = policy_loss(logps, None, None, advantages, mask, loss_type="grpo")
+    sequence, _ = policy_loss(
+        logps, None, None, advantages, mask, loss_type="grpo", importance_sampling_level="sequence"
+    )
+    torch.testing.assert_close(sequence, token)
+    torch.testing.assert_close(torch.autograd.grad(sequence, logps)[0], torch.autograd.grad(token, logps)[0])
+
+
+def test_clip_higher_and_two_sided_clipping_hand_worked():
+    logps = torch.zeros(3, 1, requires_grad=True)
+    # Ratios exp(0.25) = 1.284025 (A = +1), exp(0.5) = 1.648721 (A = -1), exp(0.25) (A = -1).
+    old = torch.tensor([[-0.25], [-0.5], [-0.25]])
+    advantages = torch.tensor([1.0, -1.0, -1.0])
+    mask = torch.ones(3, 1)
+
+    def run(**kwargs):
+        loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type="bnpo", **kwargs)
+        (grad,) = torch.autograd.grad(loss, logps)
+        return loss.item(), grad.view(-1).tolist(), stats
+
+    # eps_high = 0.2: row 0 clipped at 1.2 (l = -1.2, no gradient); rows 1, 2 unclipped (A < 0 and ratio > 1):
+    # loss = (-1.2 + 1.648721 + 1.284025) / 3 = 0.577582
+    loss, grad, stats = run(epsilon_high=0.2)
+    assert loss == pytest.approx(0.577582, abs=1e-6)
+    assert grad[0] == 0 and grad[1] == pytest.approx(1.648721 / 3, abs=1e-6)
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+    # Clip-higher, eps_high = 0.28: 1.284025 < 1.28 is false, still clipped at 1.28 -> l = -1.28
+    loss, grad, _ = run(epsilon_high=0.28)
+    assert loss == pytest.approx((-1.28 + 1.648721 + 1.284025) / 3, abs=1e-6)
+    # eps_high = 0.3: row 0 inside the range, l = -1.284025 and its gradient is -ratio / 3.
+    loss, grad, stats = run(epsilon_high=0.3)
+    assert loss == pytest.approx((-1.284025 + 1.648721 + 1.284025) / 3, abs=1e-6)
+    assert grad[0] == pytest.approx(-1.284025 / 3, abs=1e-6)
+    assert stats["clip_ratio/region_mean"].item() == 0
+    # Two-sided clipping, delta = 1.5: row 1's ratio 1.648721 > 1.5 is capped, l = 1.5 and no gradient.
+    loss, grad, stats = run(epsilon_high=0.3, delta=1.5)
+    assert loss == pytest.approx((-1.284025 + 1.5 + 1.284025) / 3, abs=1e-6)
+    assert grad[1] == 0 and grad[2] != 0
+    assert stats["clip_ratio/region_mean"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/low_mean"].item() == 0 and stats["clip_ratio/high_mean"].item() == 0
+    with pytest.raises(ValueError, match=r"delta=1.2 must be > 1 \+ epsilon_high"):
+        run(epsilon_high=0.3, delta=1.2)
+
+
+def test_clip_ratios_count_exactly_the_tokens_whose_gradient_is_cut():
+    # A clipped token (per the stats) is one whose policy-term gradient is 0; every other loss token with A != 0
+    # has a non-zero gradient. Checked token by token with the gradient of the summed (bnpo x tokens) loss.
+    logps, old, _, advantages, mask = _random_case(7, B=8, T=6, token_advantages=True)
+    # (Token level only: at sequence level a token's gradient also flows through its row's shared ratio.)
+    for delta in (None, 1.3):
+        loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type="bnpo", epsilon_high=0.28, delta=delta)
+        (grad,) = torch.autograd.grad(loss, logps)
+        cut = (grad == 0) & mask.bool()
+        assert stats["clip_ratio/region_mean"].item() == pytest.approx(cut.sum().item() / mask.sum().item())
+        assert 0 < cut.sum() < mask.sum()
 
 
 def test_masked_tokens_get_zero_gradient_even_with_extreme_values():
