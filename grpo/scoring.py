@@ -429,7 +429,7 @@ def score_completions(
             rewards[:, k] = torch.tensor(score_with_model(func, tokenizer, prompts, completions, model_batch_size))
 
     unscored = torch.isnan(rewards).all(dim=1).nonzero().flatten().tolist()
-    if unscored:
+    if unscored and reward_funcs:  # with only process rewards (K = 0) the trainer has nothing to warn about here
         warnings.warn(
             f"No reward function scored row(s) {unscored[:20]}{' ...' if len(unscored) > 20 else ''} of this batch "
             f"({len(unscored)} of {num_rows}): each returned None{' or failed' if any(failed) else ''}. These rows "
