@@ -9,7 +9,7 @@ from grpo.logprobs import (
     entropy_from_logits,
     selective_log_softmax,
 )
-from grpo.testing import tiny_model
+from grpo.testing import tiny_config, tiny_model
 
 
 def test_selective_log_softmax_equals_full_log_softmax():
@@ -157,16 +157,9 @@ def _tiny_variant(kind, tokenizer):
     """Tiny causal LMs whose output projections differ: tied, with a bias, soft-capped, scaled."""
     import transformers
 
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=128,
-    )
+    base = tiny_config(tokenizer)  # the same sizes as the tiny Llama, in other architectures
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    common = {name: getattr(base, name) for name in names + ("num_key_value_heads", "head_dim")}
     if kind == "tied":
         return tiny_model(tokenizer, tie_word_embeddings=True)
     if kind == "bias":  # Phi's lm_head has a bias
