@@ -13,7 +13,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-# Rows per chunk are chosen so one float32 (rows, V) tensor takes about this many bytes (backward holds two).
+# Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
+# holds two, backward one).
 CHUNK_BYTES = 128 * 2**20
 
 
