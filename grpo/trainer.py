@@ -31,7 +31,7 @@ from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
 from grpo.generation import TransformersGeneration, cut_at_eos
 from grpo.logprobs import completion_logprobs
 from grpo.loss import group_advantages, group_reward_stats, policy_loss
-from grpo.metrics import MetricsWindow, format_completions
+from grpo.metrics import MetricsWindow, format_completions, write_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
 from grpo.sampler import RepeatSampler
 from grpo.scoring import load_reward_funcs, reward_name, score_completions
@@ -467,4 +467,10 @@ class GRPOTrainer(Trainer):
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
+            write_completions(
+                os.path.join(self.args.output_dir, "completions.jsonl"),
+                self.state.global_step,
+                self._samples,
+                self.reward_names,
+            )
             self._samples = []
