@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from grpo.cli import main
@@ -145,6 +146,8 @@ def test_reasoning_gym_task_with_template_and_scorer():
 def test_example_recipes_validate(recipe):
     """Every shipped recipe parses, makes a valid GRPOConfig, names rewards that resolve and opens with its command."""
     parsed = load_recipe(recipe)
+    if not torch.cuda.is_available():  # GPU recipes ask for bf16, which TrainingArguments refuses without use_cpu
+        parsed.config.setdefault("use_cpu", True)
     parsed.grpo_config()
     for spec in parsed.rewards:
         resolve_reward(spec, [recipe.parent])
