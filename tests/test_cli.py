@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,7 @@ def run_grpo(*args, cwd):
     return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
-@pytest.mark.slow
-def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
+def write_tiny_recipe(tmp_path, model_path):
     rows = [{"question": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(12)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "my_rewards.py").write_text(
@@ -26,7 +26,7 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
         "    return [float(any(ch.isdigit() for ch in c[-1]['content'])) for c in completions]\n"
     )
     recipe = {
-        "model": str(tiny_model_path),
+        "model": str(model_path),
         "dataset": {
             "path": "data.jsonl",
             "prompt_column": "question",
@@ -51,6 +51,10 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
 
+
+@pytest.mark.slow
+def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
+    write_tiny_recipe(tmp_path, tiny_model_path)
     result = run_grpo("train", "tiny.yaml", "--max_steps", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
@@ -77,3 +81,40 @@ def test_grpo_train_unknown_key_fails_before_loading_anything(tmp_path):
     result = run_grpo("train", "bad.yaml", cwd=tmp_path)
     assert result.returncode == 2
     assert "Unknown key 'learning_rat'" in result.stderr and "Did you mean 'learning_rate'?" in result.stderr
+
+
+@pytest.mark.distributed
+def test_grpo_train_under_accelerate_launch(tmp_path, tiny_model_path):
+    """The same command under `accelerate launch -m grpo train`, two CPU processes (gloo)."""
+    write_tiny_recipe(tmp_path, tiny_model_path)
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+        "-m", "grpo", "train", "tiny.yaml", "--max_steps", "2",
+    ]  # fmt: skip
+    # As in test_distributed.py: the launcher does not export use_cpu from the config file.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    # Each logged round holds the gathered rows of both processes: 2 x 4 completions (one process logs 4).
+    assert [sum(r["step"] == step for r in records) for step in (1, 2)] == [8, 8]
+    assert result.stdout.count("held-out metric") == 1  # only the main process prints the report
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    configs = sorted((ROOT / "examples" / "accelerate_configs").glob("*.yaml"))
+    kinds = {load_config_from_file(str(path)).distributed_type.value for path in configs}
+    assert kinds == {"NO", "MULTI_GPU", "DEEPSPEED", "FSDP"}
+    for path in configs:
+        assert path.read_text().startswith(
+            "# accelerate launch --config_file examples/accelerate_configs/" + path.name
+        )
