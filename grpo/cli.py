@@ -150,7 +150,10 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         if run.plot:
             from grpo.plot import plot_run
 
-            print(f"plot written to {plot_run(args.output_dir)}")
+            try:
+                print(f"plot written to {plot_run(args.output_dir)}")
+            except ImportError as e:  # the run itself succeeded; say how to get the plot
+                print(f"no plot: {e} Then run `grpo plot {args.output_dir}`.")
     return {"before": before or {}, "after": after}
 
 

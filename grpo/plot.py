@@ -43,8 +43,10 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the PNG (default `output_dir/training.png`) and return its path."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("Plotting needs matplotlib: pip install 'grpo[plot]' (or pip install matplotlib).") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,7 +46,7 @@ def write_tiny_recipe(tmp_path, model_path):
         "log_completions": True,
         "num_completions_to_print": 2,
         "save_strategy": "no",
-        "report_to": "none",
+        "report_to": ["tensorboard"],
         "run": {"sample_completions": 2},
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
@@ -66,6 +66,7 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records} == {1, 2} and set(records[0]["rewards"]) == {"accuracy", "has_digit"}
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((out / "runs").rglob("events.out.tfevents.*"))  # report_to: [tensorboard]
 
     (out / "training.png").unlink()
     plotted = run_grpo("plot", "out", cwd=tmp_path)
