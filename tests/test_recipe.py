@@ -174,3 +174,11 @@ def test_plot_writes_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         plot_run(tmp_path / "nowhere")
+
+
+def test_demo_reward_does_not_pay_for_restating_the_question():
+    recipe = RECIPES[0].parent / "demo.yaml"
+    (spec,) = load_recipe(recipe).rewards
+    reward = resolve_reward(spec, [recipe.parent])
+    # A demo run with math-verify's `accuracy` learned the second reply, which evaluates "1 + 9" to the answer.
+    assert reward(["1 + 9 = 10", "To calculate 1 + 9, you simply add them"], answer=["10", "10"]) == [1.0, 0.0]
