@@ -41,8 +41,9 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/logprobs_memory.py
 
+# GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) -m grpo train examples/recipes/demo.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -8,7 +8,9 @@ processes; this class only accumulates them over micro-steps and generation roun
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 
 class MetricsWindow:
@@ -67,3 +69,15 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
             " | ".join([clip(s["prompt"], 40), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"])
         )
     return "\n".join(lines)
+
+
+def write_completions(path: str, step: int, samples: list[dict], reward_names: list[str]) -> None:
+    """Append every sample of a logged round to a JSON-lines file: one object per completion with the step, the
+    prompt, the completion, each reward by name (None where a function gave none) and the advantage."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        for s in samples:
+            rewards = {name: (None if math.isnan(r) else r) for name, r in zip(reward_names, s["rewards"])}
+            record = {"step": step, "prompt": s["prompt"], "completion": s["completion"], "rewards": rewards}
+            record["advantage"] = None if math.isnan(s["advantage"]) else s["advantage"]
+            f.write(json.dumps(record) + "\n")

@@ -32,7 +32,7 @@ from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zer
 from grpo.generation import TransformersGeneration, cut_at_eos
 from grpo.logprobs import completion_logprobs
 from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss
-from grpo.metrics import MetricsWindow, format_completions
+from grpo.metrics import MetricsWindow, format_completions, write_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
 from grpo.process import is_process_reward, score_process
 from grpo.sampler import RepeatSampler
@@ -590,4 +590,10 @@ class GRPOTrainer(Trainer):
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
+            write_completions(
+                os.path.join(self.args.output_dir, "completions.jsonl"),
+                self.state.global_step,
+                self._samples,
+                self.reward_names,
+            )
             self._samples = []

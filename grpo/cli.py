@@ -1,0 +1,195 @@
+"""The `grpo` command line (also `python -m grpo`).
+
+    grpo train RECIPE.yaml [--field value ...]    train from a recipe (docs/recipes.md); works under accelerate launch
+    grpo plot OUTPUT_DIR                          reward, KL, length and clip ratio against step, as a PNG
+
+`grpo train` does, in order:
+  1. parse and validate the recipe and the overrides (unknown keys stop here, before any model is loaded);
+  2. load the prompts and the rewards, build the `GRPOTrainer`;
+  3. evaluate the held-out prompts and sample a few greedy completions (when the recipe has held-out prompts);
+  4. train; 5. evaluate and sample again; 6. save the model, the trainer state and the plot; print before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from grpo.recipe import RecipeError, load_recipe, resolve_reward
+
+
+def greedy_samples(trainer, dataset, count: int) -> list[dict]:
+    """Greedy completions of the first `count` rows of `dataset`, each with its rewards (one per function)."""
+    import torch
+
+    from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+    from grpo.generation import cut_at_eos
+    from grpo.scoring import score_completions
+
+    rows = [dataset[i] for i in range(min(count, len(dataset)))]
+    if not rows:
+        return []
+    tokenizer, args = trainer.processing_class, trainer.args
+    prompts = [row["prompt"] for row in rows]
+    ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length)
+    input_ids, mask = pad(ids, tokenizer.pad_token_id, side="left")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        output = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=args.max_completion_length,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=trainer.eos_token_ids,
+        )
+    model.train(was_training)
+    completion_ids, _ = cut_at_eos(
+        output[:, input_ids.shape[1] :].tolist(), trainer.eos_token_ids, args.max_completion_length
+    )
+    completions = decode_completions(completion_ids, prompts, tokenizer)
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    scores = score_completions(
+        trainer.reward_funcs,
+        trainer.reward_tokenizers,
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        columns=columns,
+        errors="skip",
+    )
+    return [
+        {"prompt": p, "completion": c, "rewards": r} for p, c, r in zip(prompts, completions, scores.rewards.tolist())
+    ]
+
+
+def _text(value) -> str:
+    text = value[-1]["content"] if isinstance(value, list) else str(value)
+    return text.replace("\n", "\\n")
+
+
+def before_after_report(before: dict | None, after: dict, samples_before, samples_after, names) -> str:
+    """The summary `grpo train` prints: held-out metrics before and after, then sample completions."""
+    keys = ["eval_reward"] + [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
+    keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio"]
+    lines = [f"{'held-out metric':36} {'before':>8} {'after':>8} {'change':>8}"]
+    for key in keys:
+        if key not in after:
+            continue
+        if before is not None and key in before:
+            lines.append(f"{key:36} {before[key]:8.3f} {after[key]:8.3f} {after[key] - before[key]:+8.3f}")
+        else:
+            lines.append(f"{key:36} {'-':>8} {after[key]:8.3f}")
+    by_prompt = {_text(s["prompt"]): s for s in samples_before or []}
+    for sample in samples_after:
+        prompt = _text(sample["prompt"])
+        lines.append("")
+        lines.append(f"prompt: {prompt[-160:]}")
+        earlier = by_prompt.get(prompt)
+        if earlier is not None:
+            lines.append(f"  before ({_rewards(earlier['rewards'])}): {_text(earlier['completion'])[:200]}")
+        lines.append(f"  after  ({_rewards(sample['rewards'])}): {_text(sample['completion'])[:200]}")
+    return "\n".join(lines)
+
+
+def _rewards(values) -> str:
+    return ", ".join("-" if v != v else f"{v:.2f}" for v in values)
+
+
+def train(recipe_path: str, overrides: list[str]) -> dict:
+    """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
+    prompts)."""
+    # 1. Parse and validate.
+    recipe = load_recipe(recipe_path, overrides)
+    args = recipe.grpo_config()
+
+    # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
+    from grpo.dataset_loading import load_prompt_datasets
+    from grpo.trainer import GRPOTrainer
+
+    train_data, held_out = load_prompt_datasets(recipe.dataset)
+    search = [recipe.source.parent.resolve()] if recipe.source else []
+    reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
+    trainer = GRPOTrainer(
+        model=recipe.model.name_or_path,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=train_data,
+        eval_dataset=held_out,
+    )
+    main = trainer.accelerator.is_main_process
+    run = recipe.run
+
+    # 3. Before training.
+    before, samples_before = None, []
+    if held_out is not None and run.evaluate_before:
+        before = trainer.evaluate()
+        samples_before = greedy_samples(trainer, held_out, run.sample_completions)
+
+    # 4. Train.
+    trainer.train()
+
+    # 5. After training.
+    after, samples_after = {}, []
+    if held_out is not None:
+        after = trainer.evaluate()
+        samples_after = greedy_samples(trainer, held_out, run.sample_completions)
+
+    # 6. Save and report.
+    if run.save_model:
+        trainer.save_model(args.output_dir)
+    trainer.save_state()
+    if main:
+        if held_out is not None:
+            print(f"\n=== {recipe.source.name if recipe.source else 'grpo train'}: held-out prompts ===")
+            print(before_after_report(before, after, samples_before, samples_after, trainer.reward_names))
+        if run.save_model:
+            print(f"\nmodel saved to {args.output_dir}")
+        if run.plot:
+            from grpo.plot import plot_run
+
+            try:
+                print(f"plot written to {plot_run(args.output_dir)}")
+            except ImportError as e:  # the run itself succeeded; say how to get the plot
+                print(f"no plot: {e} Then run `grpo plot {args.output_dir}`.")
+    return {"before": before or {}, "after": after}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grpo", description="Group Relative Policy Optimization for language models."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train_parser = commands.add_parser(
+        "train",
+        help="train from a recipe YAML file",
+        description="Train from a recipe. Any GRPOConfig field or section key (--dataset.size) can be overridden.",
+    )
+    train_parser.add_argument("recipe", help="path to the recipe YAML file (see examples/recipes/)")
+    train_parser.add_argument(
+        "overrides", nargs=argparse.REMAINDER, help="--field value or --section.field value, read as YAML"
+    )
+
+    plot_parser = commands.add_parser("plot", help="plot a run's logged metrics to a PNG")
+    plot_parser.add_argument("output_dir", help="the run's output_dir (holds trainer_state.json)")
+    plot_parser.add_argument("--out", default=None, help="where to write the PNG (default OUTPUT_DIR/training.png)")
+
+    cli = parser.parse_args(argv)
+    try:
+        if cli.command == "train":
+            train(cli.recipe, cli.overrides)
+        elif cli.command == "plot":
+            from grpo.plot import plot_run
+
+            print(plot_run(cli.output_dir, cli.out))
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

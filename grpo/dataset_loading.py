@@ -1,0 +1,106 @@
+"""Prompt data sets for recipes: local files, hub data sets and offline reasoning-gym tasks, shaped into a `prompt`
+column (plus whatever columns the rewards read).
+
+    train, held_out = load_prompt_datasets(DatasetSection(reasoning_gym="basic_arithmetic", size=500, eval_size=50))
+
+Shaping happens in this order: rename columns (`columns`, `prompt_column`), format `prompt_template` with the row's
+columns, then wrap as chat messages (`chat`, `system_prompt`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpo.recipe import LOCAL_SUFFIXES, DatasetSection, RecipeError
+
+
+def _load_source(section: DatasetSection, split: str, size: int | None, seed: int):
+    import datasets
+
+    if section.reasoning_gym is not None:
+        from grpo.rewards import reasoning_gym_dataset
+
+        try:
+            return reasoning_gym_dataset(section.reasoning_gym, size=size or 1000, seed=seed, **section.task_config)
+        except (KeyError, ValueError) as e:
+            raise RecipeError(
+                f"reasoning-gym could not make task '{section.reasoning_gym}' with {section.task_config}: {e}"
+            ) from e
+    path = Path(section.path)
+    suffix = "".join(path.suffixes[-1:]).lower()
+    if suffix in LOCAL_SUFFIXES:
+        if not path.is_file():
+            raise RecipeError(
+                f"Data file {section.path!r} not found (relative paths start from the working directory)."
+            )
+        data = datasets.load_dataset(LOCAL_SUFFIXES[suffix], data_files={split: str(path)}, split=split)
+    else:
+        # A hub data set (or a local folder in a format `load_dataset` understands).
+        data = datasets.load_dataset(section.path, section.name, split=split)
+    return data.select(range(min(size, len(data)))) if size is not None else data
+
+
+def _shape(data, section: DatasetSection):
+    mapping = dict(section.columns)
+    if section.prompt_column != "prompt":
+        mapping.setdefault(section.prompt_column, "prompt")
+    missing = [c for c in mapping if c not in data.column_names]
+    if missing:
+        raise RecipeError(
+            f"Column(s) {missing} named in the dataset section's column mapping are not in the data, whose columns "
+            f"are {data.column_names}."
+        )
+    if "prompt" in mapping.values() and "prompt" in data.column_names and mapping.get("prompt") != "prompt":
+        data = data.rename_column("prompt", "original_prompt")
+    for source, target in mapping.items():
+        if source != target:
+            data = data.rename_column(source, target)
+    if "prompt" not in data.column_names:
+        raise RecipeError(
+            f"The data has no 'prompt' column (columns: {data.column_names}). Name the prompt column with "
+            "`dataset.prompt_column: <column>` or rename it with `dataset.columns: {<column>: prompt}`."
+        )
+    template, system, chat = section.prompt_template, section.system_prompt, section.chat or section.system_prompt
+
+    def shape(row):
+        prompt = row["prompt"]
+        if template is not None:
+            if not isinstance(prompt, str):
+                raise RecipeError("prompt_template applies to string prompts; this data's prompts are chat messages.")
+            try:
+                prompt = template.format(**row)
+            except KeyError as e:
+                raise RecipeError(f"prompt_template names column {e}, which the data does not have.") from e
+        if chat and isinstance(prompt, str):
+            prompt = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+        return {"prompt": prompt}
+
+    if template is not None or chat:
+        data = data.map(shape)
+    return data
+
+
+def load_prompt_datasets(section: DatasetSection):
+    """(train, held-out or None) for a recipe's dataset section."""
+    if section.eval_split is not None and section.eval_size:
+        raise RecipeError("Give the held-out prompts as `eval_split` or `eval_size`, not both.")
+    if section.reasoning_gym is not None and section.eval_split is not None:
+        raise RecipeError("reasoning-gym tasks have no splits; use `eval_size` for held-out prompts.")
+    size = section.size
+    if section.eval_size and size is not None:
+        size += section.eval_size
+    data = _load_source(section, section.split, size, section.seed)
+    held_out = None
+    if section.eval_size:
+        if section.eval_size >= len(data):
+            raise RecipeError(f"eval_size={section.eval_size} leaves no training rows out of {len(data)}.")
+        # Generated rows are already random; a file is shuffled first so the held-out rows are not its tail.
+        if section.reasoning_gym is None:
+            data = data.shuffle(seed=section.seed)
+        held_out = data.select(range(len(data) - section.eval_size, len(data)))
+        data = data.select(range(len(data) - section.eval_size))
+    elif section.eval_split is not None:
+        held_out = _load_source(section, section.eval_split, None, section.seed)
+    return _shape(data, section), (_shape(held_out, section) if held_out is not None else None)

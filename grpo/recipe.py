@@ -1,0 +1,281 @@
+"""Recipes: one YAML file that says which model, which data, which rewards and which `GRPOConfig` to train with.
+
+    grpo train examples/recipes/demo.yaml --learning_rate 2e-5 --dataset.size 200
+
+A recipe has four kinds of top-level keys (docs/recipes.md has the reference):
+
+    model:    {name_or_path: ...}       or just `model: some/path` (a folder, a hub id, or "smollm2-135m-instruct")
+    dataset:  where the prompts come from (a local file, a hub data set or a reasoning-gym task) and how to shape them
+    rewards:  a list of built-in names or `module:function` paths, each optionally with a weight and settings
+    run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
+    anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
+
+Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
+as YAML (`--max_steps 5`, `--report_to "[tensorboard]"`). Every unknown key is an error that names the closest valid
+one. Nothing here trains: `load_recipe` only parses and validates, so a recipe can be checked without a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo.config import GRPOConfig
+
+# Built-in rewards by name: plain functions are used as they are, factories are called with the entry's `kwargs`.
+BUILTIN_REWARDS = {
+    "accuracy": ("accuracy", False),
+    "reasoning_gym": ("reasoning_gym", False),
+    "format_reward": ("format_reward", True),
+    "soft_overlong_punishment": ("soft_overlong_punishment", True),
+    "code_execution": ("code_execution", True),
+}
+
+LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class RecipeError(ValueError):
+    """A recipe (or a command-line override) that cannot be used as written; the message says what to change."""
+
+
+@dataclasses.dataclass
+class ModelSection:
+    name_or_path: str = "smollm2-135m-instruct"
+
+
+@dataclasses.dataclass
+class DatasetSection:
+    # Where the rows come from: exactly one of `path` (a local .jsonl/.json/.csv/.parquet file, or a hub data set
+    # name for `datasets.load_dataset`) and `reasoning_gym` (an offline task name, e.g. basic_arithmetic).
+    path: str | None = None
+    name: str | None = None  # the hub data set's configuration (e.g. "main" for openai/gsm8k)
+    split: str = "train"
+    reasoning_gym: str | None = None
+    task_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # reasoning-gym task settings
+    size: int | None = None  # rows to train on (reasoning-gym: rows to generate; files: the first `size` rows)
+    seed: int = 0  # reasoning-gym generation seed, and the shuffle seed of the held-out split
+    # Shaping: rename columns ({source: target}); `prompt_column` is a shortcut for {prompt_column: "prompt"}.
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+    prompt_column: str = "prompt"
+    prompt_template: str | None = None  # e.g. "{prompt}\nAnswer with a number." (any column can be named)
+    system_prompt: str | None = None
+    chat: bool = False  # wrap string prompts as [{"role": "user", "content": ...}] (for chat models)
+    # Held-out prompts for the evaluation: `eval_split` of the same source, or `eval_size` rows kept apart.
+    eval_split: str | None = None
+    eval_size: int = 0
+
+
+@dataclasses.dataclass
+class RewardSpec:
+    name: str  # a built-in name (BUILTIN_REWARDS) or "module:function"
+    weight: float | None = None
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings for a reward factory
+
+
+@dataclasses.dataclass
+class RunSection:
+    evaluate_before: bool = True  # evaluate the held-out prompts before training too, and print both
+    sample_completions: int = 4  # held-out prompts whose greedy completion is printed before and after
+    save_model: bool = True
+    plot: bool = True
+
+
+@dataclasses.dataclass
+class Recipe:
+    model: ModelSection
+    dataset: DatasetSection
+    rewards: list[RewardSpec]
+    run: RunSection
+    config: dict[str, Any]  # GRPOConfig keyword arguments
+    source: Path | None = None
+
+    def grpo_config(self) -> GRPOConfig:
+        """The `GRPOConfig`, with the rewards' weights; its own `__post_init__` errors pass through unchanged."""
+        config = dict(self.config)
+        weights = [r.weight for r in self.rewards]
+        if any(w is not None for w in weights):
+            if "reward_weights" in config:
+                raise RecipeError("Weights are given both in `rewards` and as `reward_weights`; keep one of the two.")
+            config["reward_weights"] = [1.0 if w is None else float(w) for w in weights]
+        return GRPOConfig(**config)
+
+
+_SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection}
+
+
+def config_fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
+
+
+def _unknown(key: str, valid, where: str) -> RecipeError:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return RecipeError(f"Unknown key '{key}' in {where}.{hint} See docs/recipes.md for the valid keys.")
+
+
+def _section(cls, values: Any, where: str):
+    if values is None:
+        return cls()
+    if not isinstance(values, dict):
+        raise RecipeError(f"'{where}' must be a mapping of keys to values, got {type(values).__name__}: {values!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise _unknown(key, names, f"the '{where}' section")
+    return cls(**values)
+
+
+def _reward(entry: Any, index: int) -> RewardSpec:
+    where = f"rewards[{index}]"
+    if isinstance(entry, str):
+        return RewardSpec(name=entry)
+    if not isinstance(entry, dict) or "name" not in entry:
+        raise RecipeError(
+            f"{where} must be a name ('accuracy', 'my_module:my_reward') or a mapping with a 'name' key, got {entry!r}"
+        )
+    return _section(RewardSpec, entry, where)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """YAML reads `1e-5` as a string (YAML 1.1 floats need a dot); turn strings into the numbers a field expects."""
+    if not isinstance(value, str):
+        return value
+    annotation = str(config_fields()[name].type)
+    for kind in (int, float):
+        if kind.__name__ in annotation:
+            try:
+                return kind(value)
+            except ValueError:
+                continue
+    return value
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
+    """`["--max_steps", "5", "--dataset.size=10"]` -> `[("max_steps", 5), ("dataset.size", 10)]`, values read as YAML.
+    Dashes in names become underscores, so `--max-steps` works too."""
+    import yaml
+
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise RecipeError(f"Expected an override like --field value, got {arg!r}.")
+        key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise RecipeError(f"The override --{key} needs a value: --{key} VALUE (or --{key}=VALUE).")
+            value = argv[i + 1]
+            i += 1
+        pairs.append((key.replace("-", "_"), yaml.safe_load(value) if value != "" else ""))
+        i += 1
+    return pairs
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+    raw = dict(raw)
+    for key, value in overrides:
+        section, dot, field = key.partition(".")
+        if dot:
+            if section not in _SECTIONS:
+                raise _unknown(section, _SECTIONS, "the command-line overrides (--section.field)")
+            raw[section] = {**(raw.get(section) or {}), field: value}
+        else:
+            raw[key] = value
+    return raw
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Parse and validate a recipe file plus command-line overrides. Builds no model and loads no data."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    source = None
+    if path is not None:
+        source = Path(path)
+        if not source.is_file():
+            raise RecipeError(f"Recipe file {str(source)!r} not found.")
+        raw = yaml.safe_load(source.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise RecipeError(f"{source} must hold a mapping of keys to values at the top level.")
+    raw = apply_overrides(raw, parse_overrides(overrides or []))
+
+    fields = config_fields()
+    valid = set(fields) | set(_SECTIONS) | {"rewards"}
+    config = {}
+    for key, value in raw.items():
+        if key in _SECTIONS or key == "rewards":
+            continue
+        if key not in fields:
+            raise _unknown(key, valid, str(source) if source else "the recipe")
+        config[key] = _coerce(key, value)
+    model = raw.get("model")
+    model = ModelSection(name_or_path=model) if isinstance(model, str) else _section(ModelSection, model, "model")
+    rewards = raw.get("rewards") or []
+    if isinstance(rewards, str | dict):
+        rewards = [rewards]
+    if not rewards:
+        raise RecipeError("A recipe needs at least one reward under `rewards:` (e.g. `rewards: [accuracy]`).")
+    dataset = _section(DatasetSection, raw.get("dataset"), "dataset")
+    if (dataset.path is None) == (dataset.reasoning_gym is None):
+        raise RecipeError(
+            "The dataset section needs exactly one source: `path` (a local file or a hub data set name) or "
+            "`reasoning_gym` (an offline task name such as basic_arithmetic)."
+        )
+    if "output_dir" not in config:
+        stem = source.stem if source else "grpo"
+        config["output_dir"] = os.path.join("outputs", stem)
+    recipe = Recipe(
+        model=model,
+        dataset=dataset,
+        rewards=[_reward(entry, i) for i, entry in enumerate(rewards)],
+        run=_section(RunSection, raw.get("run"), "run"),
+        config=config,
+        source=source,
+    )
+    for spec in recipe.rewards:
+        _check_reward_name(spec.name)
+    return recipe
+
+
+def _check_reward_name(name: str) -> None:
+    if ":" in name:
+        return
+    if name not in BUILTIN_REWARDS:
+        raise _unknown(name, BUILTIN_REWARDS, "rewards (built-in names; use 'module:function' for your own)")
+
+
+def resolve_reward(spec: RewardSpec, search_dirs: typing.Sequence[Path] = ()) -> Callable:
+    """The callable of a reward entry. `module:function` is imported with the working directory and `search_dirs`
+    (the recipe's folder) on the import path; a factory is called with `kwargs` when they are given."""
+    if ":" in spec.name:
+        module_name, _, attr = spec.name.partition(":")
+        for folder in [Path.cwd(), *search_dirs]:
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise RecipeError(
+                f"Reward '{spec.name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "
+                "working directory or the recipe's folder, or install the package that provides it."
+            ) from e
+        if not hasattr(module, attr):
+            raise RecipeError(f"Reward '{spec.name}': module '{module_name}' has no attribute '{attr}'.")
+        func = getattr(module, attr)
+        return func(**spec.kwargs) if spec.kwargs else func
+    from grpo import rewards
+
+    attr, is_factory = BUILTIN_REWARDS[spec.name]
+    func = getattr(rewards, attr)
+    if is_factory:
+        return func(**spec.kwargs)
+    if spec.kwargs:
+        raise RecipeError(f"The built-in reward '{spec.name}' takes no settings; remove its `kwargs`.")
+    return func

@@ -1,0 +1,184 @@
+"""Recipes: parsing, validation with suggestions, overrides, rewards by name, data sources and column mapping."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpo.cli import main
+from grpo.dataset_loading import load_prompt_datasets
+from grpo.plot import plot_run
+from grpo.recipe import DatasetSection, RecipeError, RewardSpec, load_recipe, parse_overrides, resolve_reward
+
+RECIPES = sorted((Path(__file__).parent.parent / "examples" / "recipes").glob("*.yaml"))
+
+
+def write_recipe(tmp_path, **content):
+    base = {"dataset": {"reasoning_gym": "basic_arithmetic", "size": 8}, "rewards": ["reasoning_gym"]}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**base, **content}))
+    return path
+
+
+def test_recipe_fields_and_overrides(tmp_path):
+    path = write_recipe(tmp_path, learning_rate="1e-5", max_steps=3, model="some/model")
+    recipe = load_recipe(path, ["--max_steps", "7", "--dataset.size=20", "--num-generations", "4"])
+    assert recipe.model.name_or_path == "some/model"
+    assert recipe.dataset.size == 20
+    # YAML reads 1e-5 as text; the field's type turns it into a float.
+    assert recipe.config == {
+        "learning_rate": 1e-5,
+        "max_steps": 7,
+        "num_generations": 4,
+        "output_dir": "outputs/recipe",
+    }
+    config = recipe.grpo_config()
+    assert config.max_steps == 7 and config.learning_rate == 1e-5
+
+
+def test_unknown_top_level_key_names_it_and_suggests(tmp_path):
+    path = write_recipe(tmp_path, learning_rat=1e-5)
+    with pytest.raises(RecipeError, match=r"Unknown key 'learning_rat'.*Did you mean 'learning_rate'\?"):
+        load_recipe(path)
+
+
+def test_unknown_keys_in_sections_and_overrides(tmp_path):
+    path = write_recipe(tmp_path)
+    with pytest.raises(RecipeError, match=r"'promt_column' in the 'dataset' section.*'prompt_column'"):
+        load_recipe(path, ["--dataset.promt_column", "question"])
+    with pytest.raises(RecipeError, match=r"Unknown key 'datset'.*'dataset'"):
+        load_recipe(path, ["--datset.size", "3"])
+    with pytest.raises(RecipeError, match=r"Unknown key 'acuracy'.*'accuracy'"):
+        load_recipe(write_recipe(tmp_path, rewards=["acuracy"]))
+    with pytest.raises(RecipeError, match="needs a value"):
+        parse_overrides(["--max_steps"])
+
+
+def test_cli_reports_unknown_key_and_exits_2(tmp_path, capsys):
+    path = write_recipe(tmp_path, num_generation=4)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown key 'num_generation'" in err and "Did you mean 'num_generations'?" in err
+
+
+def test_weights_go_to_reward_weights(tmp_path):
+    path = write_recipe(tmp_path, rewards=[{"name": "reasoning_gym", "weight": 2.0}, "accuracy"])
+    assert load_recipe(path).grpo_config().reward_weights == [2.0, 1.0]
+    both = write_recipe(tmp_path, rewards=[{"name": "accuracy", "weight": 2.0}], reward_weights=[1.0])
+    with pytest.raises(RecipeError, match="both"):
+        load_recipe(both).grpo_config()
+
+
+def test_dataset_needs_one_source(tmp_path):
+    with pytest.raises(RecipeError, match="exactly one source"):
+        load_recipe(write_recipe(tmp_path, dataset={"size": 3}))
+
+
+def test_resolve_rewards():
+    from grpo.rewards import accuracy
+
+    assert resolve_reward(RewardSpec("accuracy")) is accuracy
+    fmt = resolve_reward(RewardSpec("format_reward", kwargs={"pattern": r"\d+"}))
+    assert fmt(["12", "x"]) == [1.0, 0.0]
+    digit = resolve_reward(RewardSpec("tests.reward_module:contains_digit"))
+    assert digit(["a1", "b"]) == [1.0, 0.0]
+    short = resolve_reward(RewardSpec("tests.reward_module:length_at_most", kwargs={"limit": 2}))
+    assert short(["ab", "abc"]) == [1.0, 0.0]
+    with pytest.raises(RecipeError, match="cannot import module 'no_such_module'"):
+        resolve_reward(RewardSpec("no_such_module:f"))
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv", "parquet"])
+def test_local_files_with_column_mapping(tmp_path, suffix):
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {"question": [f"What is {i} + 1?" for i in range(10)], "solution": [str(i + 1) for i in range(10)]}
+    )
+    path = tmp_path / f"data.{suffix}"
+    {
+        "jsonl": lambda: frame.to_json(path, orient="records", lines=True),
+        "csv": lambda: frame.to_csv(path, index=False),
+        "parquet": lambda: frame.to_parquet(path),
+    }[suffix]()
+    section = DatasetSection(
+        path=str(path),
+        prompt_column="question",
+        columns={"solution": "answer"},
+        chat=True,
+        system_prompt="Be brief.",
+        eval_size=3,
+    )
+    train, held_out = load_prompt_datasets(section)
+    assert len(train) == 7 and len(held_out) == 3
+    assert set(train.column_names) == {"prompt", "answer"}
+    row = train[0]
+    assert row["prompt"][0] == {"role": "system", "content": "Be brief."}
+    number = int(row["prompt"][1]["content"].split()[2])
+    assert str(row["answer"]) == str(number + 1)  # the mapping kept each row's answer with its prompt
+    assert {r["prompt"][1]["content"] for r in train}.isdisjoint({r["prompt"][1]["content"] for r in held_out})
+
+
+def test_missing_prompt_column_is_explained(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(RecipeError, match="prompt_column"):
+        load_prompt_datasets(DatasetSection(path=str(path)))
+
+
+@pytest.mark.slow  # importing reasoning-gym takes about 3 s
+def test_reasoning_gym_task_with_template_and_scorer():
+    from grpo.rewards import reasoning_gym
+
+    section = DatasetSection(
+        reasoning_gym="chain_sum", size=6, eval_size=2, prompt_template="{prompt} Answer in <answer></answer>."
+    )
+    train, held_out = load_prompt_datasets(section)
+    assert len(train) == 6 and len(held_out) == 2
+    assert train[0]["prompt"].endswith("Answer in <answer></answer>.")
+    gold = [f"<answer>{a}</answer>" for a in train["answer"]]
+    assert reasoning_gym(gold, metadata=train["metadata"], answer=train["answer"]) == [1.0] * 6
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
+def test_example_recipes_validate(recipe):
+    """Every shipped recipe parses, makes a valid GRPOConfig, names rewards that resolve and opens with its command."""
+    parsed = load_recipe(recipe)
+    if not torch.cuda.is_available():  # GPU recipes ask for bf16, which TrainingArguments refuses without use_cpu
+        parsed.config.setdefault("use_cpu", True)
+    parsed.grpo_config()
+    for spec in parsed.rewards:
+        resolve_reward(spec, [recipe.parent])
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("# ") and "grpo train " + str(recipe.relative_to(recipe.parent.parent.parent)) in first
+
+
+@pytest.mark.slow  # importing matplotlib takes about 2 s
+def test_plot_writes_png(tmp_path):
+    history = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "rewards/accuracy/mean": 0.1 * s,
+            "kl": 0.01 * s,
+            "completions/mean_length": 20 - s,
+            "clip_ratio/region_mean": 0.0,
+        }
+        for s in range(1, 6)
+    ] + [{"step": 5, "eval_reward": 0.4}]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "training.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        plot_run(tmp_path / "nowhere")
+
+
+def test_demo_reward_does_not_pay_for_restating_the_question():
+    recipe = RECIPES[0].parent / "demo.yaml"
+    (spec,) = load_recipe(recipe).rewards
+    reward = resolve_reward(spec, [recipe.parent])
+    # A demo run with math-verify's `accuracy` learned the second reply, which evaluates "1 + 9" to the answer.
+    assert reward(["1 + 9 = 10", "To calculate 1 + 9, you simply add them"], answer=["10", "10"]) == [1.0, 0.0]
