@@ -206,6 +206,17 @@ def _is_sharded(weight: torch.Tensor) -> bool:
     return weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor"
 
 
+def _padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict[str, torch.Tensor]:
+    """Prompt and completion side by side, (B, P+T), with position ids that count only real tokens (cumulative sum of
+    the attention mask), as `generate` does for left-padded prompts."""
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    return {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+    }
+
+
 def _packed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     """All real tokens of the batch in one row, each sequence's positions restarting at 0, plus the index of every
     completion-predicting position in that row. Row-major order of completion_mask == 1, as boolean indexing gives."""
@@ -319,13 +330,8 @@ def _completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, co
             )
             model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             return captured[0][0, targets_at]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
             logits_to_keep=1,
             use_cache=False,
         )
@@ -340,13 +346,8 @@ def _logprobs_from_full_logits(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
 ):
     """Fallback for a sharded output projection: the model's forward builds the (B, T, V) logits."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
         logits_to_keep=completion_ids.shape[1] + 1,
         use_cache=False,
     ).logits[:, :-1, :]

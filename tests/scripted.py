@@ -83,3 +83,16 @@ def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
+
+
+def capture_batches(trainer):
+    """Record every micro-batch that reaches compute_loss."""
+    captured = []
+    original = trainer.compute_loss
+
+    def capture(model, inputs, **kwargs):
+        captured.append(inputs)
+        return original(model, inputs, **kwargs)
+
+    trainer.compute_loss = capture
+    return captured

@@ -9,7 +9,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model
-from tests.scripted import TINY, reward_len, sgd_step_update
+from tests.scripted import TINY, capture_batches, reward_len, sgd_step_update
 
 
 def make_config(tmp_path, **kwargs):
@@ -85,14 +85,7 @@ def test_model_object_with_processing_class_and_reused_batches(tmp_path, tokeniz
     )
     trainer = GRPOTrainer(model, reward_len, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     assert trainer._reuses_batches
-    captured = []
-    original = trainer.compute_loss
-
-    def capture(model, inputs, **kwargs):
-        captured.append(inputs)
-        return original(model, inputs, **kwargs)
-
-    trainer.compute_loss = capture
+    captured = capture_batches(trainer)
     trainer.train()
     assert all("old_logps" in batch for batch in captured)
     assert captured[0]["advantages"].data_ptr() == captured[1]["advantages"].data_ptr()  # the same round, replayed

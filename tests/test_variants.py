@@ -8,20 +8,15 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
-from tests.scripted import TINY, half_flat_dataset, half_flat_reward, len_as_final_step, reward_len, sgd_step_update
-
-
-def _capture_batches(trainer):
-    """Record every micro-batch that reaches compute_loss."""
-    captured = []
-    original = trainer.compute_loss
-
-    def capture(model, inputs, **kwargs):
-        captured.append(inputs)
-        return original(model, inputs, **kwargs)
-
-    trainer.compute_loss = capture
-    return captured
+from tests.scripted import (
+    TINY,
+    capture_batches,
+    half_flat_dataset,
+    half_flat_reward,
+    len_as_final_step,
+    reward_len,
+    sgd_step_update,
+)
 
 
 def test_variants_train_and_log(tmp_path, tiny_model_path, prompt_dataset):
@@ -56,7 +51,7 @@ def test_process_reward_per_token_advantages_reach_the_loss(tmp_path, tiny_model
 
     args = GRPOConfig(output_dir=str(tmp_path), **{**TINY, "max_steps": 2}, reward_weights=[1.0, 0.5])
     trainer = GRPOTrainer(tiny_model_path, [first_and_last, reward_len], args=args, train_dataset=prompt_dataset)
-    captured = _capture_batches(trainer)
+    captured = capture_batches(trainer)
     trainer.train()
     assert trainer.reward_names == ["reward_len", "first_and_last"]  # outcome functions first
     for batch in captured:
@@ -119,7 +114,7 @@ def test_dynamic_sampling_no_zero_variance_group_reaches_the_loss(tmp_path, toke
         return half_flat_reward(completions, flat)
 
     trainer.reward_funcs = [spy]
-    captured = _capture_batches(trainer)
+    captured = capture_batches(trainer)
     trainer.train()
     assert True in seen_flat  # flat groups were generated ...
     assert len(captured) == 6
