@@ -2,6 +2,7 @@
 
     grpo train RECIPE.yaml [--field value ...]    train from a recipe (docs/recipes.md); works under accelerate launch
     grpo plot OUTPUT_DIR                          reward, KL, length and clip ratio against step, as a PNG
+    grpo vllm-serve --model PATH_OR_ID [...]      a vLLM generation server for `use_vllm=True` (docs/vllm.md)
 
 `grpo train` does, in order:
   1. parse and validate the recipe and the overrides (unknown keys stop here, before any model is loaded);
@@ -177,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     plot_parser.add_argument("output_dir", help="the run's output_dir (holds trainer_state.json)")
     plot_parser.add_argument("--out", default=None, help="where to write the PNG (default OUTPUT_DIR/training.png)")
 
+    serve_parser = commands.add_parser(
+        "vllm-serve",
+        help="serve a vLLM engine for generation during training (docs/vllm.md)",
+        description="Serve a vLLM engine over HTTP for GRPOTrainer(use_vllm=True): generation with n completions per "
+        "prompt and weight updates from the trainer. Needs vLLM installed in this environment.",
+    )
+    from grpo.vllm_server import add_arguments
+
+    add_arguments(serve_parser)
+
     cli = parser.parse_args(argv)
     try:
         if cli.command == "train":
@@ -185,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             from grpo.plot import plot_run
 
             print(plot_run(cli.output_dir, cli.out))
+        elif cli.command == "vllm-serve":
+            from grpo.vllm_server import serve
+
+            serve(cli)
     except (RecipeError, FileNotFoundError) as e:
         print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,15 +1,16 @@
 """Sampling completions: one small interface, and the `model.generate` backend behind it.
 
 A backend takes prompt token ids (one list per row; each prompt's G copies are consecutive) and returns raw
-completion token ids per row. `cut_at_eos` then applies the one rule the spec fixes: a completion ends at its first
-end-of-sequence token, which stays in the loss; one that never emits it is *truncated*. A vLLM server backend
-implements the same `generate` (docs/architecture.md).
+completion token ids per row, and the log-probs the sampler gave those tokens when it has them (a vLLM engine does;
+`model.generate` here does not, as they would equal the trainer's own). `cut_at_eos` then applies the one rule the
+spec fixes: a completion ends at its first end-of-sequence token, which stays in the loss; one that never emits it
+is *truncated*. The vLLM server backend is `grpo.vllm_client.VLLMGeneration` (docs/vllm.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -18,9 +19,14 @@ from transformers import GenerationConfig
 from grpo.data import pad
 
 
+class Completions(NamedTuple):
+    ids: list[list[int]]  # one completion per prompt row; anything after its first EOS is ignored
+    logprobs: list[list[float]] | None = None  # the sampler's log-prob of each token of `ids`, if it reports them
+
+
 class GenerationBackend(Protocol):
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """Sample one completion per row of `prompt_ids`; return its token ids (anything after EOS is ignored)."""
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        """Sample one completion per row of `prompt_ids` (each prompt's G copies are consecutive rows)."""
         ...
 
 
@@ -56,7 +62,7 @@ class TransformersGeneration:
         self.generation_config = GenerationConfig(**{**settings, **(generation_kwargs or {})})
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
         device = next(model.parameters()).device
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
         was_training = model.training
@@ -69,7 +75,7 @@ class TransformersGeneration:
             )
         finally:
             model.train(was_training)
-        return output[:, input_ids.shape[1] :].tolist()
+        return Completions(output[:, input_ids.shape[1] :].tolist())
 
 
 def cut_at_eos(

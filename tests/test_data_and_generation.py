@@ -56,7 +56,7 @@ def test_transformers_generation_samples_and_restores_mode(tokenizer):
     model.train()
     backend = TransformersGeneration(max_completion_length=6, pad_token_id=PAD, eos_token_ids=[EOS], top_k=0)
     prompts = tokenize_prompts(["hello", "a longer prompt"], tokenizer, None)
-    out = backend.generate(model, prompts)
+    out = backend.generate(model, prompts).ids
     assert len(out) == 2 and all(1 <= len(o) <= 6 for o in out)
     assert model.training
     assert backend.generation_config.top_k == 0  # top-k off unless asked for

@@ -1,0 +1,364 @@
+"""`grpo vllm-serve`: a vLLM engine behind a small HTTP API, for generation during GRPO training (docs/vllm.md).
+
+    grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--tensor-parallel-size N]
+                    [--data-parallel-size N] [--gpu-memory-utilization F] [--max-model-len N] [--dtype D]
+                    [--enforce-eager]
+
+Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
+    GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size
+    POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs
+    POST /init_communicator    open the weight-sync process group (grpo/weight_sync.py) with the trainer
+    POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache
+    POST /reset_prefix_cache   drop cached prefixes (computed with older weights)
+    POST /close_communicator   close the weight-sync group
+
+Layout: this process serves HTTP and runs no model; each of the `data_parallel_size` engines is a child process
+with its own `vllm.LLM` on `tensor_parallel_size` devices. A request's prompts are split among the engines; a weight
+update reaches them all. Engine calls are serialised by one lock, so a weight update never interleaves with a
+generation. vLLM is imported only in the engine processes.
+"""
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any
+
+from grpo.weight_sync import open_group, receive_weights
+
+logger = logging.getLogger("grpo.vllm_server")
+
+
+# ---- The worker side of weight sync: mixed into vLLM's worker class (`worker_extension_cls`) ----
+
+
+class WeightSyncWorker:
+    """Methods vLLM adds to each of its workers; the engine calls them with `LLM.collective_rpc`."""
+
+    weight_group = None
+
+    def open_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str, timeout):
+        if self.weight_group is not None:
+            raise RuntimeError("the weight-sync group is already open; close it first (/close_communicator)")
+        self.weight_group = open_group(host, port, first_rank + self.rank, world_size, backend, timeout)
+
+    def receive_weights(self) -> None:
+        """Stream the buckets the trainer broadcasts into the model (grpo/weight_sync.py).
+
+        `reload_weights` is the engine's in-place reload: it takes checkpoint (Hugging Face) names, fuses q/k/v
+        and gate/up, shards for tensor parallelism and repacks for the device's kernels, on CPU and GPU alike (the
+        model's own `load_weights` fails on vLLM's CPU build once weights were repacked)."""
+        if self.weight_group is None:
+            raise RuntimeError("no weight-sync group is open; call /init_communicator first")
+        try:
+            self.model_runner.reload_weights(weights_iterator=receive_weights(self.weight_group, self.device))
+        except Exception:
+            # A transfer cut short leaves layers that were waiting for tensors on the meta device, and every later
+            # generation would fail. Put the old tensors back; the trainer's next update then loads a full set.
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            raise
+
+    def close_weight_group(self) -> None:
+        self.weight_group = None
+
+
+# ---- An engine process ----
+
+
+def _resolve_model(name: str) -> str:
+    from grpo.models import SMOLLM2_NAME, smollm2_path
+
+    return str(smollm2_path()) if name == SMOLLM2_NAME else name
+
+
+def _engine_main(conn, engine_kwargs: dict, env: dict) -> None:
+    """Run one `vllm.LLM` and answer (command, kwargs) messages on `conn` until the pipe closes."""
+    os.environ.update(env)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=_resolve_model(engine_kwargs.pop("model")),
+        worker_extension_cls=f"{__name__}.WeightSyncWorker",
+        # Log-probs after temperature (and penalties): the distribution the tokens were drawn from, which is
+        # what the trainer's importance-sampling correction compares with.
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        **engine_kwargs,
+    )
+    config = llm.llm_engine.vllm_config
+
+    def generate(prompts, seeds, n, logprobs, **sampling):
+        params = [
+            SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ids, logps = [], []
+        for output in outputs:
+            for sample in output.outputs:
+                ids.append(list(sample.token_ids))
+                if logprobs:
+                    logps.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
+        return {"completion_ids": ids, "logprobs": logps if logprobs else None}
+
+    def update_weights():
+        llm.collective_rpc("receive_weights")
+        llm.reset_prefix_cache()
+
+    handlers = {
+        "generate": generate,
+        "update_weights": update_weights,
+        "reset_prefix_cache": lambda: llm.reset_prefix_cache(),
+        "open_weight_group": lambda **kw: llm.collective_rpc("open_weight_group", kwargs=kw),
+        "close_weight_group": lambda: llm.collective_rpc("close_weight_group"),
+    }
+    conn.send(
+        (
+            "ok",
+            {
+                "dtype": str(config.model_config.dtype).removeprefix("torch."),
+                "device": config.device_config.device_type,
+                "max_model_len": config.model_config.max_model_len,
+            },
+        )
+    )
+    while True:
+        try:
+            command, kwargs = conn.recv()
+        except (EOFError, OSError):  # the server process is gone
+            return
+        try:
+            conn.send(("ok", handlers[command](**kwargs)))
+        except Exception as e:  # the server answers the request with this message
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class EngineError(RuntimeError):
+    """An engine rejected a request (bad input, or an engine failure); the message is the engine's."""
+
+
+class Engines:
+    """The data-parallel engine processes, each a `vllm.LLM` on `tensor_parallel_size` devices."""
+
+    def __init__(self, engine_kwargs: dict, data_parallel_size: int, tensor_parallel_size: int):
+        context = multiprocessing.get_context("spawn")  # vLLM and CUDA do not survive fork
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tensor_parallel_size)]
+        self.lock = threading.Lock()
+        self.tensor_parallel_size = tensor_parallel_size
+        self.conns, self.processes = [], []
+        for rank in range(data_parallel_size):
+            env = {
+                # The engine core runs in the engine process itself (vLLM V1's own child process would be a third
+                # process level); tensor-parallel workers still get processes of their own.
+                "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                "CUDA_VISIBLE_DEVICES": ",".join(devices[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size]),
+            }
+            parent, child = context.Pipe()
+            process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env), daemon=True)
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.processes.append(process)
+        self.info = self._receive(len(self.conns))[0]
+
+    def call(self, command: str, per_engine: list[dict] | None = None, **kwargs) -> list[Any]:
+        """Run `command` on the engines at once: on every engine with `kwargs`, or on the first len(per_engine)
+        engines, each with its own kwargs. Returns their results in engine order."""
+        messages = per_engine if per_engine is not None else [kwargs] * len(self.conns)
+        with self.lock:
+            for conn, message in zip(self.conns, messages):
+                conn.send((command, message))
+            return self._receive(len(messages))
+
+    def _receive(self, count: int) -> list[Any]:
+        replies = []
+        for rank, conn in enumerate(self.conns[:count]):
+            try:
+                replies.append(conn.recv())
+            except EOFError:
+                raise EngineError(f"engine {rank} exited (see its log above)") from None
+        errors = [value for status, value in replies if status == "error"]
+        if errors:
+            raise EngineError(errors[0])
+        return [value for _, value in replies]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+# ---- HTTP ----
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """`items` cut into `parts` contiguous chunks whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def build_app(engines: Engines, settings: dict):
+    """The FastAPI application over `engines`; `settings` is what /health reports besides the engines' info.
+    (This module has no `from __future__ import annotations`: FastAPI reads the request models from the handlers'
+    annotations, which must be real classes, not strings naming locals.)"""
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class GenerateRequest(Strict):
+        prompts: list[list[int]] = Field(min_length=1)
+        n: int = Field(1, ge=1)
+        max_tokens: int = Field(16, ge=1)
+        temperature: float = Field(1.0, ge=0.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_k: int = Field(0, ge=-1)
+        min_p: float = Field(0.0, ge=0.0, le=1.0)
+        repetition_penalty: float = Field(1.0, gt=0.0)
+        seed: int | None = None
+        stop_token_ids: list[int] | None = None
+        logprobs: bool = True
+
+    class InitRequest(Strict):
+        port: int = Field(ge=1, le=65535)
+        timeout: float = Field(120.0, gt=0)
+
+    class UpdateRequest(Strict):
+        version: int  # the trainer's tag for these weights (its optimizer step); /generate answers with it
+
+    app = FastAPI(title="grpo vllm-serve")
+    # The weight-sync group's size once open; the version of the weights loaded (None: the model's own from disk).
+    state: dict[str, Any] = {"world_size": None, "weights_version": None}
+
+    def run(label: str, command: str, detail: str = "", **kwargs):
+        start = time.perf_counter()
+        try:
+            result = engines.call(command, **kwargs)
+        except EngineError as e:
+            logger.info("%s failed in %.3f s: %s", label, time.perf_counter() - start, e)
+            raise HTTPException(status_code=400, detail=str(e)) from None
+        logger.info("%s %sin %.3f s", label, detail, time.perf_counter() - start)
+        return result
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", **settings, **engines.info, "weight_sync_world_size": 1 + _num_workers()}
+
+    def _num_workers() -> int:
+        return len(engines.conns) * engines.tensor_parallel_size
+
+    @app.post("/generate")
+    def generate(request: GenerateRequest):
+        if any(not prompt for prompt in request.prompts):
+            raise HTTPException(status_code=422, detail="every prompt needs at least one token id")
+        sampling = request.model_dump(exclude={"prompts", "seed"})
+        # Seeds are per prompt, from its index in the request, so the split among engines does not change them;
+        # vLLM gives the n samples of a prompt seeds seed, seed + 1, ..., seed + n - 1.
+        seeds = [None if request.seed is None else request.seed + i * request.n for i in range(len(request.prompts))]
+        # Engines with no prompt of their own (fewer prompts than engines) get no request.
+        per_engine = [
+            {"prompts": p, "seeds": s, **sampling}
+            for p, s in zip(_split(request.prompts, len(engines.conns)), _split(seeds, len(engines.conns)))
+            if p
+        ]
+        detail = f"{len(request.prompts)} prompts x n={request.n} "
+        results = run("generate", "generate", detail, per_engine=per_engine)
+        return {
+            "weights_version": state["weights_version"],
+            "completion_ids": [ids for result in results for ids in result["completion_ids"]],
+            "logprobs": [lp for result in results for lp in result["logprobs"]] if request.logprobs else None,
+        }
+
+    @app.post("/init_communicator")
+    def init_communicator(request: InitRequest):
+        world_size = 1 + _num_workers()
+        backend = "nccl" if engines.info["device"] == "cuda" else "gloo"
+        per_engine = [
+            {
+                "host": "127.0.0.1",  # the workers all run here; rank 1 hosts the store, the trainer dials in
+                "port": request.port,
+                "first_rank": 1 + rank * engines.tensor_parallel_size,
+                "world_size": world_size,
+                "backend": backend,
+                "timeout": request.timeout,
+            }
+            for rank in range(len(engines.conns))
+        ]
+        run("init_communicator", "open_weight_group", f"world_size={world_size} backend={backend} ", per_engine=per_engine)
+        state["world_size"] = world_size
+        return {"world_size": world_size, "backend": backend}
+
+    @app.post("/update_weights")
+    def update_weights(request: UpdateRequest):
+        if state["world_size"] is None:
+            raise HTTPException(status_code=409, detail="no weight-sync group is open: POST /init_communicator first")
+        state["weights_version"] = None  # a failed update leaves the weights half old, half new
+        run("update_weights", "update_weights", f"version {request.version} ")
+        state["weights_version"] = request.version
+        return {"status": "ok", "weights_version": request.version}
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache():
+        run("reset_prefix_cache", "reset_prefix_cache")
+        return {"status": "ok"}
+
+    @app.post("/close_communicator")
+    def close_communicator():
+        if state["world_size"] is not None:
+            run("close_communicator", "close_weight_group")
+            state["world_size"] = None
+        return {"status": "ok"}
+
+    return app
+
+
+def serve(args) -> None:
+    """Start the engines, then serve HTTP until interrupted (`args` from `grpo vllm-serve`)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.vllm_server %(message)s")
+    engine_kwargs = {
+        "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
+        "seed": args.seed,
+    }
+    start = time.perf_counter()
+    engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size)
+    settings = {
+        "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+    }
+    logger.info("%d engine(s) ready in %.1f s; serving on http://%s:%d", args.data_parallel_size, time.perf_counter() - start, args.host, args.port)
+    try:
+        uvicorn.run(build_app(engines, settings), host=args.host, port=args.port, access_log=False, log_level="warning")
+    finally:
+        engines.close()
+
+
+def add_arguments(parser) -> None:
+    """The `grpo vllm-serve` options."""
+    parser.add_argument("--model", required=True, help="model path or hub id (or smollm2-135m-instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engines, each a full model copy")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU for vLLM")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion, in tokens")
+    parser.add_argument("--dtype", default="auto", help="weights dtype: auto, bfloat16, float16 or float32")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (fast start)")
+    parser.add_argument("--seed", type=int, default=0)
