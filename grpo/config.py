@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, SCALE_REWARDS
 from grpo.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
@@ -252,6 +252,63 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Exclude completions that hit `max_completion_length` without EOS from the loss (DAPO)."},
     )
 
+    # ---- Generation on a vLLM server (docs/vllm.md) ----
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate completions on a vLLM server started with `grpo vllm-serve` instead of with "
+            "`model.generate`. The trainer pushes its weights to the server before each generation that follows an "
+            "optimizer step."
+        },
+    )
+    vllm_mode: str = field(
+        default="server",
+        metadata={"help": "How vLLM runs: 'server' (a separate `grpo vllm-serve` process) is the one mode built."},
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "The server's base URL, e.g. 'http://10.0.0.5:8000'; when set, host and port are ignored."},
+    )
+    vllm_server_host: str = field(
+        default="127.0.0.1", metadata={"help": "Host of the vLLM server (ignored when vllm_server_base_url is set)."}
+    )
+    vllm_server_port: int = field(
+        default=8000, metadata={"help": "Port of the vLLM server (ignored when vllm_server_base_url is set)."}
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={
+            "help": "Seconds to keep retrying, with backoff, when the server does not answer (still starting, or "
+            "gone) before failing with an error that says how to start it; also the weight-sync group's timeout."
+        },
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "Port on the server's host for the weight-sync process group (any free port)."},
+    )
+    vllm_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={"help": "Size of the buckets the weights are sent in, in MiB (one broadcast per bucket)."},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Reweight each token's loss by the capped ratio of the trainer's and the engine's probability of "
+            "the sampled token (truncated importance sampling), correcting for their numerical mismatch."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "'token_truncate' (min(ratio, cap) per token), 'token_mask' (0 above the cap), "
+            "'sequence_truncate' or 'sequence_mask' (one ratio per completion: the product over its tokens)."
+        },
+    )
+    vllm_importance_sampling_cap: float = field(
+        default=2.0,
+        metadata={"help": "The cap C of the importance-sampling ratio (truncation or masking threshold)."},
+    )
+
     # ---- Logging ----
     log_completions: bool = field(
         default=False,
@@ -354,6 +411,25 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"reward_num_workers={self.reward_num_workers} must be an integer >= 0 (0 = no threads).")
         if self.reward_worker_type not in REWARD_WORKER_TYPES:
             raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
+        if self.vllm_mode != "server":
+            raise ValueError(
+                f"vllm_mode={self.vllm_mode!r}: only 'server' is built. Start a server with `grpo vllm-serve --model "
+                "...` and set use_vllm=True (docs/vllm.md)."
+            )
+        if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
+                f"{SAMPLING_CORRECTIONS}."
+            )
+        if not self.vllm_importance_sampling_cap > 0:
+            raise ValueError(f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0.")
+        if not self.vllm_sync_bucket_mb > 0:
+            raise ValueError(f"vllm_sync_bucket_mb={self.vllm_sync_bucket_mb} must be > 0.")
+        if self.use_vllm and self.generation_kwargs:
+            raise ValueError(
+                f"generation_kwargs={self.generation_kwargs} are `model.generate` options, which the vLLM server does "
+                "not take; use the GRPOConfig sampling fields (temperature, top_p, top_k, min_p, repetition_penalty)."
+            )
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
 

@@ -23,6 +23,7 @@ _TOKEN_KEYS = (
     ("completion_ids", "right"),
     ("completion_mask", "right"),
     ("loss_mask", "right"),
+    ("sampling_logps", "right"),  # None unless the sampler reports log-probs (vLLM)
 )
 
 
@@ -49,6 +50,8 @@ def gather_round(accelerator, pad_token_id: int, round_: dict[str, Any]) -> dict
     out = dict(round_)
     out["prompts"], out["completions"] = gather_object(round_["prompts"]), gather_object(round_["completions"])
     for key, side in _TOKEN_KEYS:
+        if round_.get(key) is None:
+            continue
         fill = pad_token_id if key.endswith("_ids") else 0
         padded = accelerator.pad_across_processes(round_[key], dim=1, pad_index=fill, pad_first=side == "left")
         out[key] = gather(padded)
@@ -78,11 +81,12 @@ def select_rows(
         "prompts": [rounds[r]["prompts"][i] for r, i in picked],
         "completions": [rounds[r]["completions"][i] for r, i in picked],
     }
-    for key, side in _TOKEN_KEYS:
+    keys = [(key, side) for key, side in _TOKEN_KEYS if rounds[0].get(key) is not None]
+    for key, side in keys:
         out[key] = _stack(rounds, key, picked, pad_token_id if key.endswith("_ids") else 0, side)
     prompt_width = max(int(out["prompt_mask"].sum(dim=1).max()), 1)
     completion_width = max(int(out["completion_mask"].sum(dim=1).max()), 1)
-    for key, side in _TOKEN_KEYS:
+    for key, side in keys:
         out[key] = out[key][:, -prompt_width:] if side == "left" else out[key][:, :completion_width]
     out["is_truncated"] = torch.stack([rounds[r]["is_truncated"][i] for r, i in picked])
     out["rewards_per_func"] = torch.stack([rounds[r]["rewards_per_func"][i] for r, i in rows])  # (B_global, K)

@@ -29,6 +29,11 @@ class GenerationBackend(Protocol):
         """Sample one completion per row of `prompt_ids` (each prompt's G copies are consecutive rows)."""
         ...
 
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Make the sampler use `model`'s current weights, tagged `version` (the optimizer step); called by every
+        process before each generation, it does nothing when the weights of `version` are already there."""
+        ...
+
 
 class TransformersGeneration:
     """Samples with the policy's own `generate`, on the trainer's device, prompts left-padded."""
@@ -60,6 +65,9 @@ class TransformersGeneration:
             "use_cache": True,
         }
         self.generation_config = GenerationConfig(**{**settings, **(generation_kwargs or {})})
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Nothing to do: `generate` samples with the live model."""
 
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:

@@ -15,6 +15,7 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -198,6 +199,45 @@ def entropy_threshold(entropies: torch.Tensor, top_quantile: float) -> torch.Ten
     return torch.nanquantile(entropies, 1.0 - top_quantile, interpolation="linear")
 
 
+def sampling_correction(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_truncate",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights that correct for sampling with an engine whose log-probs differ from the trainer's.
+
+    An inference engine (vLLM) samples o ~ pi_sampler, close to but not equal to the trainer's pi_old (other kernels,
+    other precision). Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training") reweights each token's loss by the capped ratio:
+
+        rho_it = exp(old_it - sampling_it)
+        w_it   = min(rho_it, C)                                  "token_truncate"
+        w_it   = rho_it if rho_it <= C else 0                     "token_mask"
+        rho_i  = exp( sum_t (old_it - sampling_it) m_it )        "sequence_*": the sequence's likelihood ratio,
+        w_i    = min(rho_i, C)  or  rho_i if rho_i <= C else 0    one weight for every token of the row
+
+    Shapes: old_logps, sampling_logps, mask (B, T). Returns (weights (B, T), stats) with the weights detached and 1 at
+    masked positions. stats, over the loss tokens (rows without one count as empty): `logp_difference` (B, T) =
+    |old - sampling| and `ratio`, the weights before the cap, (B, T) for token modes or (B, 1) for sequence modes.
+    """
+    if mode not in SAMPLING_CORRECTIONS:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {SAMPLING_CORRECTIONS}")
+    mask = mask.bool()
+    log_ratio = torch.where(mask, old_logps - sampling_logps, 0.0).detach()  # (B, T)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        weights = torch.clamp(ratio, max=cap)
+    else:
+        weights = torch.where(ratio <= cap, ratio, 0.0)
+    weights = torch.where(mask, weights.expand_as(mask), 1.0)
+    difference = torch.where(mask, (old_logps - sampling_logps).abs(), 0.0).detach()
+    return weights, {"logp_difference": difference, "ratio": ratio}
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
@@ -214,19 +254,21 @@ def policy_loss(
     policy_mask: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (GRPO_SPEC.md section 2).
 
         ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
         s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )
-        l_it     = -(s_it * h_it - beta * kl_k3(logp_it, ref_it))
+        l_it     = -(s_it * h_it - beta * kl_k3(logp_it, ref_it)) * w_it
         loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
 
     `delta` (two-sided clipping, INTELLECT-2, arXiv:2505.07291) caps the unclipped ratio, which bounds the update of
     a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
     term only where it is 1 (e.g. the highest-entropy tokens); the KL term and the normaliser still cover every
-    loss token. None means h = 1.
+    loss token. None means h = 1. `sampling_weights` w (B, T) reweights each token's whole loss, for samples drawn by
+    another engine (`sampling_correction`); None means w = 1.
 
     Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
     on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp (at sequence level, the
@@ -271,6 +313,8 @@ def policy_loss(
         kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
         per_token_loss = per_token_loss + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask)
+    if sampling_weights is not None:
+        per_token_loss = per_token_loss * sampling_weights
 
     loss = aggregate(
         per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer

@@ -31,7 +31,7 @@ from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
 from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
 from grpo.generation import TransformersGeneration, cut_at_eos
 from grpo.logprobs import completion_logprobs
-from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss
+from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss, sampling_correction
 from grpo.metrics import MetricsWindow, format_completions, write_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
 from grpo.process import is_process_reward, score_process
@@ -42,7 +42,15 @@ RewardFunc = Callable[..., list] | PreTrainedModel | str
 
 # Entries of a batch with one column per completion token (trimmed to each micro-batch's longest completion).
 # Advantages are per token only with process rewards (B, T); per row (B,) they are not trimmed.
-_COMPLETION_KEYS = ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps", "advantages")
+_COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "loss_mask",
+    "old_logps",
+    "ref_logps",
+    "sampling_logps",
+    "advantages",
+)
 
 
 def _identity(features):
@@ -150,17 +158,6 @@ class GRPOTrainer(Trainer):
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
 
-        self.generation = TransformersGeneration(
-            max_completion_length=args.max_completion_length,
-            pad_token_id=processing_class.pad_token_id,
-            eos_token_ids=self.eos_token_ids,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            generation_kwargs=args.generation_kwargs,
-        )
         self._metrics = {"train": MetricsWindow(), "eval": MetricsWindow()}
         self._buffer: list[dict[str, torch.Tensor]] = []  # micro-batches of the current generation round
         self._step = 0  # training micro-steps taken (resumes from global_step)
@@ -189,8 +186,44 @@ class GRPOTrainer(Trainer):
             self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
             for f in self.reward_funcs
         ]
+        self.generation = self._generation_backend(args, processing_class.pad_token_id)
         # Each process samples with its own seed: rows of one group on two processes must not share random draws.
         set_seed(args.seed, device_specific=True)
+
+    def _generation_backend(self, args: GRPOConfig, pad_token_id: int):
+        """Step 2's sampler: the policy's own `generate`, or a vLLM server (`use_vllm`, docs/vllm.md)."""
+        sampling = dict(
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+        )
+        if not args.use_vllm:
+            return TransformersGeneration(
+                pad_token_id=pad_token_id,
+                eos_token_ids=self.eos_token_ids,
+                generation_kwargs=args.generation_kwargs,
+                **sampling,
+            )
+        from grpo.vllm_client import VLLMClient, VLLMGeneration
+
+        client = VLLMClient(
+            base_url=args.vllm_server_base_url,
+            host=args.vllm_server_host,
+            port=args.vllm_server_port,
+            timeout=args.vllm_server_timeout,
+            group_port=args.vllm_group_port,
+        )
+        return VLLMGeneration(
+            self.accelerator,
+            client=client,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+            **sampling,
+        )
 
     @staticmethod
     def _eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
@@ -308,10 +341,13 @@ class GRPOTrainer(Trainer):
         prompt_ids_list = tokenize_prompts(
             [render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length
         )
-        raw = self.generation.generate(self.accelerator.unwrap_model(self.model), prompt_ids_list)
+        # A sampler with weights of its own (vLLM) first gets those of the latest optimizer step.
+        policy = self.accelerator.unwrap_model(self.model)
+        self.generation.sync_weights(policy, version=self.state.global_step)
+        raw = self.generation.generate(policy, prompt_ids_list)
 
         # 3. Cut after the first EOS (kept); a completion without one is truncated.
-        completion_ids_list, truncated = cut_at_eos(raw, self.eos_token_ids, args.max_completion_length)
+        completion_ids_list, truncated = cut_at_eos(raw.ids, self.eos_token_ids, args.max_completion_length)
         prompt_ids, prompt_mask = pad(prompt_ids_list, tokenizer.pad_token_id, side="left")
         completion_ids, completion_mask = pad(completion_ids_list, tokenizer.pad_token_id, side="right")
         is_truncated = torch.tensor(truncated)
@@ -320,6 +356,12 @@ class GRPOTrainer(Trainer):
             if args.mask_truncated_completions
             else completion_mask
         )
+
+        sampling_logps = None
+        if raw.logprobs is not None:
+            cut = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids_list)]
+            width = completion_ids.shape[1]
+            sampling_logps = torch.tensor([row + [0.0] * (width - len(row)) for row in cut], device=device)
 
         # 4. Score, then gather: a group may span processes.
         completions = decode_completions(completion_ids_list, prompts, tokenizer)
@@ -362,6 +404,7 @@ class GRPOTrainer(Trainer):
             "completion_mask": completion_mask.to(device),
             "loss_mask": loss_mask.to(device),
             "is_truncated": is_truncated.to(device),
+            "sampling_logps": sampling_logps,  # (B, T) the sampler's own log-probs (vLLM), or None
             "rewards_per_func": rewards_per_func,  # (B_global, K_outcome), gathered
             "step_rewards": step_rewards,  # (B_global, K_process, T_global), gathered
         }
@@ -448,6 +491,8 @@ class GRPOTrainer(Trainer):
         batch = {key: round_[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         batch["loss_mask"] = round_["loss_mask"]
         batch["advantages"] = local_advantages
+        if round_.get("sampling_logps") is not None and args.vllm_importance_sampling_correction:
+            batch["sampling_logps"] = round_["sampling_logps"]
         # 6-7. Old and reference log-probs, recorded once, before any update.
         with torch.no_grad():
             chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
@@ -522,6 +567,19 @@ class GRPOTrainer(Trainer):
             local = torch.where(inputs["loss_mask"].bool(), entropy, torch.nan).reshape(-1)
             everyone = gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
             policy_mask = entropy >= entropy_threshold(everyone, args.top_entropy_quantile)
+        sampling_weights = None
+        if "sampling_logps" in inputs:
+            # The engine sampled from its own numerics, not exactly pi_old: truncated importance sampling. On-policy,
+            # pi_old is the current policy (logps.detach()), so no extra forward pass is needed.
+            old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
+            sampling_weights, sampling_stats = sampling_correction(
+                old,
+                inputs["sampling_logps"],
+                inputs["loss_mask"],
+                mode=args.vllm_importance_sampling_mode,
+                cap=args.vllm_importance_sampling_cap,
+            )
+            self._record_sampling_metrics(mode, sampling_stats, inputs["loss_mask"])
         normalizer = None
         if args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
@@ -542,6 +600,7 @@ class GRPOTrainer(Trainer):
             policy_mask=policy_mask,
             max_completion_length=args.max_completion_length,
             normalizer=normalizer,
+            sampling_weights=sampling_weights,
         )
         if mode == "train" and args.loss_type != "dapo":
             # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
@@ -557,6 +616,35 @@ class GRPOTrainer(Trainer):
         for name, total in zip(names, totals[1:]):
             self._metrics[mode].add_mean(name, total, totals[0])
         return loss
+
+    def _record_sampling_metrics(self, mode: str, stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> None:
+        """`sampling/*`: how far the engine's log-probs are from the trainer's, and the importance ratios, over the
+        loss tokens of all processes (sequence modes: over the rows with a loss token)."""
+        mask = loss_mask.bool()
+        ratio = stats["ratio"]  # (B, T), or (B, 1) per sequence
+        ratio = ratio[mask] if ratio.shape == mask.shape else ratio[mask.any(dim=1)].reshape(-1)
+        difference = stats["logp_difference"][mask]
+        floor = torch.full((1,), -torch.inf, device=mask.device)  # max() of nothing
+        local = torch.stack(
+            [
+                difference.sum(),
+                torch.tensor(float(difference.numel()), device=mask.device),
+                ratio.sum(),
+                torch.tensor(float(ratio.numel()), device=mask.device),
+                torch.cat([difference, floor]).max(),
+                torch.cat([ratio, floor]).max(),
+                torch.cat([-ratio, floor]).max(),
+            ]
+        )
+        everyone = gather(local.unsqueeze(0))  # (P, 7)
+        sums, peaks = everyone[:, :4].sum(dim=0), everyone[:, 4:].amax(dim=0)
+        metrics = self._metrics[mode]
+        metrics.add_mean("sampling/sampling_logp_difference/mean", sums[0], sums[1])
+        metrics.add_mean("sampling/importance_sampling_ratio/mean", sums[2], sums[3])
+        if sums[1] > 0:
+            metrics.add_max("sampling/sampling_logp_difference/max", peaks[0])
+            metrics.add_max("sampling/importance_sampling_ratio/max", peaks[1])
+            metrics.add_min("sampling/importance_sampling_ratio/min", -peaks[2])
 
     def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -168,3 +170,138 @@ class VLLMClient:
             self.request("/close_communicator", {}, retry=False)
         except VLLMServerError:
             pass  # the server is gone or broken; the caller reports the original error
+
+
+# ---- The weights as a checkpoint names them ----
+
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter that may be sharded across processes (every process must call this)."""
+    if hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.data.detach().clone()
+    if hasattr(param, "full_tensor"):  # FSDP2 (DTensor)
+        return param.full_tensor().detach()
+    return param.detach()
+
+
+def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight of `model` under the names of its Hugging Face checkpoint, which the engine's
+    loader expects. A PEFT model yields its base weights with the LoRA deltas merged in (W + scale * B A, computed
+    here; the model is not modified) and drops the adapter tensors."""
+    if any("_fsdp_wrapped_module" in name for name, _ in model.named_parameters()):
+        raise NotImplementedError(
+            "Weight sync to vLLM does not support FSDP version 1 (flattened parameters); use FSDP2 "
+            "(`fsdp_version: 2` in the accelerate config) or DeepSpeed."
+        )
+    is_peft = getattr(model, "peft_config", None) is not None
+    lora_layers = {}
+    if is_peft:
+        lora_layers = {
+            name: module
+            for name, module in model.named_modules()
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
+        }
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_peft and (".lora_" in name or ".original_module." in name):
+                continue
+            tensor = _full(param)
+            owner, _, leaf = name.rpartition(".base_layer.")
+            if owner in lora_layers and leaf == "weight":
+                layer = lora_layers[owner]
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            if is_peft:
+                name = _MODULES_TO_SAVE.sub(".", name.removeprefix("base_model.model.").replace(".base_layer.", "."))
+            yield name, tensor
+
+
+# ---- The trainer's generation backend ----
+
+
+class VLLMGeneration:
+    """`GenerationBackend` on a `grpo vllm-serve` server (`use_vllm=True`).
+
+    Every process hands in its rows; the main process sends each group's prompt once with n = G (the engine shares
+    the prompt's prefill among the G samples), then every process takes its rows of the answer. Weights go to the
+    server in `sync_weights`, from the main process; sharded weights are gathered by all processes together.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        *,
+        client: VLLMClient,
+        num_generations: int,
+        max_completion_length: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float | None,
+        repetition_penalty: float,
+        seed: int,
+        bucket_bytes: int,
+    ):
+        self.accelerator = accelerator
+        self.client = client
+        self.num_generations = num_generations
+        self.sampling = {
+            "max_tokens": max_completion_length,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p or 0.0,
+            "repetition_penalty": repetition_penalty,
+        }
+        self.seed = seed
+        self.bucket_bytes = bucket_bytes
+        self.calls = 0
+        self.synced_version: int | None = None  # the trainer step whose weights the server holds
+        self.last_sync: dict | None = None  # {"buckets", "bytes", "seconds"} of the latest sync
+        if accelerator.is_main_process:
+            client.wait_until_ready()
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Push `model`'s weights unless the server already holds those of step `version`. All processes call it."""
+        if version == self.synced_version:
+            return
+        tensors = checkpoint_tensors(model)
+        if self.accelerator.is_main_process:
+            self.last_sync = self.client.update_weights(tensors, version=version, bucket_bytes=self.bucket_bytes)
+        else:
+            for _ in tensors:  # take part in gathering sharded weights
+                pass
+        self.accelerator.wait_for_everyone()
+        self.synced_version = version
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        rows = gather_object(prompt_ids)  # every process's rows, in process order
+        G, answer = self.num_generations, [None]
+        if self.accelerator.is_main_process:
+            groups = [rows[i : i + G] for i in range(0, len(rows), G)]
+            if len(rows) % G or any(row != group[0] for group in groups for row in group):
+                raise ValueError(f"prompt rows do not come as groups of {G} equal consecutive rows")
+            # A fresh seed per call: reproducible runs, and no two calls draw the same samples.
+            seed = (self.seed * 1_000_003 + self.calls * 65_537) % 2**31
+            reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
+            if reply["weights_version"] != self.synced_version:
+                raise VLLMServerError(
+                    f"The vLLM server at {self.client.base_url} holds weights of version {reply['weights_version']} "
+                    f"(None: as loaded from disk), not the trainer's step {self.synced_version}: it was restarted, or "
+                    "another trainer updates it. Give each trainer its own server, and restart training from a "
+                    "checkpoint after a server restart."
+                )
+            answer = [(reply["completion_ids"], reply["logprobs"])]
+        self.calls += 1
+        answer = broadcast_object_list(answer, from_process=0)
+        ids, logprobs = answer[0]
+        start = self.accelerator.process_index * len(prompt_ids)
+        return Completions(ids[start : start + len(prompt_ids)], logprobs[start : start + len(prompt_ids)])

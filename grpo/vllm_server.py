@@ -91,9 +91,7 @@ def _engine_main(conn, engine_kwargs: dict, env: dict) -> None:
     config = llm.llm_engine.vllm_config
 
     def generate(prompts, seeds, n, logprobs, **sampling):
-        params = [
-            SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds
-        ]
+        params = [SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         ids, logps = [], []
         for output in outputs:
@@ -154,7 +152,9 @@ class Engines:
                 # The engine core runs in the engine process itself (vLLM V1's own child process would be a third
                 # process level); tensor-parallel workers still get processes of their own.
                 "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                "CUDA_VISIBLE_DEVICES": ",".join(devices[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size]),
+                "CUDA_VISIBLE_DEVICES": ",".join(
+                    devices[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size]
+                ),
             }
             parent, child = context.Pipe()
             process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env), daemon=True)
@@ -294,7 +294,12 @@ def build_app(engines: Engines, settings: dict):
             }
             for rank in range(len(engines.conns))
         ]
-        run("init_communicator", "open_weight_group", f"world_size={world_size} backend={backend} ", per_engine=per_engine)
+        run(
+            "init_communicator",
+            "open_weight_group",
+            f"world_size={world_size} backend={backend} ",
+            per_engine=per_engine,
+        )
         state["world_size"] = world_size
         return {"world_size": world_size, "backend": backend}
 
@@ -343,9 +348,17 @@ def serve(args) -> None:
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
     }
-    logger.info("%d engine(s) ready in %.1f s; serving on http://%s:%d", args.data_parallel_size, time.perf_counter() - start, args.host, args.port)
+    logger.info(
+        "%d engine(s) ready in %.1f s; serving on http://%s:%d",
+        args.data_parallel_size,
+        time.perf_counter() - start,
+        args.host,
+        args.port,
+    )
     try:
-        uvicorn.run(build_app(engines, settings), host=args.host, port=args.port, access_log=False, log_level="warning")
+        uvicorn.run(
+            build_app(engines, settings), host=args.host, port=args.port, access_log=False, log_level="warning"
+        )
     finally:
         engines.close()
 
@@ -353,7 +366,9 @@ def serve(args) -> None:
 def add_arguments(parser) -> None:
     """The `grpo vllm-serve` options."""
     parser.add_argument("--model", required=True, help="model path or hub id (or smollm2-135m-instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engines, each a full model copy")

@@ -97,9 +97,7 @@ def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[
             yield name, flat[offset : offset + nbytes].view(parse_dtype(dtype)).view(shape)
 
 
-def open_group(
-    host: str, port: int, rank: int, world_size: int, backend: str, timeout: float
-) -> dist.ProcessGroup:
+def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float) -> dist.ProcessGroup:
     """Join the weight-sync group as `rank` of `world_size`. Rank 1 (the server's first worker) hosts the store;
     every other rank connects to it at `host:port`. Blocks until all ranks have joined or `timeout` seconds."""
     delta = datetime.timedelta(seconds=timeout)

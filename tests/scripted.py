@@ -7,6 +7,7 @@ process's first row. `sgd_step_update` trains one plain-SGD step on such complet
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
+from grpo.generation import Completions
 from grpo.testing import tiny_model, tiny_tokenizer
 
 EOS = 258
@@ -29,6 +30,9 @@ class ScriptedGeneration:
         self.max_completion_length = max_completion_length
         self.offset = offset
 
+    def sync_weights(self, model, version):
+        pass  # the completions do not depend on the weights
+
     def generate(self, model, prompt_ids):
         out = []
         for i, prompt in enumerate(prompt_ids):
@@ -38,7 +42,7 @@ class ScriptedGeneration:
                 out.append([(seed + j) % 200 + 32 for j in range(self.max_completion_length)])
             else:
                 out.append([(seed + 7 * j) % 200 + 32 for j in range(1 + k % 5)] + [EOS])
-        return out
+        return Completions(out)
 
 
 def reward_len(prompts, completions):
