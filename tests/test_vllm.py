@@ -1,0 +1,228 @@
+"""A real `grpo vllm-serve` (vLLM's CPU build) on a tiny model, with the trainer on the other side.
+
+Runs in the vLLM environment: `make test-vllm` (it builds `.venv-vllm`). Each server takes about 15 s to start, so
+one server serves the whole module, except the test that kills its own.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
+
+from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo.testing import save_tiny_model, tiny_tokenizer  # noqa: E402
+from grpo.vllm_client import VLLMClient, VLLMServerError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+G = 4  # completions per prompt
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_path, port, log_path):
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
+    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+    log = open(log_path, "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = VLLMClient(port=port, timeout=180)
+    try:
+        client.wait_until_ready()
+    except VLLMServerError:
+        process.kill()
+        raise AssertionError(f"the server did not start; its log:\n{open(log_path).read()[-3000:]}") from None
+    return process, client
+
+
+def _stop(process):
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    port = _free_port()
+    process, client = _start_server(model_path, port, tmp_path_factory.mktemp("server") / "server.log")
+    yield port, client
+    _stop(process)
+
+
+def _config(tmp_path, port, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        use_vllm=True,
+        vllm_server_port=port,
+        vllm_group_port=_free_port(),
+        vllm_server_timeout=60,
+        per_device_train_batch_size=8,
+        num_generations=G,
+        max_completion_length=12,
+        max_steps=1,
+        # A large step so that one update visibly changes the greedy completion of the tiny random model.
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+    )
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": ["hello there", "count to three", "abc", "xyz"] * 4})
+
+
+def _reward(prompts, completions, **kwargs):
+    # Rewards letters, so that groups have a spread and the step moves the weights.
+    return [sum(ch.isalpha() for ch in c) / 10 for c in completions]
+
+
+PROMPT = [71, 68, 75, 75, 78]  # five byte tokens
+
+
+def _server_greedy(client, prompt=PROMPT, tokens=10):
+    reply = client.generate([prompt], n=1, max_tokens=tokens, temperature=0.0, logprobs=False)
+    return reply["completion_ids"][0]
+
+
+def _trainer_greedy(model, prompt=PROMPT, tokens=10):
+    model.eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()[:tokens]
+
+
+def test_generate_returns_n_completions_per_prompt_with_logprobs(server):
+    _, client = server
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    reply = client.generate(prompts, n=G, max_tokens=6, seed=3, temperature=1.0)
+    assert len(reply["completion_ids"]) == len(prompts) * G
+    assert all(1 <= len(ids) <= 6 for ids in reply["completion_ids"])
+    assert [len(lp) for lp in reply["logprobs"]] == [len(ids) for ids in reply["completion_ids"]]
+    assert all(lp <= 0 for row in reply["logprobs"] for lp in row)
+    # The G samples of a prompt differ (each gets its own seed), and the same request gives the same samples.
+    first = [tuple(ids) for ids in reply["completion_ids"][:G]]
+    assert len(set(first)) > 1
+    again = client.generate(prompts, n=G, max_tokens=6, seed=3, temperature=1.0)
+    assert again["completion_ids"] == reply["completion_ids"]
+
+
+def test_malformed_requests_get_a_4xx_with_the_reason(server):
+    _, client = server
+    with pytest.raises(VLLMServerError, match="answered 422.*prompts"):
+        client.request("/generate", {"prompts": [], "n": 2})
+    with pytest.raises(VLLMServerError, match="answered 422.*extra_forbidden"):
+        client.request("/generate", {"prompts": [[1, 2]], "nn": 2})
+    with pytest.raises(VLLMServerError, match="answered 400.*out of vocabulary"):
+        client.request("/generate", {"prompts": [[10**7]], "n": 1})
+    # The engine is still fine afterwards.
+    assert len(client.generate([[1, 2, 3]], n=2, max_tokens=2)["completion_ids"]) == 2
+
+
+def test_after_a_step_and_a_sync_the_server_generates_like_the_trainer(server, model_path, tokenizer, tmp_path):
+    port, client = server
+    trainer = GRPOTrainer(
+        str(model_path), _reward, args=_config(tmp_path, port), train_dataset=_dataset(), processing_class=tokenizer
+    )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.generation.sync_weights(policy, version=0)
+    before = _server_greedy(client)
+    assert before == _trainer_greedy(policy)
+
+    trainer.train()
+    trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    after = _server_greedy(client)
+    assert after == _trainer_greedy(policy)  # the server holds the trained weights
+    assert after != before  # and they really moved
+    assert trainer.generation.last_sync["buckets"] >= 1
+
+    # The engine's log-probs of the sampled tokens match the trainer's (both float32): ratio ~ 1.
+    logs = trainer.state.log_history[0]
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+    assert abs(logs["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
+
+
+def test_weights_sync_in_many_small_buckets(server, model_path, tokenizer, tmp_path):
+    port, client = server
+    # Buckets of 32 KiB split the tiny model's layers across buckets; the engine must still load every tensor.
+    args = _config(tmp_path, port, vllm_sync_bucket_mb=1 / 32)
+    trainer = GRPOTrainer(
+        str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
+    )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    trainer.generation.sync_weights(policy, version=7)
+    assert trainer.generation.last_sync["buckets"] > 5
+    assert _server_greedy(client) == _trainer_greedy(policy)
+
+
+def test_lora_weights_are_merged_before_the_sync(server, model_path, tokenizer, tmp_path):
+    peft = pytest.importorskip("peft")
+    port, client = server
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():  # LoRA's B starts at zero; give the adapters a visible effect
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    trainer = GRPOTrainer(
+        model, _reward, args=_config(tmp_path, port), train_dataset=_dataset(), processing_class=tokenizer
+    )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.generation.sync_weights(policy, version=11)
+    assert _server_greedy(client) == _trainer_greedy(policy)
+    merged = policy.merge_and_unload()  # the same weights, merged by PEFT itself
+    assert _server_greedy(client) == _trainer_greedy(merged)
+
+
+class _KillServer(TrainerCallback):
+    def __init__(self, process):
+        self.process = process
+
+    def on_step_end(self, args, state, control, **kwargs):
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def test_a_server_killed_mid_run_gives_a_clear_error(model_path, tokenizer, tmp_path):
+    port = _free_port()
+    process, _ = _start_server(model_path, port, tmp_path / "server.log")
+    try:
+        args = _config(tmp_path, port, max_steps=3, vllm_server_timeout=3)
+        trainer = GRPOTrainer(
+            str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
+        )
+        trainer.add_callback(_KillServer(process))
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=rf"No vLLM server answered .*port {port}.*grpo vllm-serve"):
+            trainer.train()
+        assert time.monotonic() - start < 60  # an error within the timeout, not a hang
+        assert trainer.state.global_step == 1
+    finally:
+        _stop(process)
