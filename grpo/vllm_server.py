@@ -220,6 +220,7 @@ def build_app(engines: Engines, settings: dict):
         prompts: list[list[int]] = Field(min_length=1)
         n: int = Field(1, ge=1)
         max_tokens: int = Field(16, ge=1)
+        min_tokens: int = Field(0, ge=0)
         temperature: float = Field(1.0, ge=0.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         top_k: int = Field(0, ge=-1)

@@ -6,23 +6,23 @@ Both sides import this module: the trainer (`grpo/vllm_client.py`) and the serve
 The transport is a process group of its own, apart from the trainer's data-parallel group: rank 0 is the trainer's
 main process, ranks 1..N are the server's workers (tensor x data parallel). Its store (a `TCPStore`) lives with the
 server's first worker, so the trainer needs to know only the server's host and a port. Backend: gloo on CPU, NCCL
-between GPUs. The trainer broadcasts each bucket as a small header (names, dtypes, shapes, offsets) and one flat
-byte buffer, then an end marker; the workers view each buffer back into tensors and stream them into the engine's
-weight loader. The trainer holds one bucket at a time. A layer's tensors may sit in different buckets: the engine
-processes a layer once all of its tensors arrived (vLLM's layerwise reload), and every bucket keeps its own buffer
-until then.
+between GPUs. The trainer broadcasts each bucket as a small header (names, dtypes, shapes) followed by its tensors,
+straight from their memory, then an end marker; a thread on each worker receives the next bucket while the engine's
+weight loader consumes the current one. The trainer holds at most two buckets (in its dtype cast, if any). A
+layer's tensors may sit in different buckets: the engine processes a layer once all of its tensors arrived (vLLM's
+layerwise reload), and every received tensor has its own memory until then.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-
-ALIGNMENT = 64  # bytes: every tensor starts at a multiple of this in a bucket, so its view has a legal offset
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -36,25 +36,14 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _send(group: dist.ProcessGroup, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> int:
-    """Broadcast one bucket: its size and header length, its header (JSON: name, dtype, shape, offset, nbytes of
-    each tensor), then all its bytes in one flat buffer. An empty bucket is the end marker. Returns its bytes."""
-    entries, used = [], 0
-    for name, tensor in bucket:
-        offset = -(-used // ALIGNMENT) * ALIGNMENT
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset, nbytes])
-        used = offset + nbytes
-    header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8).to(device)
-    broadcast(group, torch.tensor([header.numel() if bucket else 0, used], dtype=torch.int64, device=device))
+def _header(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """A bucket's first two broadcasts: [header length, tensor count] (int64), then the header (JSON: name, dtype,
+    shape of each tensor). An empty bucket is the end marker: [0, 0]."""
     if not bucket:
-        return 0
-    broadcast(group, header)
-    flat = torch.empty(used, dtype=torch.uint8, device=device)
-    for (_, tensor), (_, _, _, offset, nbytes) in zip(bucket, entries):
-        flat[offset : offset + nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-    broadcast(group, flat)
-    return used
+        return [torch.zeros(2, dtype=torch.int64, device=device)]
+    entries = [[name, dtype_name(tensor.dtype), list(tensor.shape)] for name, tensor in bucket]
+    header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8).to(device)
+    return [torch.tensor([header.numel(), len(bucket)], dtype=torch.int64, device=device), header]
 
 
 def send_weights(
@@ -65,36 +54,70 @@ def send_weights(
     dtype: torch.dtype | None = None,
 ) -> tuple[int, int]:
     """Broadcast (name, tensor) pairs from rank 0 in buckets of about `bucket_bytes` (a larger tensor goes alone),
-    cast to `dtype`; only one bucket is held at a time. Returns (buckets, bytes) sent."""
-    bucket, size, count, total = [], 0, 0, 0
+    cast to `dtype`: per bucket a header, then its tensors straight from their memory (no packing copy). The next
+    bucket is gathered while this one is on the wire, so at most two are held. Returns (buckets, bytes) sent."""
+    pending: list = []  # (work, tensor) of the bucket in flight; a tensor must live until its work is done
+    count = total = 0
+
+    def flush(bucket):
+        nonlocal pending, count, total
+        parts = _header(bucket, device) + [tensor for _, tensor in bucket]
+        for work, _ in pending:
+            work.wait()
+        pending = [(group.broadcast(part, 0), part) for part in parts]
+        count += bool(bucket)
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    bucket, size = [], 0
     for name, tensor in tensors:
-        tensor = tensor.detach().to(device=device, dtype=dtype or tensor.dtype)
+        tensor = tensor.detach().to(device=device, dtype=dtype or tensor.dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
-            total, count, bucket, size = total + _send(group, bucket, device), count + 1, [], 0
+            flush(bucket)
+            bucket, size = [], 0
         bucket.append((name, tensor))
-        size += nbytes + ALIGNMENT
+        size += nbytes
     if bucket:
-        total, count = total + _send(group, bucket, device), count + 1
-    _send(group, [], device)
+        flush(bucket)
+    flush([])  # the end marker
+    for work, _ in pending:
+        work.wait()
     return count, total
 
 
 def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs `send_weights` broadcasts, bucket by bucket, until its end marker. Each tensor is a
-    view into its bucket's own buffer (a fresh one per bucket, so a consumer may keep the views)."""
-    while True:
-        sizes = torch.empty(2, dtype=torch.int64, device=device)
-        broadcast(group, sizes)
-        header_len, used = sizes.tolist()
-        if header_len == 0:
-            return
-        header = torch.empty(header_len, dtype=torch.uint8, device=device)
-        broadcast(group, header)
-        flat = torch.empty(used, dtype=torch.uint8, device=device)
-        broadcast(group, flat)
-        for name, dtype, shape, offset, nbytes in json.loads(header.cpu().numpy().tobytes()):
-            yield name, flat[offset : offset + nbytes].view(parse_dtype(dtype)).view(shape)
+    """The (name, tensor) pairs `send_weights` broadcasts, bucket by bucket, until its end marker. A thread receives
+    the next bucket while the consumer works on this one. Every tensor is freshly allocated, so a consumer may keep
+    it."""
+    buckets: queue.Queue = queue.Queue(maxsize=1)
+
+    def receive():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            while True:
+                sizes = torch.empty(2, dtype=torch.int64, device=device)
+                broadcast(group, sizes)
+                header_len, _ = sizes.tolist()
+                if header_len == 0:
+                    buckets.put(None)
+                    return
+                header = torch.empty(header_len, dtype=torch.uint8, device=device)
+                broadcast(group, header)
+                received = []
+                for name, dtype, shape in json.loads(header.cpu().numpy().tobytes()):
+                    tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+                    broadcast(group, tensor)
+                    received.append((name, tensor))
+                buckets.put(received)
+        except Exception as e:  # handed to the consumer, which raises it
+            buckets.put(e)
+
+    threading.Thread(target=receive, daemon=True).start()
+    while (item := buckets.get()) is not None:
+        if isinstance(item, Exception):
+            raise item
+        yield from item
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float) -> dist.ProcessGroup:
@@ -111,6 +134,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     raise ValueError(f"weight-sync backend {backend!r} is not 'gloo' or 'nccl'")
 
 
-def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
-    """Broadcast `flat` from rank 0 (the trainer) to every rank of `group`, in place."""
-    group.broadcast(flat, 0).wait()
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) to every rank of `group`, in place."""
+    group.broadcast(tensor, 0).wait()

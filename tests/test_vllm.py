@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo.testing import save_tiny_model, tiny_tokenizer  # noqa: E402
+from grpo.testing import save_tiny_model  # noqa: E402
 from grpo.vllm_client import VLLMClient, VLLMServerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -169,9 +169,7 @@ def test_weights_sync_in_many_small_buckets(server, model_path, tokenizer, tmp_p
     port, client = server
     # Buckets of 32 KiB split the tiny model's layers across buckets; the engine must still load every tensor.
     args = _config(tmp_path, port, vllm_sync_bucket_mb=1 / 32)
-    trainer = GRPOTrainer(
-        str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
-    )
+    trainer = GRPOTrainer(str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
     policy = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
         for param in policy.parameters():
