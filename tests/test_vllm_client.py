@@ -1,0 +1,183 @@
+"""The trainer's side of vLLM generation, without vLLM: the weight transport between two processes, the client's
+errors, how the backend groups prompts, checkpoint names with PEFT, and the importance-sampling correction. The
+real server is tested in tests/test_vllm.py (`make test-vllm`)."""
+
+import copy
+import multiprocessing
+import socket
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from grpo.loss import policy_loss, sampling_correction
+from grpo.testing import tiny_model
+from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
+from grpo.weight_sync import open_group, receive_weights, send_weights
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weights():
+    torch.manual_seed(0)
+    return [
+        ("a.weight", torch.randn(64, 32)),
+        ("a.bias", torch.randn(64)),
+        ("b.weight", torch.randn(3, 5).to(torch.bfloat16)),
+        ("c.scale", torch.tensor(2.5)),
+        ("d.ids", torch.arange(7)),
+    ]
+
+
+def _receiver(port, queue):
+    group = open_group("127.0.0.1", port, 1, 2, "gloo", 30)
+    queue.put([(name, tensor.clone()) for name, tensor in receive_weights(group, torch.device("cpu"))])
+
+
+def test_weights_cross_processes_in_buckets_unchanged():
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    receiver = context.Process(target=_receiver, args=(port, queue))
+    receiver.start()
+    group = open_group("127.0.0.1", port, 0, 2, "gloo", 30)
+    # 4 KiB buckets: a.weight (8 KiB) is a bucket of its own, the four small tensors share the second.
+    buckets, sent = send_weights(group, iter(_weights()), 4096, torch.device("cpu"))
+    received = queue.get(timeout=60)
+    receiver.join(timeout=30)
+    assert [name for name, _ in received] == [name for name, _ in _weights()]
+    for (_, got), (_, want) in zip(received, _weights()):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert buckets == 2 and sent == sum(t.numel() * t.element_size() for _, t in _weights())
+
+
+def test_no_server_gives_an_error_naming_host_port_and_command():
+    port = _free_port()  # nothing listens there
+    client = VLLMClient(host="127.0.0.1", port=port, timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError) as error:
+        client.wait_until_ready()
+    message = str(error.value)
+    assert f"http://127.0.0.1:{port}" in message and f"port {port}" in message
+    assert f"grpo vllm-serve --model <the policy's model> --host 127.0.0.1 --port {port}" in message
+    assert 1.0 <= time.monotonic() - start < 10  # retried with backoff for the timeout, then gave up
+
+
+def test_base_url_wins_over_host_and_port():
+    client = VLLMClient(base_url="http://10.1.2.3:9000/", host="ignored", port=1)
+    assert (client.base_url, client.host, client.port) == ("http://10.1.2.3:9000", "10.1.2.3", 9000)
+
+
+class _RecordingClient:
+    """Stands in for the HTTP client only, to see what the backend asks for; the engine is in tests/test_vllm.py."""
+
+    base_url = "http://stub"
+
+    def __init__(self):
+        self.calls = []
+
+    def wait_until_ready(self):
+        return {}
+
+    def generate(self, prompts, n, **sampling):
+        self.calls.append((prompts, n, sampling))
+        ids = [[len(p), k] for p in prompts for k in range(n)]
+        return {"completion_ids": ids, "logprobs": [[-1.0, -2.0] for _ in ids], "weights_version": None}
+
+
+def _backend(client, G=3):
+    return VLLMGeneration(
+        Accelerator(cpu=True),
+        client=client,
+        num_generations=G,
+        max_completion_length=8,
+        temperature=0.7,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        seed=5,
+        bucket_bytes=1 << 20,
+    )
+
+
+def test_each_prompt_is_sent_once_with_n_equal_to_the_group_size():
+    client = _RecordingClient()
+    backend = _backend(client)
+    rows = [[1, 2]] * 3 + [[4, 5, 6]] * 3
+    out = backend.generate(None, rows)
+    ((prompts, n, sampling),) = client.calls
+    assert prompts == [[1, 2], [4, 5, 6]] and n == 3
+    assert sampling["max_tokens"] == 8 and sampling["temperature"] == 0.7 and sampling["min_p"] == 0.0
+    assert out.ids == [[2, 0], [2, 1], [2, 2], [3, 0], [3, 1], [3, 2]]
+    assert out.logprobs == [[-1.0, -2.0]] * 6
+    backend.generate(None, rows)
+    assert client.calls[0][2]["seed"] != client.calls[1][2]["seed"]  # fresh samples every round
+
+
+def test_rows_that_are_not_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="groups of 3 equal consecutive rows"):
+        _backend(_RecordingClient()).generate(None, [[1], [1], [2]])
+
+
+def test_a_server_with_other_weights_is_detected():
+    backend = _backend(_RecordingClient())
+    backend.synced_version = 4  # the trainer pushed step 4; the stub answers "weights as loaded from disk"
+    with pytest.raises(VLLMServerError, match="not the trainer's step 4: it was restarted"):
+        backend.generate(None, [[1]] * 3)
+
+
+def test_checkpoint_names_and_merged_lora_weights():
+    peft = pytest.importorskip("peft")
+    model = tiny_model()
+    plain = dict(checkpoint_tensors(model))
+    assert plain.keys() == dict(model.named_parameters()).keys()
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    wrapped = peft.get_peft_model(tiny_model(), lora)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    synced = dict(checkpoint_tensors(wrapped))
+    assert synced.keys() == plain.keys()  # the base model's names: no lora_, base_layer or modules_to_save
+    merged = copy.deepcopy(wrapped).merge_and_unload().state_dict()  # PEFT's own merge, on a copy
+    for name, tensor in synced.items():
+        torch.testing.assert_close(tensor, merged[name])
+    # The adapters are not merged into the model itself.
+    assert any("lora_A" in name for name, _ in wrapped.named_parameters())
+
+
+def test_sampling_correction_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    sampled = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # rho = exp(old - sampled): row 0: e^0.5 = 1.649, e^-1 = 0.368, 1; row 1: 1, e^1 = 2.718, (masked)
+    weights, stats = sampling_correction(old, sampled, mask, "token_truncate", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(stats["logp_difference"], torch.tensor([[0.5, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    weights, _ = sampling_correction(old, sampled, mask, "token_mask", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
+    # Sequence ratios: row 0 exp(0.5 - 1 + 0) = 0.607; row 1 exp(0 + 1) = 2.718 -> capped at 2, or masked to 0.
+    weights, stats = sampling_correction(old, sampled, mask, "sequence_truncate", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [2.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
+    assert stats["ratio"].shape == (2, 1)
+    weights, _ = sampling_correction(old, sampled, mask, "sequence_mask", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [0.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        sampling_correction(old, sampled, mask, "tokens", cap=2.0)
+
+
+def test_sampling_weights_scale_each_tokens_loss_and_gradient():
+    torch.manual_seed(0)
+    logps = torch.randn(2, 4, requires_grad=True)
+    advantages, mask = torch.tensor([1.0, -0.5]), torch.ones(2, 4)
+    weights = torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.5, 1.0, 1.0, 2.0]])
+    loss, _ = policy_loss(logps, None, None, advantages, mask, loss_type="dapo", sampling_weights=weights)
+    loss.backward()
+    # On-policy the ratio is 1 with gradient d logp, so dL/dlogp_it = -A_i w_it / (tokens = 8).
+    torch.testing.assert_close(logps.grad, -advantages[:, None] * weights / 8)
