@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from grpo.vllm_client import VLLMClient, VLLMServerError  # noqa: E402
+from grpo.vllm_client import VLLMClient, VLLMServerError, checkpoint_tensors  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -33,10 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model_path, port, log_path):
+def _start_server(model_path, port, log_path, *extra):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
-    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", *extra]
     log = open(log_path, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     client = VLLMClient(port=port, timeout=180)
@@ -197,6 +197,30 @@ def test_lora_weights_are_merged_before_the_sync(server, model_path, tokenizer, 
     assert _server_greedy(client) == _trainer_greedy(policy)
     merged = policy.merge_and_unload()  # the same weights, merged by PEFT itself
     assert _server_greedy(client) == _trainer_greedy(merged)
+
+
+def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, tmp_path):
+    port = _free_port()
+    process, client = _start_server(model_path, port, tmp_path / "server.log", "--data-parallel-size", "2")
+    try:
+        assert client.info["weight_sync_world_size"] == 3  # the trainer and one worker per engine
+        # Prompt i's samples use seeds 9 + 2i whichever engine runs it: the third prompt (engine 1 here) gives the
+        # same samples alone with seed 13 (engine 0).
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+        together = client.generate(prompts, n=2, max_tokens=5, seed=9)["completion_ids"]
+        alone = client.generate(prompts[2:], n=2, max_tokens=5, seed=13)["completion_ids"]
+        assert len(together) == 6 and together[4:] == alone
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        client.update_weights(checkpoint_tensors(model), version=1, bucket_bytes=1 << 16)
+        # Three copies of the prompt: engine 0 gets two, engine 1 one; all answer with the new weights.
+        reply = client.generate([PROMPT] * 3, n=1, max_tokens=10, temperature=0.0, logprobs=False)
+        assert reply["completion_ids"] == [_trainer_greedy(model)] * 3
+        assert reply["weights_version"] == 1
+    finally:
+        _stop(process)
 
 
 class _KillServer(TrainerCallback):
