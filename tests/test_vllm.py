@@ -4,12 +4,14 @@ Runs in the vLLM environment: `make test-vllm` (it builds `.venv-vllm`). Each se
 one server serves the whole module, except the test that kills its own.
 """
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +223,28 @@ def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, 
         assert reply["weights_version"] == 1
     finally:
         _stop(process)
+
+
+def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
+    port, _ = server
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(root / "tests" / "accelerate_cpu_2proc.yaml"),
+        "--main_process_port", str(_free_port()),
+        str(root / "tests" / "vllm_two_processes.py"), str(model_path), str(port), str(_free_port()), str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(out.read_text())
+    assert outcome["world_size"] == 2
+    assert outcome["server_greedy"] == outcome["trainer_greedy"]
+    # Each process scored the engine's samples of its own prompts: a row handed to the wrong process would be
+    # scored under another prompt, and its trainer log-probs would be far from the engine's.
+    steps = [h for h in outcome["log_history"] if "sampling/sampling_logp_difference/max" in h]
+    assert len(steps) == 2 and all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
 
 
 class _KillServer(TrainerCallback):
