@@ -143,7 +143,13 @@ class Engines:
     def __init__(self, engine_kwargs: dict, data_parallel_size: int, tensor_parallel_size: int):
         context = multiprocessing.get_context("spawn")  # vLLM and CUDA do not survive fork
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tensor_parallel_size)]
+        needed = data_parallel_size * tensor_parallel_size
+        devices = visible.split(",") if visible else [str(i) for i in range(needed)]
+        if len(devices) < needed:
+            raise EngineError(
+                f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} devices; --data-parallel-size x "
+                f"--tensor-parallel-size = {needed} are needed"
+            )
         self.lock = threading.Lock()
         self.tensor_parallel_size = tensor_parallel_size
         self.conns, self.processes = [], []
@@ -157,7 +163,9 @@ class Engines:
                 ),
             }
             parent, child = context.Pipe()
-            process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env), daemon=True)
+            # Not a daemon: vLLM starts processes of its own for tensor parallelism. An engine leaves when its pipe
+            # closes, also when this process is killed.
+            process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env))
             process.start()
             child.close()
             self.conns.append(parent)
@@ -352,7 +360,10 @@ def serve(args) -> None:
         "seed": args.seed,
     }
     start = time.perf_counter()
-    engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size)
+    try:
+        engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size)
+    except EngineError as e:
+        raise SystemExit(f"grpo vllm-serve: error: the engine did not start: {e}") from None
     settings = {
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
