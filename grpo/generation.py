@@ -86,6 +86,43 @@ class TransformersGeneration:
         return Completions(output[:, input_ids.shape[1] :].tolist())
 
 
+def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int]) -> GenerationBackend:
+    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or a vLLM server (`use_vllm`,
+    docs/vllm.md)."""
+    sampling = dict(
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    if not args.use_vllm:
+        return TransformersGeneration(
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            generation_kwargs=args.generation_kwargs,
+            **sampling,
+        )
+    from grpo.vllm_client import VLLMClient, VLLMGeneration
+
+    client = VLLMClient(
+        base_url=args.vllm_server_base_url,
+        host=args.vllm_server_host,
+        port=args.vllm_server_port,
+        timeout=args.vllm_server_timeout,
+        group_port=args.vllm_group_port,
+    )
+    return VLLMGeneration(
+        accelerator,
+        client=client,
+        num_generations=args.num_generations,
+        seed=args.seed,
+        bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+        **sampling,
+    )
+
+
 def cut_at_eos(
     completions: Sequence[Sequence[int]], eos_token_ids: Sequence[int], max_completion_length: int
 ) -> tuple[list[list[int]], list[bool]]:

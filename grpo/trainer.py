@@ -29,7 +29,7 @@ from transformers import (
 from grpo.config import GRPOConfig
 from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
 from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
-from grpo.generation import TransformersGeneration, cut_at_eos
+from grpo.generation import cut_at_eos, make_generation_backend
 from grpo.logprobs import completion_logprobs
 from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss, sampling_correction
 from grpo.metrics import MetricsWindow, format_completions, write_completions
@@ -186,44 +186,11 @@ class GRPOTrainer(Trainer):
             self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
             for f in self.reward_funcs
         ]
-        self.generation = self._generation_backend(args, processing_class.pad_token_id)
+        self.generation = make_generation_backend(
+            args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids
+        )
         # Each process samples with its own seed: rows of one group on two processes must not share random draws.
         set_seed(args.seed, device_specific=True)
-
-    def _generation_backend(self, args: GRPOConfig, pad_token_id: int):
-        """Step 2's sampler: the policy's own `generate`, or a vLLM server (`use_vllm`, docs/vllm.md)."""
-        sampling = dict(
-            max_completion_length=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-        )
-        if not args.use_vllm:
-            return TransformersGeneration(
-                pad_token_id=pad_token_id,
-                eos_token_ids=self.eos_token_ids,
-                generation_kwargs=args.generation_kwargs,
-                **sampling,
-            )
-        from grpo.vllm_client import VLLMClient, VLLMGeneration
-
-        client = VLLMClient(
-            base_url=args.vllm_server_base_url,
-            host=args.vllm_server_host,
-            port=args.vllm_server_port,
-            timeout=args.vllm_server_timeout,
-            group_port=args.vllm_group_port,
-        )
-        return VLLMGeneration(
-            self.accelerator,
-            client=client,
-            num_generations=args.num_generations,
-            seed=args.seed,
-            bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
-            **sampling,
-        )
 
     @staticmethod
     def _eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
