@@ -165,9 +165,8 @@ class VLLMClient:
             self.request("/close_communicator", {}, retry=False)
 
     def _drop_group(self) -> None:
-        self.group = None
         try:
-            self.request("/close_communicator", {}, retry=False)
+            self.close_communicator()
         except VLLMServerError:
             pass  # the server is gone or broken; the caller reports the original error
 

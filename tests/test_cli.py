@@ -2,13 +2,14 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.net import free_port
 
 ROOT = Path(__file__).parent.parent
 
@@ -90,7 +91,7 @@ def test_grpo_train_under_accelerate_launch(tmp_path, tiny_model_path):
     write_tiny_recipe(tmp_path, tiny_model_path)
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+        "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(free_port()),
         "-m", "grpo", "train", "tiny.yaml", "--max_steps", "2",
     ]  # fmt: skip
     # As in test_distributed.py: the launcher does not export use_cpu from the config file.
@@ -101,12 +102,6 @@ def test_grpo_train_under_accelerate_launch(tmp_path, tiny_model_path):
     # Each logged round holds the gathered rows of both processes: 2 x 4 completions (one process logs 4).
     assert [sum(r["step"] == step for r in records) for step in (1, 2)] == [8, 8]
     assert result.stdout.count("held-out metric") == 1  # only the main process prints the report
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_accelerate_configs_load():

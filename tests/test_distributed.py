@@ -1,7 +1,6 @@
 """Two processes (gloo on CPU) against one: the same global batch must give the same update (GRPO_SPEC.md s. 3)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +9,9 @@ import pytest
 import torch
 
 from tests.distributed_update import LOSS_TYPES, VARIANTS, one_step
+from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed
@@ -31,7 +25,7 @@ def test_two_processes_match_one(tmp_path, per_device, accumulation):
         "--config_file",
         str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"),
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(ROOT / "tests" / "distributed_update.py"),
         str(out_file),
         str(per_device),

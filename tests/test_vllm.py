@@ -7,7 +7,6 @@ one server serves the whole module, except the test that kills its own.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,11 @@ pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
 from grpo.vllm_client import VLLMClient, VLLMServerError, checkpoint_tensors  # noqa: E402
+from tests.net import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 G = 4  # completions per prompt
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(model_path, port, log_path, *extra):
@@ -66,7 +60,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     process, client = _start_server(model_path, port, tmp_path_factory.mktemp("server") / "server.log")
     yield port, client
     _stop(process)
@@ -77,7 +71,7 @@ def _config(tmp_path, port, **overrides):
         output_dir=str(tmp_path / "out"),
         use_vllm=True,
         vllm_server_port=port,
-        vllm_group_port=_free_port(),
+        vllm_group_port=free_port(),
         vllm_server_timeout=60,
         per_device_train_batch_size=8,
         num_generations=G,
@@ -202,7 +196,7 @@ def test_lora_weights_are_merged_before_the_sync(server, model_path, tokenizer, 
 
 
 def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, tmp_path):
-    port = _free_port()
+    port = free_port()
     process, client = _start_server(model_path, port, tmp_path / "server.log", "--data-parallel-size", "2")
     try:
         assert client.info["weight_sync_world_size"] == 3  # the trainer and one worker per engine
@@ -232,8 +226,8 @@ def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(root / "tests" / "accelerate_cpu_2proc.yaml"),
-        "--main_process_port", str(_free_port()),
-        str(root / "tests" / "vllm_two_processes.py"), str(model_path), str(port), str(_free_port()), str(out),
+        "--main_process_port", str(free_port()),
+        str(root / "tests" / "vllm_two_processes.py"), str(model_path), str(port), str(free_port()), str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -257,7 +251,7 @@ class _KillServer(TrainerCallback):
 
 
 def test_a_server_killed_mid_run_gives_a_clear_error(model_path, tokenizer, tmp_path):
-    port = _free_port()
+    port = free_port()
     process, _ = _start_server(model_path, port, tmp_path / "server.log")
     try:
         args = _config(tmp_path, port, max_steps=3, vllm_server_timeout=3)

@@ -4,7 +4,6 @@ real server is tested in tests/test_vllm.py (`make test-vllm`)."""
 
 import copy
 import multiprocessing
-import socket
 import time
 
 import pytest
@@ -15,12 +14,7 @@ from grpo.loss import policy_loss, sampling_correction
 from grpo.testing import tiny_model
 from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
 from grpo.weight_sync import open_group, receive_weights, send_weights
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.net import free_port
 
 
 def _weights():
@@ -40,7 +34,7 @@ def _receiver(port, queue):
 
 
 def test_weights_cross_processes_in_buckets_unchanged():
-    port = _free_port()
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     receiver = context.Process(target=_receiver, args=(port, queue))
@@ -57,7 +51,7 @@ def test_weights_cross_processes_in_buckets_unchanged():
 
 
 def test_no_server_gives_an_error_naming_host_port_and_command():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     client = VLLMClient(host="127.0.0.1", port=port, timeout=1.0)
     start = time.monotonic()
     with pytest.raises(VLLMServerError) as error:
