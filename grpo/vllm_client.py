@@ -5,13 +5,18 @@ backoff while the server cannot be reached, up to `timeout` seconds, then fail w
 command that starts a server. `VLLMGeneration` is the trainer's `GenerationBackend` for `use_vllm=True`: the main
 process sends the round's unique prompts once each with n = G, and pushes the policy's weights to the server before
 a generation whenever an optimizer step has changed them (docs/vllm.md). vLLM itself is never imported here.
+
+A server started with an API key (docs/vllm.md#security) needs `Authorization: Bearer <key>` on every request: the
+client sends it when it is given `api_key`, or else when GRPO_VLLM_API_KEY is set. Answers are parsed as JSON only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import secrets
 import threading
 import time
 import urllib.error
@@ -27,6 +32,8 @@ from grpo.generation import Completions
 
 logger = logging.getLogger(__name__)
 
+API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the server (grpo/vllm_server.py) reads the same variable
+
 
 class VLLMServerError(RuntimeError):
     """The vLLM server could not be reached, or refused a request."""
@@ -39,6 +46,8 @@ class VLLMClient:
         timeout: seconds to keep retrying, with backoff, a request the server does not answer (not started yet,
             restarting, or gone); also the weight-sync group's timeout.
         group_port: the port of the weight-sync group's store, opened by the server's first worker.
+        api_key: the server's API key, sent as `Authorization: Bearer <key>`; None reads GRPO_VLLM_API_KEY, and
+            "" (or the variable unset or empty) sends no key.
     """
 
     def __init__(
@@ -48,6 +57,7 @@ class VLLMClient:
         port: int = 8000,
         timeout: float = 240.0,
         group_port: int = 51216,
+        api_key: str | None = None,
     ):
         self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
         self.host = urllib.parse.urlsplit(self.base_url).hostname
@@ -56,6 +66,13 @@ class VLLMClient:
         self.group_port = group_port
         self.group = None
         self.info: dict | None = None
+        api_key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:  # never the key
+        return f"VLLMClient({self.base_url!r}, api_key={'set' if 'Authorization' in self.headers else 'unset'})"
 
     def _unreachable(self, waited: float, error: Exception) -> VLLMServerError:
         return VLLMServerError(
@@ -65,21 +82,29 @@ class VLLMClient:
             f"vllm_server_host and vllm_server_port; vllm_server_timeout sets how long to wait."
         )
 
+    def _unauthorized(self, path: str, detail: str) -> VLLMServerError:
+        sent = "refused the API key this client sent" if "Authorization" in self.headers else "got no API key"
+        return VLLMServerError(
+            f"The vLLM server at {self.base_url} requires an API key and {sent} ({path} answered 401: {detail}). "
+            f"Set the environment variable {API_KEY_ENV} in the trainer's environment to the key the server was "
+            f"started with (its --api-key or {API_KEY_ENV}); docs/vllm.md#security."
+        )
+
     def request(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
         """GET (no payload) or POST `path`; returns the JSON answer. Connection failures are retried with backoff
         for `timeout` seconds when `retry`; an answer with an error status raises at once with its message."""
         data = None if payload is None else json.dumps(payload).encode()
         start, delay = time.monotonic(), 0.25
         while True:
-            http = urllib.request.Request(
-                self.base_url + path, data=data, headers={"Content-Type": "application/json"}
-            )
+            http = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
             try:
                 # No read timeout: a generation may take long; a dead server closes the connection instead.
                 with urllib.request.urlopen(http) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")
+                if e.code == 401:
+                    raise self._unauthorized(path, detail) from None
                 raise VLLMServerError(f"vLLM server {self.base_url}{path} answered {e.code}: {detail}") from None
             except (urllib.error.URLError, ConnectionError, OSError) as e:
                 waited = time.monotonic() - start
@@ -126,16 +151,31 @@ class VLLMClient:
             raise reply["error"]
         return reply["value"]
 
+    def _device(self) -> torch.device:
+        """Where this process's side of the weight-sync group keeps its tensors: NCCL needs them on the GPU."""
+        cuda = self.info["device"] == "cuda"
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
     def init_communicator(self) -> None:
-        """Open the weight-sync group: this process is rank 0, the server's workers ranks 1..N."""
+        """Open the weight-sync group: this process is rank 0, the server's workers ranks 1..N. A fresh random
+        token goes in the (authenticated) request and is then broadcast over the group; the workers keep the group
+        only if the two agree, so a stranger who reached the store's port first cannot push weights."""
         info = self.info or self.wait_until_ready()
         world_size = info["weight_sync_world_size"]
         backend = "nccl" if info["device"] == "cuda" else "gloo"
+        token = secrets.token_bytes(weight_sync.TOKEN_BYTES)
 
         def join():
-            self.group = weight_sync.open_group(self.host, self.group_port, 0, world_size, backend, self.timeout)
+            group = weight_sync.open_group(self.host, self.group_port, 0, world_size, backend, self.timeout)
+            weight_sync.send_token(group, token, self._device())
+            self.group = group
 
-        self._while_posting("/init_communicator", {"port": self.group_port, "timeout": self.timeout}, join)
+        payload = {"port": self.group_port, "timeout": self.timeout, "token": token.hex()}
+        try:
+            self._while_posting("/init_communicator", payload, join)
+        except Exception:
+            self.group = None  # the server refused or dropped the group (a failed handshake, for one)
+            raise
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> dict:
         """Send every (checkpoint name, tensor) in buckets of about `bucket_bytes`, cast to the server's dtype; the
@@ -143,9 +183,8 @@ class VLLMClient:
         server's generations report it. Returns {"buckets", "bytes", "seconds"}."""
         if self.group is None:
             self.init_communicator()
-        cuda = self.info["device"] == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dtype = getattr(torch, self.info["dtype"])
+        device = self._device()
+        dtype = weight_sync.parse_dtype(self.info["dtype"])
         start, sent = time.perf_counter(), {}
 
         def send():

@@ -1,6 +1,6 @@
 """`grpo vllm-serve`: a vLLM engine behind a small HTTP API, for generation during GRPO training (docs/vllm.md).
 
-    grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--tensor-parallel-size N]
+    grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tensor-parallel-size N]
                     [--data-parallel-size N] [--gpu-memory-utilization F] [--max-model-len N] [--dtype D]
                     [--enforce-eager]
 
@@ -12,12 +12,20 @@ Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
     POST /reset_prefix_cache   drop cached prefixes (computed with older weights)
     POST /close_communicator   close the weight-sync group
 
+Security (docs/vllm.md#security): the server listens on 127.0.0.1 unless `--host` says otherwise. With an API key
+(`--api-key`, or the GRPO_VLLM_API_KEY environment variable) every endpoint, /health included, answers 401 unless
+the request carries `Authorization: Bearer <key>`. The weight-sync store opens only inside an authenticated
+/init_communicator, listens on `--host` only, and the workers accept weights only from a rank 0 that sends the token
+of that request. Requests are JSON and weights raw tensors: nothing from the network is unpickled.
+
 Layout: this process serves HTTP and runs no model; each of the `data_parallel_size` engines is a child process
 with its own `vllm.LLM` on `tensor_parallel_size` devices. A request's prompts are split among the engines; a weight
 update reaches them all. Engine calls are serialised by one lock, so a weight update never interleaves with a
 generation. vLLM is imported only in the engine processes.
 """
 
+import hmac
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -25,9 +33,11 @@ import threading
 import time
 from typing import Any
 
-from grpo.weight_sync import open_group, receive_weights
+from grpo.weight_sync import check_token, open_group, receive_weights
 
 logger = logging.getLogger("grpo.vllm_server")
+
+API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the client (grpo/vllm_client.py) reads the same variable
 
 
 # ---- The worker side of weight sync: mixed into vLLM's worker class (`worker_extension_cls`) ----
@@ -38,10 +48,20 @@ class WeightSyncWorker:
 
     weight_group = None
 
-    def open_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str, timeout):
+    def open_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, backend: str, timeout, token: str
+    ):
+        """Join the group; the first worker hosts its store, listening on `host` (the server's --host). The group
+        is kept only if rank 0 then broadcasts `token`, the one in the authenticated /init_communicator request:
+        the store itself has no authentication, so this is what keeps a stranger who dialled in first from pushing
+        weights."""
         # A new trainer (or one that restarted) replaces the old group.
         self.weight_group = None
-        self.weight_group = open_group(host, port, first_rank + self.rank, world_size, backend, timeout)
+        group = open_group(
+            _local_address(host), port, first_rank + self.rank, world_size, backend, timeout, listen_host=host
+        )
+        check_token(group, bytes.fromhex(token), self.device)
+        self.weight_group = group
 
     def receive_weights(self) -> None:
         """Stream the buckets the trainer broadcasts into the model (grpo/weight_sync.py).
@@ -202,6 +222,55 @@ class Engines:
                 process.kill()
 
 
+# ---- Who may connect ----
+
+
+def _local_address(host: str) -> str:
+    """The address this machine's processes dial to reach a socket listening on `host`."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def resolve_api_key(flag: str | None, environ=os.environ) -> str | None:
+    """The key the server requires: `--api-key` if given, else GRPO_VLLM_API_KEY; None (no key) if neither or
+    empty."""
+    return flag or environ.get(API_KEY_ENV) or None
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server that others on the network can reach without a key, or None."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"WARNING: listening on {host} with no API key: anyone who can reach this port can generate with the "
+        "engine, replace its weights (/update_weights) and open the weight-sync group. Set a key: "
+        f"`export {API_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')` for both this "
+        "server and the trainer (or pass --api-key), or listen on 127.0.0.1 and reach it through an SSH tunnel "
+        "(docs/vllm.md#security)."
+    )
+
+
+def authorized(header: str | None, api_key: str) -> bool:
+    """Whether an Authorization header carries `Bearer <api_key>`; the key is compared in constant time."""
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+UNAUTHORIZED = (
+    "this server requires an API key: send the header `Authorization: Bearer <key>` with the key given to "
+    f"`grpo vllm-serve` (--api-key or {API_KEY_ENV}); the trainer sends it when {API_KEY_ENV} is set."
+)
+
+
 # ---- HTTP ----
 
 
@@ -214,11 +283,13 @@ def _split(items: list, parts: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
-def build_app(engines: Engines, settings: dict):
-    """The FastAPI application over `engines`; `settings` is what /health reports besides the engines' info.
-    (This module has no `from __future__ import annotations`: FastAPI reads the request models from the handlers'
-    annotations, which must be real classes, not strings naming locals.)"""
-    from fastapi import FastAPI, HTTPException
+def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key: str | None = None):
+    """The FastAPI application over `engines`; `settings` is what /health reports besides the engines' info, `host`
+    the address the server (and so the weight-sync store) listens on, `api_key` the key every request must carry
+    (None: no key). (This module has no `from __future__ import annotations`: FastAPI reads the request models from
+    the handlers' annotations, which must be real classes, not strings naming locals.)"""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, Field
 
     class Strict(BaseModel):
@@ -241,11 +312,27 @@ def build_app(engines: Engines, settings: dict):
     class InitRequest(Strict):
         port: int = Field(ge=1, le=65535)
         timeout: float = Field(120.0, gt=0)
+        # 32 random bytes from the trainer; rank 0 broadcasts them once the group is open (WeightSyncWorker).
+        token: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     class UpdateRequest(Strict):
         version: int  # the trainer's tag for these weights (its optimizer step); /generate answers with it
 
     app = FastAPI(title="grpo vllm-serve")
+
+    if api_key:
+        # A middleware, not a per-route dependency: it also covers /docs, /openapi.json and unknown paths.
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if not authorized(request.headers.get("authorization"), api_key):
+                reason = "no API key was sent" if "authorization" not in request.headers else "wrong API key"
+                return JSONResponse(
+                    status_code=401,
+                    content={"detail": f"{reason}: {UNAUTHORIZED}"},
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            return await call_next(request)
+
     # The weight-sync group's size once open; the version of the weights loaded (None: the model's own from disk).
     state: dict[str, Any] = {"world_size": None, "weights_version": None}
 
@@ -294,12 +381,14 @@ def build_app(engines: Engines, settings: dict):
         backend = "nccl" if engines.info["device"] == "cuda" else "gloo"
         per_engine = [
             {
-                "host": "127.0.0.1",  # the workers all run here; rank 1 hosts the store, the trainer dials in
+                # Rank 1 hosts the store on the server's own address; the trainer dials in there.
+                "host": host,
                 "port": request.port,
                 "first_rank": 1 + rank * engines.tensor_parallel_size,
                 "world_size": world_size,
                 "backend": backend,
                 "timeout": request.timeout,
+                "token": request.token,
             }
             for rank in range(len(engines.conns))
         ]
@@ -350,6 +439,10 @@ def serve(args) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.vllm_server %(message)s")
+    api_key = resolve_api_key(args.api_key)
+    warning = exposure_warning(args.host, api_key)
+    if warning:  # now, before the engines' minutes of loading, and again once serving
+        logger.warning(warning)
     engine_kwargs = {
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -370,16 +463,18 @@ def serve(args) -> None:
         "data_parallel_size": args.data_parallel_size,
     }
     logger.info(
-        "%d engine(s) ready in %.1f s; serving on http://%s:%d",
+        "%d engine(s) ready in %.1f s; serving on http://%s:%d (%s)",
         args.data_parallel_size,
         time.perf_counter() - start,
         args.host,
         args.port,
+        "API key required" if api_key else "no API key",
     )
+    if warning:
+        logger.warning(warning)
     try:
-        uvicorn.run(
-            build_app(engines, settings), host=args.host, port=args.port, access_log=False, log_level="warning"
-        )
+        app = build_app(engines, settings, host=args.host, api_key=api_key)
+        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="warning")
     finally:
         engines.close()
 
@@ -391,6 +486,12 @@ def add_arguments(parser) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on every request (default: ${API_KEY_ENV}, else no key); the "
+        f"environment variable keeps the key out of the process list",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engines, each a full model copy")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU for vLLM")

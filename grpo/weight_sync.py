@@ -11,13 +11,20 @@ straight from their memory, then an end marker; a thread on each worker receives
 weight loader consumes the current one. The trainer holds at most two buckets (in its dtype cast, if any). A
 layer's tensors may sit in different buckets: the engine processes a layer once all of its tensors arrived (vLLM's
 layerwise reload), and every received tensor has its own memory until then.
+
+Nothing received is unpickled: a header is JSON (names, dtype names, shapes) and tensors are raw bytes into freshly
+allocated memory. The store has no authentication of its own; it listens on one address (not every interface, as
+a plain `TCPStore` master does), and the first broadcast in a new group is a token the workers check
+(`check_token`), so weights are accepted only from the rank 0 that holds it (docs/vllm.md#security).
 """
 
 from __future__ import annotations
 
 import datetime
+import hmac
 import json
 import queue
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -120,11 +127,53 @@ def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[
         yield from item
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float) -> dist.ProcessGroup:
-    """Join the weight-sync group as `rank` of `world_size`. Rank 1 (the server's first worker) hosts the store;
-    every other rank connects to it at `host:port`. Blocks until all ranks have joined or `timeout` seconds."""
+def open_store(
+    host: str, port: int, world_size: int, is_master: bool, timeout: float, listen_host: str | None = None
+) -> dist.TCPStore:
+    """The group's `TCPStore`. The master listens on `listen_host` (default `host`) only: given no socket of its own,
+    a `TCPStore` master listens on every interface whatever `host` says. Every member, the master included,
+    connects to `host:port`."""
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 1, timeout=delta, wait_for_workers=False)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=delta)
+    listen_host = host if listen_host is None else listen_host
+    family, kind, proto, _, address = socket.getaddrinfo(
+        listen_host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a replaced group's port may be in TIME_WAIT
+        listener.bind(address)
+        listener.listen()
+    except OSError as e:
+        listener.close()
+        raise OSError(f"the weight-sync store cannot listen on {listen_host}:{port} ({e}); pick another port") from e
+    # The store owns the socket from here on (detach: Python must not close it under the store).
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=delta,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+
+
+def open_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    listen_host: str | None = None,
+) -> dist.ProcessGroup:
+    """Join the weight-sync group as `rank` of `world_size`. Rank 1 (the server's first worker) hosts the store,
+    listening on `listen_host` (default `host`); every rank connects to it at `host:port`. Blocks until all ranks
+    have joined or `timeout` seconds."""
+    delta = datetime.timedelta(seconds=timeout)
+    store = open_store(host, port, world_size, rank == 1, timeout, listen_host)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, delta)
     if backend == "nccl":
@@ -132,6 +181,26 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
         options._timeout = delta
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     raise ValueError(f"weight-sync backend {backend!r} is not 'gloo' or 'nccl'")
+
+
+TOKEN_BYTES = 32
+
+
+def send_token(group: dist.ProcessGroup, token: bytes, device: torch.device) -> None:
+    """Rank 0's first broadcast in a new group: the token it sent the server over HTTP (`check_token`)."""
+    broadcast(group, torch.frombuffer(bytearray(token), dtype=torch.uint8).to(device))
+
+
+def check_token(group: dist.ProcessGroup, token: bytes, device: torch.device) -> None:
+    """Receive rank 0's token and compare it, in constant time, with `token`; raise PermissionError if they differ
+    (rank 0 is not the party that made the authenticated request)."""
+    received = torch.empty(len(token), dtype=torch.uint8, device=device)
+    broadcast(group, received)
+    if not hmac.compare_digest(received.cpu().numpy().tobytes(), token):
+        raise PermissionError(
+            "weight-sync handshake failed: rank 0 of the group did not send the token of the /init_communicator "
+            "request (another process joined the group's port first?); the group is dropped"
+        )
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
