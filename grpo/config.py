@@ -150,6 +150,16 @@ class GRPOConfig(TrainingArguments):
             "it in `rewards/<name>/errors` and continues."
         },
     )
+    nonfinite: str = field(
+        default="error",
+        metadata={
+            "help": "What a non-finite reward (+-inf) or non-finite gradient does: 'error' stops training before the "
+            "optimizer step with an error naming the step, the reward function or loss term and the likely fix "
+            "(weights and checkpoints untouched); 'skip' treats such reward rows as unscored and skips such steps "
+            "(no update), counting them in `nonfinite/reward_rows` and `nonfinite/skipped_steps`. Rewards whose "
+            "spread overflows float32 are an error either way."
+        },
+    )
     reward_timeout: float | None = field(
         default=None,
         metadata={
@@ -404,6 +414,11 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"reward_errors={self.reward_errors!r} is not one of {REWARD_ERRORS}: 'raise' stops on a failing reward "
                 "function, 'skip' gives the failed rows None and continues."
+            )
+        if self.nonfinite not in ("error", "skip"):
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is not one of ('error', 'skip'): 'error' stops training at a non-finite "
+                "reward or gradient, 'skip' skips that reward row or optimizer step and counts it."
             )
         if self.reward_timeout is not None and not self.reward_timeout > 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be a positive number of seconds, or None.")
