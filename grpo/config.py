@@ -6,14 +6,120 @@ Field names follow TRL's `GRPOConfig` so that configs carry over. Help text live
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import numbers
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from transformers import TrainingArguments
+from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
 from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, SCALE_REWARDS
 from grpo.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
+
+
+class Interval(NamedTuple):
+    """The valid values of a numeric field: `low <= x <= high` (`low < x` when `open_low`); None = unbounded."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    why: str = ""  # what the value means, or how to choose it; ends the error message
+
+    def __contains__(self, x) -> bool:
+        above = self.low is None or (x > self.low if self.open_low else x >= self.low)
+        return above and (self.high is None or x <= self.high)
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.open_low else '['}{self.low}, {self.high}]"
+        if self.low is not None:
+            return f"{'>' if self.open_low else '>='} {self.low}"
+        return f"<= {self.high}" if self.high is not None else "a finite number"
+
+
+# Every numeric field checked in `__post_init__`, with its valid values. Its type (int, float or bool, and whether
+# None is allowed) comes from the field's annotation; `_check_fields` checks type, finiteness and range for all of
+# them in one loop. All of GRPOConfig's own int/float fields are here (tests/test_bad_inputs.py checks that), plus the
+# TrainingArguments fields a GRPO user sets.
+FIELD_RANGES = {
+    # TrainingArguments fields
+    "learning_rate": Interval(0),
+    "max_steps": Interval(-1, why="-1 trains for num_train_epochs instead"),
+    "num_train_epochs": Interval(0, open_low=True),
+    "per_device_train_batch_size": Interval(1),
+    "per_device_eval_batch_size": Interval(1),
+    "gradient_accumulation_steps": Interval(1),
+    "logging_steps": Interval(0, open_low=True, why="a number of steps, or a fraction of all steps below 1"),
+    "seed": Interval(0, 2**32 - 1, why="numpy's random seed range"),
+    "weight_decay": Interval(0),
+    "max_grad_norm": Interval(0, why="0 turns gradient clipping off"),
+    "warmup_steps": Interval(0),
+    # GRPOConfig's own fields
+    "logprobs_chunk_size": Interval(1, why="a number of tokens, or None to choose it from the vocabulary size"),
+    "num_generations": Interval(
+        2, why="GRPO needs at least 2 completions per prompt, since the baseline of each is its group's mean reward"
+    ),
+    "max_prompt_length": Interval(1, why="a number of tokens, or None for no limit"),
+    "max_completion_length": Interval(1),
+    "generation_batch_size": Interval(1, why="a positive multiple of per_device_train_batch_size x processes"),
+    "steps_per_generation": Interval(1),
+    "temperature": Interval(0, open_low=True, why="GRPO samples several different completions per prompt"),
+    "top_p": Interval(0, 1, open_low=True, why="1.0 turns nucleus sampling off"),
+    "top_k": Interval(0, why="0 turns top-k sampling off"),
+    "min_p": Interval(0, 1, why="None turns it off"),
+    "repetition_penalty": Interval(0, open_low=True, why="1.0 turns it off"),
+    "reward_timeout": Interval(0, open_low=True, why="a number of seconds, or None for no limit"),
+    "reward_num_workers": Interval(0, why="0 calls the reward functions in the trainer's thread"),
+    "max_dynamic_sampling_rounds": Interval(0, why="extra generation rounds allowed per batch"),
+    "beta": Interval(0, why="0 disables the KL penalty and the reference model"),
+    "epsilon": Interval(0, open_low=True),
+    "epsilon_high": Interval(0, open_low=True, why="None uses epsilon"),
+    "delta": Interval(1, open_low=True, why="it must also exceed 1 + epsilon_high; None turns it off"),
+    "top_entropy_quantile": Interval(0, 1, open_low=True, why="the fraction of highest-entropy tokens; 1.0 = all"),
+    "num_iterations": Interval(1),
+    "vllm_server_port": Interval(1, 65535),
+    "vllm_server_timeout": Interval(0, open_low=True, why="seconds"),
+    "vllm_group_port": Interval(1, 65535),
+    "vllm_sync_bucket_mb": Interval(0, open_low=True),
+    "vllm_importance_sampling_cap": Interval(0, open_low=True),
+    "num_completions_to_print": Interval(0, why="None prints every row"),
+}
+
+# Keyword arguments of `model.generate` itself: generation_kwargs become a `GenerationConfig`, which would keep
+# these as inert attributes, so they are refused with their own message.
+_GENERATE_ONLY = set(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs"}
+
+
+@functools.cache
+def generation_config_fields() -> frozenset[str]:
+    """The keys `generation_kwargs` may hold with the `model.generate` backend: `GenerationConfig`'s fields."""
+    return frozenset(k for k in vars(GenerationConfig()) if not k.startswith("_") and k != "transformers_version")
+
+
+@functools.cache
+def _field_kinds() -> dict[str, tuple[type, bool]]:
+    """{field: (int, float or bool, whether None is allowed)} for the fields `_check_fields` covers: those in
+    FIELD_RANGES and every bool field of GRPOConfig's own (a string "false" would otherwise count as true)."""
+    hints = typing.get_type_hints(GRPOConfig)
+    own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    kinds = {}
+    for name, hint in hints.items():
+        args = typing.get_args(hint) or (hint,)
+        types = [a for a in args if a is not type(None)]
+        if len(types) == 1 and types[0] in (int, float, bool):
+            if name in FIELD_RANGES or (types[0] is bool and (name in own or name == "bf16")):
+                kinds[name] = (types[0], len(types) < len(args))
+    return kinds
+
+
+def _type_name(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "True or False"}[kind]
 
 
 @dataclass
@@ -334,51 +440,52 @@ class GRPOConfig(TrainingArguments):
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
         self._check_values()
         self._resolve_generation_batch()
 
+    def _check_fields(self):
+        """Type, finiteness and range of every field in `_field_kinds()`: an int field takes only integers, a float
+        field any finite real number, a bool field only True or False."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, (kind, optional) in _field_kinds().items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            interval = FIELD_RANGES.get(name, Interval())
+            valid = f"{_type_name(kind)}{'' if kind is bool else ' ' + str(interval)}{', or None' if optional else ''}"
+            well_typed = isinstance(value, bool) if kind is bool else isinstance(value, numbers.Real)
+            if kind is int:
+                well_typed = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            elif kind is float:
+                well_typed = well_typed and not isinstance(value, bool)
+            if not well_typed:
+                raise TypeError(
+                    f"{name}={value!r} ({type(value).__name__}) must be {valid}. Pass a plain {kind.__name__} "
+                    f"without quotes{' or decimal point' if kind is int else ''}, e.g. {name}={defaults[name]!r}."
+                )
+            if kind is bool:
+                continue
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"{name}={value!r} is not a finite number; {name} must be {valid}. Set a finite value, e.g. the "
+                    f"default {name}={defaults[name]!r}."
+                )
+            if value not in interval:
+                raise ValueError(
+                    f"{name}={value!r} must be {interval}{', or None' if optional else ''}"
+                    f"{': ' + interval.why if interval.why else ''}."
+                )
+
     def _check_values(self):
-        if self.num_generations < 2:
-            raise ValueError(
-                f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt, since the "
-                "baseline of each completion is its group's mean reward. Set num_generations >= 2."
-            )
+        """Choices among strings, and what depends on more than one field (numbers alone: `_check_fields`)."""
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
-        if self.logprobs_chunk_size is not None and self.logprobs_chunk_size < 1:
-            raise ValueError(
-                f"logprobs_chunk_size={self.logprobs_chunk_size} must be a positive number of tokens, or None to "
-                "choose it from the vocabulary size."
-            )
-        if self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length={self.max_completion_length} must be at least 1.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be at least 1, or None for no limit.")
-        if self.temperature <= 0:
-            raise ValueError(
-                f"temperature={self.temperature} must be > 0: GRPO samples several different completions per prompt."
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0; 0 turns top-k sampling off.")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1], or None.")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; 1.0 turns it off.")
-        if self.beta < 0:
-            raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
-        if self.epsilon <= 0:
-            raise ValueError(f"epsilon={self.epsilon} must be > 0.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        elif self.epsilon_high <= 0:
-            raise ValueError(f"epsilon_high={self.epsilon_high} must be > 0 (or None to use epsilon).")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations={self.num_iterations} must be at least 1.")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ValueError(
                 f"delta={self.delta} must be > 1 + epsilon_high = {1 + self.epsilon_high}: it caps ratios above the "
@@ -389,22 +496,7 @@ class GRPOConfig(TrainingArguments):
                 f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                 f"{IMPORTANCE_SAMPLING_LEVELS}."
             )
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ValueError(
-                f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of highest-entropy "
-                "tokens the policy term trains on (1.0 = all)."
-            )
-        if self.max_dynamic_sampling_rounds < 0:
-            raise ValueError(
-                f"max_dynamic_sampling_rounds={self.max_dynamic_sampling_rounds} must be >= 0 (extra generation "
-                "rounds allowed per batch under dynamic_sampling)."
-            )
-        fixed = {"temperature", "max_new_tokens", "do_sample"} & set(self.generation_kwargs or {})
-        if fixed:
-            raise ValueError(
-                f"generation_kwargs sets {sorted(fixed)}: use GRPOConfig.temperature and max_completion_length "
-                "instead (the loss computes log-probs at the sampling temperature, and GRPO always samples)."
-            )
+        self._check_generation_kwargs()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
@@ -420,10 +512,6 @@ class GRPOConfig(TrainingArguments):
                 f"nonfinite={self.nonfinite!r} is not one of ('error', 'skip'): 'error' stops training at a non-finite "
                 "reward or gradient, 'skip' skips that reward row or optimizer step and counts it."
             )
-        if self.reward_timeout is not None and not self.reward_timeout > 0:
-            raise ValueError(f"reward_timeout={self.reward_timeout} must be a positive number of seconds, or None.")
-        if not isinstance(self.reward_num_workers, int) or self.reward_num_workers < 0:
-            raise ValueError(f"reward_num_workers={self.reward_num_workers} must be an integer >= 0 (0 = no threads).")
         if self.reward_worker_type not in REWARD_WORKER_TYPES:
             raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
         if self.vllm_mode != "server":
@@ -436,17 +524,54 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
                 f"{SAMPLING_CORRECTIONS}."
             )
-        if not self.vllm_importance_sampling_cap > 0:
-            raise ValueError(f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0.")
-        if not self.vllm_sync_bucket_mb > 0:
-            raise ValueError(f"vllm_sync_bucket_mb={self.vllm_sync_bucket_mb} must be > 0.")
-        if self.use_vllm and self.generation_kwargs:
+        if self.reward_weights is not None:
+            if not isinstance(self.reward_weights, (list, tuple)):
+                raise TypeError(
+                    f"reward_weights={self.reward_weights!r} must be a list with one number per reward function, "
+                    "e.g. [1.0, 0.5]."
+                )
+            for i, w in enumerate(self.reward_weights):
+                if not isinstance(w, numbers.Real) or isinstance(w, bool) or not math.isfinite(w):
+                    raise ValueError(
+                        f"reward_weights[{i}]={w!r} must be a finite number: the weighted sum of rewards would be "
+                        f"NaN or infinite for every row. Give one finite weight per reward function, e.g. "
+                        f"reward_weights=[1.0, 0.5]."
+                    )
+
+    def _check_generation_kwargs(self):
+        """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""
+        kwargs = self.generation_kwargs
+        if kwargs is None:
+            return
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"generation_kwargs={kwargs!r} must be a dict of GenerationConfig fields, or None.")
+        if self.use_vllm and kwargs:
             raise ValueError(
-                f"generation_kwargs={self.generation_kwargs} are `model.generate` options, which the vLLM server does "
-                "not take; use the GRPOConfig sampling fields (temperature, top_p, top_k, min_p, repetition_penalty)."
+                f"generation_kwargs={kwargs} are `model.generate` options, which the vLLM server does not take; use "
+                "the GRPOConfig sampling fields (temperature, top_p, top_k, min_p, repetition_penalty)."
             )
-        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
-            raise ValueError(f"reward_weights={self.reward_weights} must be a list of numbers.")
+        fixed = {"temperature", "max_new_tokens", "do_sample"} & set(kwargs)
+        if fixed:
+            raise ValueError(
+                f"generation_kwargs sets {sorted(fixed)}: use GRPOConfig.temperature and max_completion_length "
+                "instead (the loss computes log-probs at the sampling temperature, and GRPO always samples)."
+            )
+        valid = generation_config_fields()
+        for key in kwargs:
+            if key in valid:
+                continue
+            if key in _GENERATE_ONLY:
+                raise ValueError(
+                    f"generation_kwargs key {key!r} is an argument of `model.generate` itself, not a GenerationConfig "
+                    "field; generation_kwargs become a GenerationConfig, where it would be ignored. Remove it."
+                )
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"generation_kwargs key {key!r} is not a field of transformers.GenerationConfig, so `model.generate` "
+                f"would ignore it.{hint} Fix or remove the key (valid keys: GenerationConfig's fields, e.g. "
+                "'typical_p', 'no_repeat_ngram_size')."
+            )
 
     def _resolve_generation_batch(self):
         """Resolve `generation_batch_size` from `steps_per_generation` or the other way round, then check that a
@@ -461,8 +586,6 @@ class GRPOConfig(TrainingArguments):
         if self.generation_batch_size is None:
             if self.steps_per_generation is None:
                 self.steps_per_generation = self.gradient_accumulation_steps
-            if self.steps_per_generation < 1:
-                raise ValueError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
             self.generation_batch_size = rows_per_step * self.steps_per_generation
         else:
             if self.generation_batch_size < 1 or self.generation_batch_size % rows_per_step != 0:

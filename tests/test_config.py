@@ -47,7 +47,7 @@ def test_scale_rewards_accepts_booleans():
         ({"max_dynamic_sampling_rounds": -1}, "max_dynamic_sampling_rounds=-1 must be >= 0"),
         ({"max_completion_length": 0}, "max_completion_length=0"),
         ({"max_prompt_length": 0}, "max_prompt_length=0"),
-        ({"logprobs_chunk_size": 0}, "logprobs_chunk_size=0 must be a positive"),
+        ({"logprobs_chunk_size": 0}, "logprobs_chunk_size=0 must be >= 1"),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, "not both"),
         ({"per_device_train_batch_size": 4, "generation_batch_size": 6}, "multiple of per_device_train_batch_size"),
         ({"per_device_train_batch_size": 3, "num_generations": 4}, "not a multiple of num_generations=4"),
@@ -117,9 +117,9 @@ def test_reward_call_options_are_checked():
     assert make(reward_errors="skip", reward_timeout=2.5, reward_num_workers=4).reward_num_workers == 4
     with pytest.raises(ValueError, match="reward_errors='ignore' is not one of"):
         make(reward_errors="ignore")
-    with pytest.raises(ValueError, match="reward_timeout=0 must be a positive number"):
+    with pytest.raises(ValueError, match="reward_timeout=0 must be > 0"):
         make(reward_timeout=0)
-    with pytest.raises(ValueError, match="reward_num_workers=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match="reward_num_workers=-1 must be >= 0"):
         make(reward_num_workers=-1)
     with pytest.raises(ValueError, match="reward_worker_type='gpu' is not one of"):
         make(reward_worker_type="gpu")
