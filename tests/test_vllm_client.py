@@ -1,9 +1,11 @@
-"""The trainer's side of vLLM generation, without vLLM: the weight transport between two processes, the client's
-errors, how the backend groups prompts, checkpoint names with PEFT, and the importance-sampling correction. The
-real server is tested in tests/test_vllm.py (`make test-vllm`)."""
+"""The trainer's side of vLLM generation, without vLLM: the weight transport between two processes and its token
+handshake, the client's errors and API key, the server's access checks (as plain functions), how the backend groups
+prompts, checkpoint names with PEFT, and the importance-sampling correction. The real server is tested in
+tests/test_vllm.py (`make test-vllm`)."""
 
 import copy
 import multiprocessing
+import socket
 import time
 
 import pytest
@@ -13,8 +15,11 @@ from accelerate import Accelerator
 from grpo.loss import policy_loss, sampling_correction
 from grpo.testing import tiny_model
 from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
-from grpo.weight_sync import open_group, receive_weights, send_weights
-from tests.net import free_port
+from grpo.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
+from grpo.weight_sync import check_token, open_group, open_store, receive_weights, send_token, send_weights
+from tests.net import free_port, stand_in_server
+
+TOKEN = bytes(range(32))
 
 
 def _weights():
@@ -28,18 +33,32 @@ def _weights():
     ]
 
 
-def _receiver(port, queue):
-    group = open_group("127.0.0.1", port, 1, 2, "gloo", 30)
-    queue.put([(name, tensor.clone()) for name, tensor in receive_weights(group, torch.device("cpu"))])
+def _receiver(ports, queue):
+    """The server's side: a group on each port, kept only if rank 0 sends TOKEN; then the weights it sends."""
+    for port in ports:
+        group = open_group("127.0.0.1", port, 1, 2, "gloo", 30)
+        try:
+            check_token(group, TOKEN, torch.device("cpu"))
+        except PermissionError as e:
+            queue.put(e)
+            continue
+        queue.put([(name, tensor.clone()) for name, tensor in receive_weights(group, torch.device("cpu"))])
 
 
-def test_weights_cross_processes_in_buckets_unchanged():
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
+def test_weights_cross_processes_in_buckets_unchanged_from_the_rank_0_with_the_token():
+    ports = [free_port(), free_port()]
+    context = multiprocessing.get_context("spawn")  # one process for both groups: each start costs seconds
     queue = context.Queue()
-    receiver = context.Process(target=_receiver, args=(port, queue))
+    receiver = context.Process(target=_receiver, args=(ports, queue))
     receiver.start()
-    group = open_group("127.0.0.1", port, 0, 2, "gloo", 30)
+    # First a stranger who reached the store's port: it does not know the token, and is refused before any weights.
+    stranger = open_group("127.0.0.1", ports[0], 0, 2, "gloo", 30)
+    send_token(stranger, bytes(32), torch.device("cpu"))
+    refused = queue.get(timeout=60)
+    assert isinstance(refused, PermissionError) and "handshake failed" in str(refused)
+
+    group = open_group("127.0.0.1", ports[1], 0, 2, "gloo", 30)
+    send_token(group, TOKEN, torch.device("cpu"))
     # 4 KiB buckets: a.weight (8 KiB) is a bucket of its own, the four small tensors share the second.
     buckets, sent = send_weights(group, iter(_weights()), 4096, torch.device("cpu"))
     received = queue.get(timeout=60)
@@ -48,6 +67,67 @@ def test_weights_cross_processes_in_buckets_unchanged():
     for (_, got), (_, want) in zip(received, _weights()):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     assert buckets == 2 and sent == sum(t.numel() * t.element_size() for _, t in _weights())
+
+
+def test_the_weight_sync_store_listens_on_its_host_only():
+    port = free_port()
+    store = open_store("127.0.0.1", port, 2, is_master=True, timeout=10)  # noqa: F841 (it listens while alive)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # 127.0.0.2 is this machine too (Linux routes 127/8 to loopback): a TCPStore left to itself listens on every
+    # address and would accept this connection.
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+
+
+def test_the_client_sends_the_api_key_as_a_bearer_header(monkeypatch):
+    monkeypatch.setenv("GRPO_VLLM_API_KEY", "key-from-env")
+    with stand_in_server() as (url, seen):
+        VLLMClient(url).wait_until_ready()
+        VLLMClient(url, api_key="key-from-argument").generate([[1, 2]], n=2)
+        VLLMClient(url, api_key="").reset_prefix_cache()  # "" sends none, whatever the environment says
+        monkeypatch.delenv("GRPO_VLLM_API_KEY")
+        VLLMClient(url).request("/close_communicator", {})
+    assert [r["headers"].get("authorization") for r in seen] == [
+        "Bearer key-from-env",
+        "Bearer key-from-argument",
+        None,
+        None,
+    ]
+    assert "key-from-argument" not in repr(VLLMClient(url, api_key="key-from-argument"))
+
+
+def test_a_401_becomes_an_error_that_names_the_environment_variable():
+    with stand_in_server(401, {"detail": "no API key was sent"}) as (url, seen):
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=r"requires an API key and got no API key.*GRPO_VLLM_API_KEY"):
+            VLLMClient(url, api_key="", timeout=30).wait_until_ready()
+        assert time.monotonic() - start < 5  # a refusal is final: no retrying for the timeout
+        with pytest.raises(VLLMServerError, match=r"refused the API key this client sent.*GRPO_VLLM_API_KEY"):
+            VLLMClient(url, api_key="wrong").generate([[1]], n=1)
+    assert len(seen) == 2
+
+
+def test_server_access_checks():
+    # The key: --api-key wins over the environment variable; empty means none.
+    assert resolve_api_key("flag", {"GRPO_VLLM_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(None, {"GRPO_VLLM_API_KEY": "env"}) == "env"
+    assert resolve_api_key(None, {"GRPO_VLLM_API_KEY": ""}) is None and resolve_api_key(None, {}) is None
+    # The header: "Bearer <key>" (the scheme in any case), nothing else.
+    assert authorized("Bearer s3cret", "s3cret") and authorized("bearer s3cret", "s3cret")
+    for header in (None, "", "s3cret", "Bearer", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret"):
+        assert not authorized(header, "s3cret"), header
+    # Loopback only by default; a warning for any other address without a key.
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert args.host == "127.0.0.1" and args.api_key is None
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "node-a"))
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("0.0.0.0", "key") is None
+    warning = exposure_warning("0.0.0.0", None)
+    assert "anyone who can reach this port" in warning and "GRPO_VLLM_API_KEY" in warning
 
 
 def test_no_server_gives_an_error_naming_host_port_and_command():
