@@ -13,6 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 .PHONY: install install-vllm test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints-cpu.txt -e ".[dev,peft]"

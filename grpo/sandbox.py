@@ -211,6 +211,11 @@ def supervise():
     if job["nproc"]:  # counted in the sandbox's own user namespace, so other sandboxes do not add to it
         limits.append(("RLIMIT_NPROC", job["nproc"]))
     set_limits([(name, value, value) for name, value in limits])
+    try:  # not dumpable, before the fork: the worker can never open /proc/<supervisor>/fd/<report> or attach to it
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except Exception:
+        pass
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -218,11 +223,6 @@ def supervise():
         work(job, w)
     os.close(w)
     del job["code"]
-    try:  # not dumpable: the worker cannot open /proc/<supervisor>/fd/<report> or attach to it
-        import ctypes
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except Exception:
-        pass
     token = read_exactly(0, 32)  # only now: the worker's memory never held it
     data = b""
     while len(data) < 65536:
