@@ -277,15 +277,21 @@ def code_execution(
     memory_mb: int = 512,
     on_error: float | None = 0.0,
     max_parallel: int = 4,
+    isolation: str = "bwrap",
 ) -> Callable:
     """A reward named `code_execution`: the fraction of the row's tests that pass when the completion's code (its
-    last fenced block, or the whole text) runs in a restricted separate process (`grpo.sandbox`): no network, no
-    files outside a throwaway directory, none of the trainer's environment variables, with the given wall-clock,
-    CPU and memory limits. The `tests` column holds, per row, a list of snippets (each typically an `assert`) or
-    one snippet; None or an empty list gives None.
+    last fenced block, or the whole text) runs in `grpo.sandbox`: by default under bubblewrap, in its own user,
+    PID, mount, network and IPC namespaces, with a read-only view of the interpreter, a private temporary directory,
+    no network, none of the trainer's processes, files or environment variables, and the given wall-clock, CPU and
+    memory limits. The `tests` column holds, per row, a list of snippets (each typically an `assert`) or one
+    snippet; None or an empty list gives None.
 
     A completion whose code raises at top level, times out, exceeds a limit or tries a refused operation gets
     `on_error` (0.0, or None to leave the row out). Up to `max_parallel` rows run at once.
+
+    Building the reward checks the sandbox: without bubblewrap it raises `SandboxUnavailable`, which says to run
+    `apt-get install bubblewrap`; `isolation="process"` opts into the weaker sandbox (a plain child process with
+    rlimits and an audit hook) by name.
 
     >>> reward = code_execution(wall_seconds=5)
     >>> reward(["```python\\ndef add(a, b):\\n    return a + b\\n```", "def add(a, b): return a - b",
@@ -293,6 +299,9 @@ def code_execution(
     ...        tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"]] * 3)
     [1.0, 0.5, 0.0]
     """
+    from grpo.sandbox import check_isolation
+
+    check_isolation(isolation)  # fail when the reward is built, not at the first training step
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)
 
     def score(completion, row_tests):
@@ -301,7 +310,7 @@ def code_execution(
         row_tests = [row_tests] if isinstance(row_tests, str) else list(row_tests)
         if not row_tests:
             return None
-        result = run_python(extract_code(completion_text(completion)), row_tests, limits)
+        result = run_python(extract_code(completion_text(completion)), row_tests, limits, isolation=isolation)
         return on_error if result.error is not None else result.passed / result.total
 
     def code_execution(completions, tests, **kwargs) -> list[float | None]:
