@@ -13,6 +13,19 @@ from typing import Any
 
 import torch
 
+# Names the trainer passes to reward functions itself (grpo/scoring.py, grpo/process.py); a data set column with one
+# of them would be silently replaced by the generated values.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+GOOD_PROMPT = (
+    "A prompt is a non-empty string, or a non-empty list of messages such as "
+    "[{'role': 'user', 'content': 'What is 2 + 2?'}]."
+)
+
+
+class InputError(ValueError):
+    """Bad input found before training starts (a data set, a reward, a recipe); the message names it and the fix."""
+
 
 def is_conversational(prompt: Any) -> bool:
     return (
@@ -81,3 +94,78 @@ def decode_completions(
         else:
             completions.append(text)
     return completions
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with one prompt, or None when it can be rendered. An empty string is wrong: it tokenizes to
+    zero tokens, which `tokenize_prompts` refuses."""
+    if isinstance(prompt, str):
+        return "an empty string, which has no tokens to condition on" if prompt == "" else None
+    if prompt is None:
+        return "missing (None)"
+    if not isinstance(prompt, list):
+        return f"of type {type(prompt).__name__}: {str(prompt)[:60]!r}"
+    if not prompt:
+        return "an empty list of messages"
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"a list whose message {j} is a {type(message).__name__}, not a {{'role', 'content'}} dict"
+        for key in ("role", "content"):
+            # Arrow fills a key missing from one message with None, so a missing key and None look the same.
+            if message.get(key) is None:
+                return f"a list whose message {j} has no {key!r}: {str(message)[:80]}"
+        if not isinstance(message["role"], str):
+            return f"a list whose message {j} has role {message['role']!r}, not a string"
+    return None
+
+
+def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: int = 10_000) -> None:
+    """Check a prompt data set once, before training: no column named like a reward-function argument the trainer
+    passes itself (RESERVED_COLUMNS), a `prompt` column, and every prompt a string or a list of messages.
+
+    Reads the prompt column once, `batch_size` rows at a time, without tokenizing (about a second per million string
+    prompts). Data sets without a length (an `IterableDataset`, streamed) are not read, as that would consume the
+    stream: only their column names are checked, when known; a bad row then fails when it is drawn, naming the row.
+    Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):  # a dict of evaluation sets, as `Trainer` accepts
+        for key, value in dataset.items():
+            check_prompt_dataset(value, f"{name}[{key!r}]", batch_size)
+        return
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):
+        raise InputError(
+            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
+        )
+    if columns is None:
+        return  # columns unknown (a torch Dataset, a stream without features): rows are checked when drawn
+    reserved = [c for c in columns if c in RESERVED_COLUMNS]
+    if reserved:
+        raise InputError(
+            f"{name} has column(s) {reserved}, a name the trainer passes to reward functions itself (the generated "
+            f"values would silently replace the column). Rename it, e.g. "
+            f"{name}.rename_column({reserved[0]!r}, 'reference_{reserved[0]}')."
+        )
+    if "prompt" not in columns:
+        raise InputError(
+            f"{name} needs a 'prompt' column; it has {columns}. Rename your prompt column, e.g. "
+            f"{name}.rename_column('question', 'prompt')."
+        )
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "select_columns"):
+        return
+    first, count = None, 0
+    rows = dataset.select_columns(["prompt"]).with_format(None)
+    for start in range(0, len(rows), batch_size):
+        for i, prompt in enumerate(rows[start : start + batch_size]["prompt"], start):
+            problem = prompt_problem(prompt)
+            if problem is not None:
+                first = first or (i, problem)
+                count += 1
+    if first is not None:
+        i, problem = first
+        also = f" ({count} bad rows in all)" if count > 1 else ""
+        raise InputError(
+            f"{name} row {i}: the prompt is {problem}{also}. {GOOD_PROMPT} Fix those rows, or drop them with "
+            f"{name}.filter(lambda row: grpo.data.prompt_problem(row['prompt']) is None)."
+        )

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from grpo.config import GRPOConfig
-from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+from grpo.data import check_prompt_dataset, decode_completions, pad, render_prompt, tokenize_prompts
 from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
 from grpo.generation import cut_at_eos, make_generation_backend
 from grpo.logprobs import completion_logprobs
@@ -165,10 +165,9 @@ class GRPOTrainer(Trainer):
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self._refill_prompts = None  # extra prompts for dynamic sampling (an iterator, made at first use)
 
+        # Reserved column names and bad prompts stop here, not when a bad row is drawn hours into the run.
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            columns = getattr(dataset, "column_names", None)
-            if columns is not None and "prompt" not in columns:
-                raise ValueError(f"{name} needs a 'prompt' column; it has {columns}. Rename your prompt column.")
+            check_prompt_dataset(dataset, name)
 
         super().__init__(
             model=model,
