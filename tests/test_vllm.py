@@ -1,15 +1,19 @@
 """A real `grpo vllm-serve` (vLLM's CPU build) on a tiny model, with the trainer on the other side.
 
 Runs in the vLLM environment: `make test-vllm` (it builds `.venv-vllm`). Each server takes about 15 s to start, so
-one server serves the whole module, except the test that kills its own.
+one server serves the whole module, except the tests that need their own (two engines; killed mid-run). That server
+requires an API key (--api-key), and GRPO_VLLM_API_KEY carries it to every client here, the trainers' included.
 """
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,10 +31,22 @@ from tests.net import free_port  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 G = 4  # completions per prompt
+KEY = "test-api-key-5c1f0e9a"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def api_key_in_the_environment():
+    """The trainer's side: every client in this module, and the two-process run's (it inherits the environment),
+    sends this key. A server without a key ignores it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRPO_VLLM_API_KEY", KEY)
+        yield
 
 
 def _start_server(model_path, port, log_path, *extra):
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # Not the test's GRPO_VLLM_API_KEY: a server requires a key only when given --api-key in `extra`.
+    env = {name: value for name, value in os.environ.items() if name != "GRPO_VLLM_API_KEY"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
     command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", *extra]
     log = open(log_path, "w")
@@ -59,9 +75,10 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_path, tmp_path_factory):
+def server(model_path, tmp_path_factory, api_key_in_the_environment):
     port = free_port()
-    process, client = _start_server(model_path, port, tmp_path_factory.mktemp("server") / "server.log")
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    process, client = _start_server(model_path, port, log_path, "--api-key", KEY)
     yield port, client
     _stop(process)
 
@@ -126,6 +143,49 @@ def test_generate_returns_n_completions_per_prompt_with_logprobs(server):
     assert again["completion_ids"] == reply["completion_ids"]
 
 
+def _raw_request(port, path, payload=None, key=None):
+    """(status, JSON answer) of one request, with `key` as its bearer key or no Authorization header."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_keyed_server_refuses_every_request_without_the_key(server):
+    port, _ = server
+    group_port = free_port()
+    requests = [
+        ("/health", None),
+        ("/generate", {"prompts": [[1, 2]], "n": 1}),
+        ("/init_communicator", {"port": group_port, "timeout": 5, "token": "0" * 64}),
+        ("/update_weights", {"version": 99}),
+        ("/reset_prefix_cache", {}),
+        ("/close_communicator", {}),
+        ("/openapi.json", None),
+    ]
+    for path, payload in requests:
+        for key in (None, "not-the-key"):
+            status, answer = _raw_request(port, path, payload, key)
+            assert status == 401 and "Authorization: Bearer <key>" in answer["detail"], (path, key, answer)
+    # The refused /init_communicator opened no weight-sync store: nothing listens on its port.
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", group_port), timeout=2).close()
+    # With the key the same requests go through (the trainer tests below sync weights through this server).
+    status, answer = _raw_request(port, "/generate", {"prompts": [[1, 2]], "n": 1, "max_tokens": 2}, KEY)
+    assert status == 200 and len(answer["completion_ids"]) == 1
+    status, answer = _raw_request(port, "/update_weights", {"version": 99}, KEY)
+    assert status == 409  # past the key check; no group is open yet
+    # The trainer's client without the key says what to set.
+    with pytest.raises(
+        VLLMServerError, match="requires an API key and got no API key.*Set the environment variable GRPO_VLLM_API_KEY"
+    ):
+        VLLMClient(port=port, api_key="").generate([[1, 2]], n=1)
+
+
 def test_malformed_requests_get_a_4xx_with_the_reason(server):
     _, client = server
     with pytest.raises(VLLMServerError, match="answered 422.*prompts"):
@@ -143,6 +203,8 @@ def test_after_a_step_and_a_sync_the_server_generates_like_the_trainer(server, m
     trainer = GRPOTrainer(
         str(model_path), _reward, args=_config(tmp_path, port), train_dataset=_dataset(), processing_class=tokenizer
     )
+    # The trainer reaches the keyed server with the key from GRPO_VLLM_API_KEY alone.
+    assert trainer.generation.client.headers["Authorization"] == f"Bearer {KEY}"
     policy = trainer.accelerator.unwrap_model(trainer.model)
     trainer.generation.sync_weights(policy, version=0)
     before = _server_greedy(client)
