@@ -57,7 +57,7 @@ class Limits:
     memory_mb: int = 512  # RLIMIT_AS (address space) of each process
     file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file the code may write
     max_open_files: int = 64  # RLIMIT_NOFILE
-    max_processes: int = 8  # RLIMIT_NPROC in the sandbox's own user namespace (threads count); "bwrap" only
+    max_processes: int = 16  # RLIMIT_NPROC in the sandbox's user namespace: its processes and threads; "bwrap" only
     disk_mb: int = 64  # size of the private /tmp (a tmpfs, so it is memory); "bwrap" only
 
     def __post_init__(self):
@@ -147,6 +147,18 @@ def install_hook(job):
         sys.modules.pop(name, None)
     sys.addaudithook(hook)
 
+def no_new_processes(program):
+    # The kernel refuses fork, vfork, clone of a process and exec from here on: a fork bomb cannot start.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    code = ctypes.create_string_buffer(program, len(program))
+    fprog = Program(len(program) // 8, ctypes.addressof(code))
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "installing the worker's seccomp filter failed")
+
 def work(job, out):
     # The worker: no descriptor but /dev/null and its own pipe to the supervisor, then the untrusted code.
     null = os.open(os.devnull, os.O_RDWR)
@@ -157,14 +169,18 @@ def work(job, out):
     mb = 1024 * 1024
     limits = [("RLIMIT_CPU", job["cpu"], job["cpu"] + 1), ("RLIMIT_AS", job["memory_mb"] * mb, job["memory_mb"] * mb)]
     if job["isolation"] == "process":
-        # Here RLIMIT_NPROC counts every process of the trainer's user: 0 refuses any new one (root is exempt).
-        limits.append(("RLIMIT_NPROC", 0, 0))
+        if not job["worker_seccomp"]:
+            # RLIMIT_NPROC counts every process of the trainer's user here: 0 refuses new ones (and threads; root
+            # is exempt). With the seccomp filter below, forks are refused by the kernel instead.
+            limits.append(("RLIMIT_NPROC", 0, 0))
         try:  # a network namespace of its own where the kernel allows it (root, or unprivileged user namespaces)
             import ctypes
             ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
         except Exception:
             pass
     set_limits(limits)
+    if job["worker_seccomp"]:
+        no_new_processes(bytes.fromhex(job["worker_seccomp"]))
     if job["hook"]:
         install_hook(job)
     namespace = {"__name__": "__main__"}
@@ -250,6 +266,12 @@ _SECCOMP_DENY = (
 ).split()
 
 
+# The worker's own, second filter: no new processes (fork, vfork, clone without CLONE_THREAD) and no exec; threads
+# stay allowed. clone3 gets ENOSYS so that the C library falls back to clone, whose flags a filter can read.
+_SECCOMP_WORKER_DENY = ("fork", "vfork", "execve", "execveat")
+_CLONE_THREAD = 0x00010000
+
+
 class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
     _fields_ = [
         ("arg", ctypes.c_uint),
@@ -260,8 +282,9 @@ class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
 
 
 @functools.cache
-def _seccomp_program() -> bytes | None:
-    """The seccomp BPF program for bwrap's `--seccomp`, built with libseccomp through ctypes, or None (logged)."""
+def _seccomp_programs() -> tuple[bytes, bytes] | None:
+    """Two seccomp BPF programs, built with libseccomp through ctypes: the sandbox's (for bwrap's `--seccomp`) and
+    the worker's (installed by the harness before the code runs); None, with a warning, without libseccomp."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2")
     except OSError as e:
@@ -269,37 +292,41 @@ def _seccomp_program() -> bytes | None:
         return None
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_rule_add_array.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_uint32,
-        ctypes.c_int,
-        ctypes.c_uint,
-        ctypes.c_void_p,
-    ]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_rule_add_array.argtypes += [ctypes.c_void_p]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    allow, eperm = 0x7FFF0000, 0x00050000 | 1  # SCMP_ACT_ALLOW, SCMP_ACT_ERRNO(EPERM)
-    ctx = lib.seccomp_init(allow)
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SCMP_ACT_ALLOW, SCMP_ACT_ERRNO(...)
+
+    def build(rules):  # rules: (action, syscall name, argument comparison or None)
+        ctx = lib.seccomp_init(allow)
+        try:
+            for action, name, cmp in rules:
+                number = lib.seccomp_syscall_resolve_name(name.encode())
+                if number < 0:  # not a system call on this architecture
+                    continue
+                arg = ctypes.byref(cmp) if cmp is not None else None
+                if lib.seccomp_rule_add_array(ctx, action, number, int(cmp is not None), arg) != 0:
+                    raise OSError(f"seccomp_rule_add({name}) failed")
+            with tempfile.TemporaryFile() as f:
+                if lib.seccomp_export_bpf(ctx, f.fileno()) != 0:
+                    raise OSError("seccomp_export_bpf failed")
+                f.seek(0)
+                return f.read()
+        finally:
+            lib.seccomp_release(ctx)
+
+    not_unix = _ArgCmp(0, 1, 1, 0)  # SCMP_A0(SCMP_CMP_NE, AF_UNIX)
+    not_a_thread = _ArgCmp(0, 7, _CLONE_THREAD, 0)  # SCMP_A0(SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0)
+    sandbox_rules = [(eperm, name, None) for name in _SECCOMP_DENY] + [(eperm, "socket", not_unix)]
+    worker_rules = [(eperm, name, None) for name in _SECCOMP_WORKER_DENY]
+    worker_rules += [(eperm, "clone", not_a_thread), (enosys, "clone3", None)]
     try:
-        for name in _SECCOMP_DENY:
-            number = lib.seccomp_syscall_resolve_name(name.encode())
-            if number >= 0 and lib.seccomp_rule_add_array(ctx, eperm, number, 0, None) != 0:
-                raise OSError(f"seccomp_rule_add({name}) failed")
-        not_unix = _ArgCmp(0, 1, 1, 0)  # socket(domain != AF_UNIX): SCMP_A0(SCMP_CMP_NE, AF_UNIX)
-        number = lib.seccomp_syscall_resolve_name(b"socket")
-        if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(not_unix)) != 0:
-            raise OSError("seccomp_rule_add(socket) failed")
-        with tempfile.TemporaryFile() as f:
-            if lib.seccomp_export_bpf(ctx, f.fileno()) != 0:
-                raise OSError("seccomp_export_bpf failed")
-            f.seek(0)
-            return f.read()
+        return build(sandbox_rules), build(worker_rules)
     except OSError as e:
         logger.warning("No seccomp filter in the code sandbox: %s.", e)
         return None
-    finally:
-        lib.seccomp_release(ctx)
 
 
 def _read_only_paths() -> list[str]:
@@ -389,16 +416,17 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
         "hook": audit_hook,
         "isolation": isolation,
     }
+    programs = _seccomp_programs()
+    job["worker_seccomp"] = programs[1].hex() if programs is not None else None
     token = secrets.token_hex(16)
     payload = json.dumps(job).encode()
     payload = str(len(payload)).encode() + b"\n" + payload + token.encode()
     fds, workdir, seccomp_fd = [report_w], None, None
     interpreter = [sys.executable, "-I", "-S", "-B", "-c", _HARNESS]
     if isolation == "bwrap":
-        program = _seccomp_program()
-        if program is not None:
+        if programs is not None:
             seccomp_fd = os.memfd_create("grpo-seccomp", 0)
-            os.write(seccomp_fd, program)
+            os.write(seccomp_fd, programs[0])
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             fds.append(seccomp_fd)
         argv, cwd, env = _bwrap_argv(limits, seccomp_fd) + interpreter[1:], "/", {"PATH": os.environ.get("PATH", "")}

@@ -1,27 +1,89 @@
 """Untrusted code in `code_execution`: each attack must score 0 (or `on_error`) and leave the trainer's process,
 files, environment and network untouched. Limits are shrunk (1 s CPU, 2 s wall, 256 MB) to keep each test under
-a couple of seconds."""
+a couple of seconds.
+
+The attack tests run every attack twice: with the audit hook (the full sandbox) and without it (`audit_hook=False`),
+which shows that the operating-system layers (bubblewrap's namespaces, the read-only mounts, seccomp, rlimits)
+hold on their own. They need bubblewrap and skip without it, except under CI, where its absence fails
+`test_ci_runs_the_bubblewrap_tier`.
+"""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import grpo.sandbox as sandbox
 from grpo.rewards import code_execution
-from grpo.sandbox import Limits, run_python
+from grpo.sandbox import Limits, SandboxUnavailable, run_python
 
 LIMITS = dict(wall_seconds=2.0, cpu_seconds=1, memory_mb=256)
 PASSES = ["assert True"]  # a test any completion that runs to the end passes
+HAS_BWRAP = shutil.which("bwrap") is not None
+needs_bwrap = pytest.mark.skipif(
+    not HAS_BWRAP, reason="bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+)
+HOOK = pytest.mark.parametrize("hook", [True, False], ids=["with-hook", "os-layers-only"])
 
 
 def score(code, tests=PASSES, **options):
     return code_execution(**{**LIMITS, **options})([code], tests=[tests])[0]
 
 
+def attack_all(codes, hook, tests=PASSES, **limits):
+    """Run each attack in its own sandbox, all at once; return the results and each run's wall time."""
+
+    def one(code):
+        began = time.perf_counter()
+        result = run_python(code, tests, Limits(**{**LIMITS, **limits}), audit_hook=hook)
+        return result, time.perf_counter() - began
+
+    with ThreadPoolExecutor(len(codes)) as pool:
+        return list(pool.map(one, codes))
+
+
+def sandbox_processes() -> list[int]:
+    """Processes still running the sandbox's harness (none may outlive `run_python`); zombies are ignored."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"def supervise" in f.read():
+                    left.append(int(pid))
+        except OSError:
+            pass
+    return left
+
+
+@pytest.fixture
+def bystanders(tmp_path):
+    """A process and a file of the trainer's that no attack may touch; checked after the test."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    keep = tmp_path / "keep.txt"
+    keep.write_text("keep me")
+    yield victim, keep
+    alive = victim.poll() is None
+    victim.kill()
+    victim.wait()
+    assert alive, "an outside process was killed"
+    assert keep.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+    deadline = time.monotonic() + 2  # the kernel tears a PID namespace down asynchronously
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sandbox_processes(), "sandbox processes outlived run_python"
+
+
+# ---- the sandbox's ordinary behaviour (the default isolation, bubblewrap) ----
+
+
+@needs_bwrap
 def test_correct_code_passes_and_may_use_the_standard_library_and_its_directory():
     code = """
 import collections, json, math, re
@@ -40,12 +102,14 @@ def solve(xs):
     assert score(code, ["assert solve([1, 2, 2]) == 3", "assert solve([]) == 0", "assert solve([1]) == 5"]) == 2 / 3
 
 
+@needs_bwrap
 def test_infinite_loop_is_stopped():
     began = time.perf_counter()
     assert score("while True:\n    pass") == 0.0
     assert time.perf_counter() - began < 5
 
 
+@needs_bwrap
 def test_sleeping_forever_hits_the_wall_clock_limit():
     began = time.perf_counter()
     result = run_python("import time\ntime.sleep(60)", PASSES, Limits(wall_seconds=1.0))
@@ -53,6 +117,7 @@ def test_sleeping_forever_hits_the_wall_clock_limit():
     assert time.perf_counter() - began < 4
 
 
+@needs_bwrap
 @pytest.mark.parametrize(
     "code",
     [
@@ -68,11 +133,13 @@ def test_no_new_processes(code):
     assert score(code) == 0.0
 
 
+@needs_bwrap
 def test_unbounded_allocation_fails_inside_the_child():
     assert score("chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))") == 0.0
     assert score("x = bytearray(64 * 1024**3)") == 0.0
 
 
+@needs_bwrap
 def test_files_outside_the_working_directory_are_out_of_reach(tmp_path):
     secret, keep, escape = tmp_path / "secret.txt", tmp_path / "keep.txt", tmp_path / "escape.txt"
     secret.write_text("s3cret")
@@ -90,12 +157,14 @@ def test_files_outside_the_working_directory_are_out_of_reach(tmp_path):
     assert not escape.exists() and keep.read_text() == "keep me"
 
 
+@needs_bwrap
 def test_the_trainers_environment_variables_are_invisible(monkeypatch):
     monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
     assert score("import os", ["assert os.environ.get('GRPO_TEST_SECRET') == 'hunter2'"]) == 0.0
     assert score("import os", ["assert 'GRPO_TEST_SECRET' not in os.environ"]) == 1.0  # the check itself works
 
 
+@needs_bwrap
 def test_no_network():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -110,6 +179,7 @@ def test_no_network():
         server.close()
 
 
+@needs_bwrap
 def test_other_processes_cannot_be_signalled():
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -122,6 +192,7 @@ def test_other_processes_cannot_be_signalled():
         victim.wait()
 
 
+@needs_bwrap
 def test_exiting_early_or_printing_a_fake_result_does_not_pass():
     assert score("import os\nos._exit(0)") == 0.0
     assert score("import sys\nprint('1 passed')\nsys.exit(0)") == 0.0
@@ -130,12 +201,14 @@ def test_exiting_early_or_printing_a_fake_result_does_not_pass():
     assert score(forged) == 0.0
 
 
+@needs_bwrap
 def test_failures_can_give_none_instead_of_zero():
     assert score("raise RuntimeError('boom')", on_error=None) is None
     assert score("x = 1", ["assert x == 2"], on_error=None) == 0.0  # ran fine, failed its test: a real 0
     assert code_execution(**LIMITS)(["x = 1", "x = 1"], tests=[None, []]) == [None, None]
 
 
+@needs_bwrap
 def test_working_directory_is_removed_afterwards():
     marker = f"grpo-sandbox-probe-{os.getpid()}"
     assert score(f"import os\nopen({marker!r}, 'w').write('x')\nprint(os.getcwd())") == 1.0
@@ -143,3 +216,255 @@ def test_working_directory_is_removed_afterwards():
 
     leftovers = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("grpo-sandbox-")]
     assert not any(os.path.exists(os.path.join(tempfile.gettempdir(), d, marker)) for d in leftovers)
+
+
+# ---- one test per attack class, with and without the audit hook ----
+
+
+@needs_bwrap
+@HOOK
+def test_attack_signals_to_outside_processes(hook, bystanders):
+    victim, _ = bystanders
+    me, group = os.getpid(), os.getpgid(0)
+    libc = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    check = "if {call} != 0:\n    raise OSError(ctypes.get_errno(), 'refused')\n"
+    codes = [
+        f"import os\nos.kill({victim.pid}, 9)",
+        f"import os\nos.kill({me}, 9)",
+        f"import os\nos.killpg({group}, 9)",
+        f"import os\nos.killpg({victim.pid}, 9)",
+        "import os\nos.kill(-1, 9)",
+        f"import signal\nsignal.pthread_kill({victim.pid}, 9)",
+        libc + check.format(call=f"libc.kill({victim.pid}, 9)") + check.format(call=f"libc.kill({me}, 9)"),
+        libc + check.format(call="libc.kill(-1, 9)"),
+        libc + f"for pid in ({victim.pid}, {me}):\n"
+        "    fd = libc.syscall(434, pid, 0)  # pidfd_open\n"
+        "    if fd < 0 or libc.syscall(424, fd, 9, None, 0) != 0:  # pidfd_send_signal\n"
+        "        raise OSError(ctypes.get_errno(), 'refused')\n",
+        "import subprocess\nsubprocess.run(['kill', '-9', '-1'], check=True)",
+        "import subprocess\nsubprocess.run(['sh', '-c', 'kill -9 -1'], check=True)",
+        "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import os; os.kill(-1, 9)'])\nraise SystemExit",
+    ]
+    for code, (result, _) in zip(codes, attack_all(codes, hook)):
+        assert result.passed == 0, code
+    time.sleep(0.1)  # a signal, had one been sent, has landed
+
+
+@needs_bwrap
+@HOOK
+def test_attack_files_outside_the_working_directory(hook, bystanders, tmp_path):
+    _, keep = bystanders
+    new = tmp_path / "created.txt"
+    stdlib_probe = os.path.join(sysconfig.get_paths()["stdlib"], f"grpo_sandbox_probe_{os.getpid()}.txt")
+    flags = ["O_WRONLY | os.O_TRUNC", "O_WRONLY | os.O_APPEND", "O_WRONLY", "O_RDWR | os.O_CREAT | os.O_TRUNC"]
+    codes = [f"import os\nos.write(os.open({str(keep)!r}, os.{f}), b'pwned')" for f in flags]
+    codes += [f"import os\nos.write(os.open({str(p)!r}, os.O_WRONLY | os.O_CREAT), b'x')" for p in (new, stdlib_probe)]
+    libc = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    for path, flag in [
+        (keep, os.O_WRONLY | os.O_TRUNC),
+        (keep, os.O_WRONLY | os.O_APPEND),
+        (new, os.O_WRONLY | os.O_CREAT),
+    ]:
+        codes.append(
+            libc + f"fd = libc.open({str(path).encode()!r}, {flag}, 0o644)\n"
+            "if fd < 0 or libc.write(fd, b'pwned', 5) != 5:\n    raise OSError(ctypes.get_errno(), 'refused')"
+        )
+    codes += [
+        f"open({str(keep)!r}, 'w').write('pwned')",
+        f"open({str(keep)!r}, 'a').write('pwned')",
+        f"open({str(new)!r}, 'x').write('pwned')",
+        f"import os\nos.truncate({str(keep)!r}, 0)",
+        f"import os\nos.rename({str(keep)!r}, {str(new)!r})",
+        f"import subprocess\nsubprocess.run(['sh', '-c', 'echo pwned > {keep}; echo x >> {new}'], check=True)",
+        f"import os\nassert os.system('echo pwned > {keep}') == 0",
+    ]
+    for code, (result, _) in zip(codes, attack_all(codes, hook)):
+        assert result.passed == 0, code
+    assert not new.exists() and not os.path.exists(stdlib_probe)
+
+
+@needs_bwrap
+@HOOK
+def test_attack_forged_results(hook, bystanders):
+    every_fd = "import os\nfor fd in range(1024):\n    try:\n        os.write(fd, {line!r})\n    except OSError:\n        pass\n"
+    fake = b'{"passed": 1000, "error": null}'
+    # Whatever looks like a token in the frames above the code (the old harness kept it in a local variable).
+    frames = (
+        "import sys\nf, found = sys._getframe(), []\nwhile f:\n"
+        "    found += [v for v in f.f_locals.values() if isinstance(v, (str, bytes)) and len(v) == 32]\n"
+        "    f = f.f_back\n"
+    )
+    codes = [
+        "import json\nprint('3 passed')\nprint(json.dumps({'passed': 3, 'error': None}))\nimport sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        every_fd.format(line=fake) + "os._exit(0)",
+        every_fd.format(line=b"0" * 32 + b" " + fake + b"\n") + "os._exit(0)",
+        every_fd.format(line=b'{"passed": -5, "error": null}') + "os._exit(0)",
+        every_fd.format(line=b'{"passed": true, "error": null}') + "os._exit(0)",
+        frames + "import os\nfor t in found:\n    for fd in range(3, 64):\n        try:\n"
+        "            os.write(fd, (t if isinstance(t, bytes) else t.encode()) + b' ' + " + repr(fake) + " + b'\\n')\n"
+        "        except OSError:\n            pass\nos._exit(0)",
+    ]
+    tests = PASSES + ["assert False"] * 2  # 3 tests: the honest score of a completion that runs is 1/3
+    for code, (result, _) in zip(codes, attack_all(codes, hook, tests=tests)):
+        assert result.passed == 0 and result.total == 3 and result.error is not None, code
+
+
+@needs_bwrap
+@HOOK
+def test_attack_network(hook, bystanders):
+    tcp, udp, unix = socket.socket(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_UNIX)
+    abstract = f"\0grpo-sandbox-test-{os.getpid()}"
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    udp.bind(("127.0.0.1", 0))
+    unix.bind(abstract)
+    unix.listen()
+    for s in (tcp, udp, unix):
+        s.settimeout(0.2)
+    port, uport = tcp.getsockname()[1], udp.getsockname()[1]
+    codes = [
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')",
+        f"import socket\nsocket.create_connection(('localhost', {port}), timeout=1)",
+        f"import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.sendto(b'x', ('127.0.0.1', {uport}))",
+        f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({abstract!r})",
+        "import ctypes\nif ctypes.CDLL(None).socket(2, 1, 0) < 0:\n    raise OSError('socket refused')",
+    ]
+    try:
+        for code, (result, _) in zip(codes, attack_all(codes, hook)):
+            assert result.passed == 0, code
+        for server in (tcp, unix):
+            with pytest.raises(TimeoutError):
+                server.accept()  # nothing ever connected
+        with pytest.raises(TimeoutError):
+            udp.recv(16)  # nothing ever arrived
+    finally:
+        for s in (tcp, udp, unix):
+            s.close()
+
+
+@needs_bwrap
+@HOOK
+def test_attack_fork_bomb(hook, bystanders):
+    codes = [
+        "import os\nwhile True:\n    os.fork()",
+        "import subprocess, sys\nbomb = 'import os\\nwhile True:\\n    os.fork()'\n"
+        "while True:\n    subprocess.Popen([sys.executable, '-c', bomb])",
+        "import multiprocessing\ndef bomb():\n    while True:\n        multiprocessing.Process(target=bomb).start()\n"
+        "bomb()",
+        "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
+    ]
+    began = time.perf_counter()
+    for code, (result, took) in zip(codes, attack_all(codes, hook)):
+        assert result.passed == 0 and took < LIMITS["wall_seconds"] + 2, code
+    assert time.perf_counter() - began < 8
+    assert subprocess.run(["true"]).returncode == 0  # the machine can still start processes
+
+
+@needs_bwrap
+def test_the_kernel_refuses_new_processes_but_allows_threads():
+    # Without the audit hook, only the worker's seccomp filter stands between the code and fork.
+    code = (
+        "import os, threading\ntry:\n    os.fork()\n    forked = True\nexcept PermissionError:\n    forked = False\n"
+        "t = threading.Thread(target=print)\nt.start()\nt.join()"
+    )
+    result = run_python(code, ["assert not forked"], Limits(**LIMITS), audit_hook=False)
+    assert (result.passed, result.error) == (1, None)
+
+
+@needs_bwrap
+@HOOK
+def test_attack_memory(hook, bystanders):
+    codes = [
+        "x = bytearray(4 * 1024**3)",
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(10**8))",
+        "import mmap\nm = mmap.mmap(-1, 4 * 1024**3)\nm[::4096] = b'x' * (4 * 1024**3 // 4096)",
+        "x = [0] * (10**9)",
+    ]
+    for code, (result, took) in zip(codes, attack_all(codes, hook)):
+        assert result.passed == 0 and took < LIMITS["wall_seconds"] + 2, code
+
+
+@needs_bwrap
+def test_the_private_tmp_directory_is_bounded():
+    # It is a tmpfs (memory) of Limits.disk_mb: filling it stops at the limit, not at the host's RAM.
+    code = (
+        "written = 0\ntry:\n    for i in range(100):\n        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * 8 * 1024**2)\n        written += 8\nexcept OSError:\n    pass"
+    )
+    result = run_python(code, ["assert written <= 32"], Limits(**LIMITS, disk_mb=32), audit_hook=False)
+    assert (result.passed, result.error) == (1, None)
+
+
+@needs_bwrap
+@HOOK
+def test_attack_time(hook, bystanders):
+    codes = [
+        "while True:\n    pass",
+        "import time\ntime.sleep(60)",
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+        "import threading\ndef spin():\n    while True:\n        pass\nt = threading.Thread(target=spin)\nt.start()\nt.join()",
+        "import select\nselect.select([], [], [])",
+    ]
+    for code, (result, took) in zip(codes, attack_all(codes, hook)):
+        assert result.passed == 0 and took < LIMITS["wall_seconds"] + 2, code
+        assert "CPU limit" in result.error or "timed out" in result.error or "killed" in result.error, result
+
+
+# ---- the result channel, the weaker mode, and a missing bubblewrap ----
+
+
+def test_the_report_is_validated_and_clamped():
+    token = "ab" * 16
+    good = f'{token} {{"passed": 2, "error": null}}\n'.encode()
+    assert sandbox._parse_report(good, token, 3) == (2, 3, None)
+    assert sandbox._parse_report(good.replace(b"2", b"7"), token, 3) == (3, 3, None)  # clamped to total
+    for bad in (
+        good.replace(token.encode(), b"0" * 32),  # wrong token
+        good + good,  # two lines
+        good.rstrip(),  # no newline
+        f'{token} {{"passed": true, "error": null}}\n'.encode(),
+        f'{token} {{"passed": 1.5, "error": null}}\n'.encode(),
+        f'{token} {{"passed": 1, "error": 7}}\n'.encode(),
+        f"{token} [1, 2]\n".encode(),
+        f"{token} not json\n".encode(),
+        b"",
+    ):
+        assert sandbox._parse_report(bad, token, 3) is None, bad
+
+
+def test_process_isolation_is_a_named_opt_in_and_still_scores():
+    reward = code_execution(**LIMITS, isolation="process")
+    forged = 'import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b\'{"passed": 9, "error": null}\')\n'
+    forged += "    except OSError:\n        pass\nos._exit(0)"
+    assert reward(["def f():\n    return 1", "import os\nos._exit(0)", forged], tests=[["assert f() == 1"]] * 3) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+    with pytest.raises(ValueError, match="isolation='docker'"):
+        code_execution(isolation="docker")
+
+
+def test_without_bubblewrap_the_sandbox_refuses_and_says_how_to_fix_it(monkeypatch):
+    sandbox._bwrap_problem.cache_clear()
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap") as refused:
+            code_execution(**LIMITS)
+        assert "isolation='process'" in str(refused.value)
+        with pytest.raises(SandboxUnavailable, match="bwrap"):
+            run_python("x = 1", PASSES)
+        assert run_python("x = 1", PASSES, isolation="process").passed == 1
+    finally:
+        sandbox._bwrap_problem.cache_clear()
+
+
+def test_ci_runs_the_bubblewrap_tier():
+    # Without this, CI without bubblewrap would skip every attack test above and still go green.
+    if not os.environ.get("CI"):
+        pytest.skip("only enforced under CI=1; locally the bubblewrap tests skip when bwrap is missing")
+    assert HAS_BWRAP, (
+        "CI must have bubblewrap: `make install` installs it as root, or run `apt-get install bubblewrap`"
+    )
+    sandbox.check_isolation("bwrap")  # and it can start a sandbox here
