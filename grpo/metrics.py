@@ -40,6 +40,14 @@ class MetricsWindow:
     def set_last(self, name: str, value: float) -> None:
         self._last[name] = float(value)
 
+    def state_dict(self) -> dict[str, dict]:
+        """What the window holds, as plain dicts (saved in checkpoints: a resumed run logs what it would have)."""
+        return {key: dict(value) for key, value in vars(self).items()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        for key, value in state.items():
+            setattr(self, key, dict(value))
+
     def pop(self) -> dict[str, float]:
         """The reduced metrics of the window, then an empty window. A mean with zero weight is NaN (nothing was
         measured: e.g. no row had a reward from that function)."""

@@ -13,6 +13,7 @@ The trainer orchestrates; the arithmetic lives in `grpo.loss` (advantages, KL, c
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,24 @@ from transformers import (
     Trainer,
     TrainerCallback,
 )
+from transformers.trainer_utils import rotate_checkpoints
+from transformers.utils import logging
 
+logger = logging.get_logger(__name__)
+
+from grpo.checkpoints import (
+    ROUND_SETTINGS,
+    STATE_FILE,
+    CheckpointError,
+    check_fresh_output_dir,
+    describe_write_failure,
+    load_state,
+    publish,
+    remove_stale_staging,
+    resolve_resume,
+    save_state,
+    staging_dir,
+)
 from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, decode_completions, pad, render_prompt, tokenize_prompts
 from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
@@ -34,6 +52,15 @@ from grpo.logprobs import completion_logprobs
 from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss, sampling_correction
 from grpo.metrics import MetricsWindow, format_completions, write_completions
 from grpo.models import disable_dropout, frozen_copy, load_causal_lm
+from grpo.nonfinite import (
+    NonFiniteError,
+    gradient_message,
+    gradients_finite,
+    infinite_reward_message,
+    infinite_rewards,
+    nonfinite_terms,
+    reward_overflow_message,
+)
 from grpo.process import is_process_reward, score_process
 from grpo.sampler import RepeatSampler
 from grpo.scoring import load_reward_funcs, reward_name, score_completions
@@ -55,6 +82,16 @@ _COMPLETION_KEYS = (
 
 def _identity(features):
     return features
+
+
+class _GradientGuard(TrainerCallback):
+    """Runs `GRPOTrainer._guard_gradients` between gradient clipping and the optimizer step."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._guard_gradients()
 
 
 class GRPOTrainer(Trainer):
@@ -164,6 +201,9 @@ class GRPOTrainer(Trainer):
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self._refill_prompts = None  # extra prompts for dynamic sampling (an iterator, made at first use)
+        self._refill_position = 0  # indices taken from it so far (saved in checkpoints)
+        self._loss_terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's loss terms, for NonFiniteError
+        self._staging_run_dir: str | None = None  # set while a checkpoint is written (see _save_checkpoint)
 
         # Reserved column names and bad prompts stop here, not when a bad row is drawn hours into the run.
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -179,6 +219,7 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        self.add_callback(_GradientGuard(self))
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         self.reward_funcs = [
@@ -346,7 +387,7 @@ class GRPOTrainer(Trainer):
             model_batch_size=args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
         )
         self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
-        rewards_per_func = gather(scores.rewards.to(device))  # (B_global, K)
+        rewards_per_func = self._finite_rewards(gather(scores.rewards.to(device)), self.reward_names, len(prompts))
         # Process rewards: (B, K_process, T), each step's reward at its last token, NaN elsewhere; padded to the
         # longest completion of all processes before gathering.
         step_rewards = score_process(
@@ -360,6 +401,7 @@ class GRPOTrainer(Trainer):
             width=completion_ids.shape[1],
         ).to(device)
         step_rewards = gather(self.accelerator.pad_across_processes(step_rewards, dim=2, pad_index=torch.nan))
+        step_rewards = self._finite_rewards(step_rewards, self.reward_names[len(self.reward_funcs) :], len(prompts))
 
         round_ = {
             "prompts": prompts,
@@ -384,6 +426,17 @@ class GRPOTrainer(Trainer):
         )
         return round_
 
+    def _finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int) -> torch.Tensor:
+        """Stop at a +-inf reward (the same gathered tensor on every process, so all stop together), or with
+        `nonfinite="skip"` turn it into NaN (unscored) and count it. `rows`: rows per process, for the message."""
+        found = infinite_rewards(rewards)
+        if not found:
+            return rewards
+        if self.args.nonfinite == "error":
+            raise NonFiniteError(infinite_reward_message(found, names, self.state.global_step, rows))
+        self._metrics["train"].add_sum("nonfinite/reward_rows", len({row for row, _, _ in found}))
+        return torch.where(torch.isinf(rewards), torch.nan, rewards)
+
     def _metric_rewards(self, round_: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B_global, K) reward columns for metrics (a process function's column: the sum of its step rewards, NaN
         without steps) and the combined reward: the weighted sum over every function that scored the row."""
@@ -400,6 +453,9 @@ class GRPOTrainer(Trainer):
         weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
         scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one outcome function scored
         rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
+        problem = reward_overflow_message(rewards, self.args.num_generations, self.state.global_step)
+        if problem is not None:
+            raise NonFiniteError(problem)
         weights = self.process_weights.to(rewards.device)
         return mixed_advantages(
             rewards, round_["step_rewards"], weights, self.args.num_generations, self.args.scale_rewards
@@ -437,7 +493,10 @@ class GRPOTrainer(Trainer):
             sampler = self._get_train_sampler()
             sampler.repeat_count, sampler.seed = 1, self.args.seed + 1  # a stream apart from the training order
             self._refill_prompts = refill_indices(sampler)
+            for _ in range(self._refill_position):  # resumed: continue the stream where the checkpoint left it
+                next(self._refill_prompts)
         indices = [next(self._refill_prompts) for _ in range(self.args.generation_batch_size)]
+        self._refill_position += len(indices)
         start = self.accelerator.process_index * num_rows
         return [self.train_dataset[i] for i in indices[start : start + num_rows]]
 
@@ -573,6 +632,11 @@ class GRPOTrainer(Trainer):
             # (dapo's normaliser already spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
             loss = loss / self.current_gradient_accumulation_steps
 
+        if mode == "train":  # read only if the gradients turn out non-finite (_GradientGuard)
+            self._loss_terms.append(
+                {"loss": loss.detach(), "logps": torch.where(inputs["loss_mask"].bool(), logps.detach(), 0.0), **stats}
+            )
+
         # Token-weighted metrics, summed over processes.
         mask = inputs["loss_mask"].bool()
         tokens = mask.sum().float()
@@ -632,6 +696,100 @@ class GRPOTrainer(Trainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    # ---- Non-finite gradients (grpo/nonfinite.py) ----
+
+    def _guard_gradients(self) -> None:
+        """Before each optimizer step: all processes agree whether every gradient is finite; if not, stop with the
+        loss terms that went non-finite, or with `nonfinite="skip"` drop the gradients so the step changes
+        nothing."""
+        terms, self._loss_terms = self._loss_terms, []
+        local = gradients_finite(self.model.parameters()).to(self.accelerator.device)
+        if self.accelerator.reduce(local.float(), reduction="sum") == self.accelerator.num_processes:
+            return
+        if self.args.nonfinite == "error":
+            raise NonFiniteError(gradient_message(self.state.global_step, nonfinite_terms(terms)))
+        for parameter in self.model.parameters():
+            parameter.grad = None  # torch optimizers skip parameters without a gradient: no update, no moment change
+        self._metrics["train"].add_sum("nonfinite/skipped_steps", 1)
+
+    # ---- Checkpoints and exact resume (grpo/checkpoints.py) ----
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+        """`Trainer.train`, with `resume_from_checkpoint=True` meaning the newest *complete* checkpoint, this
+        trainer's own state restored from it, and a new run refused over an earlier run's checkpoints."""
+        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if checkpoint is None:
+            check_fresh_output_dir(self.args.output_dir)
+        else:
+            self._restore_state(checkpoint)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+
+    def _round_settings(self) -> dict[str, Any]:
+        settings = {name: getattr(self.args, name) for name in ROUND_SETTINGS}
+        settings["num_processes"] = self.accelerator.num_processes
+        return settings
+
+    def _restore_state(self, checkpoint: str) -> None:
+        state = load_state(checkpoint, self.accelerator.process_index, self._round_settings(), self.accelerator.device)
+        if state is None:
+            logger.warning(
+                f"{checkpoint} has no {STATE_FILE.format(self.accelerator.process_index)} (written by another "
+                "trainer): a generation round in progress is generated again, so the run will not match one that "
+                "was never stopped."
+            )
+            return
+        self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
+        self._refill_position, self._samples = state["refill_position"], state["samples"]
+        for mode, window in state["metrics"].items():
+            self._metrics[mode].load_state_dict(window)
+
+    def _get_output_dir(self, trial) -> str:
+        # While a checkpoint is written, Trainer's files go to the staging directory (see _save_checkpoint).
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint plus this trainer's state, written under a temporary name, fsynced and renamed:
+        a `checkpoint-N` directory only ever exists complete. A failed write (a full disk) removes what it wrote
+        and raises `CheckpointError` on every process."""
+        run_dir, step = self._get_output_dir(trial), self.state.global_step
+        staged = staging_dir(run_dir, step)
+        name = f"checkpoint-{step}"
+        if self.args.should_save:
+            remove_stale_staging(run_dir)
+        self.accelerator.wait_for_everyone()
+        failure = None
+        self._staging_run_dir = staged
+        try:
+            super()._save_checkpoint(model, trial)
+            state = {
+                "settings": self._round_settings(),
+                "step": self._step,
+                "buffer": self._buffer,
+                "num_tokens": self._num_tokens,
+                "refill_position": self._refill_position,
+                "samples": self._samples,
+                "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
+            }
+            save_state(os.path.join(staged, name, STATE_FILE.format(self.accelerator.process_index)), state)
+        except Exception as e:  # noqa: BLE001 - reported on every process below
+            failure = e
+        finally:
+            self._staging_run_dir = None
+        failed = gather_object([failure is not None])
+        if any(failed):
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)
+            message = describe_write_failure(failure or OSError("another process failed"), step, run_dir)
+            raise CheckpointError(message) from failure
+        if self.args.should_save:
+            if self.state.best_model_checkpoint == os.path.join(staged, name):
+                self.state.best_model_checkpoint = os.path.join(run_dir, name)
+                self.state.save_to_json(os.path.join(staged, name, "trainer_state.json"))
+            publish(os.path.join(staged, name), os.path.join(run_dir, name))
+            os.rmdir(staged)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     # ---- Logging ----
 

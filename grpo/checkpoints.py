@@ -1,0 +1,184 @@
+"""Checkpoints that are either complete or absent, and the trainer state an exact resume needs.
+
+`transformers.Trainer` writes `checkpoint-N/` file by file in place: a run killed (or a disk that fills) in the
+middle leaves a directory that looks like a checkpoint, and `resume_from_checkpoint=True` then picks it. Here a
+checkpoint is written under `OUTPUT_DIR/tmp-checkpoint-N/checkpoint-N/`, every file is fsynced, and only then is
+it renamed to `OUTPUT_DIR/checkpoint-N` (a rename within one file system is atomic), so any `checkpoint-N` is
+whole. `newest_checkpoint` takes the newest complete one; `tmp-checkpoint-*` leftovers are deleted at the next save.
+
+Beside Trainer's files (weights as safetensors, optimizer, scheduler, RNG state of every process), each process
+writes `grpo_state_{process}.pt`: the part of a generation round it has not trained on yet (the buffer), its
+micro-step counter, the metrics not yet logged, and the dynamic-sampling prompt stream's position. With these a
+run resumed at any optimizer step continues with the same batches, generations and updates as one never stopped
+(docs/reliability.md). The file holds only tensors, numbers, strings, lists and dicts, and is read with
+`torch.load(weights_only=True)`: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import torch
+
+STATE_FILE = "grpo_state_{}.pt"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_STAGING_PREFIX = "tmp-checkpoint-"
+
+# Settings that fix the shape of a generation round and how micro-steps walk through it: a saved buffer is only
+# valid for a run with the same values.
+ROUND_SETTINGS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "num_iterations",
+    "num_generations",
+    "loss_type",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read back; the message says what is intact and what to do."""
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in `output_dir`, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint in `output_dir` (None when there is none)."""
+    found = checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume_from_checkpoint, output_dir: str) -> str | None:
+    """The checkpoint directory to resume from: `True` (or "true") means the newest complete one in `output_dir`;
+    a path must be a complete checkpoint. Errors name what was looked for and what to do."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+        resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
+        if not resume_from_checkpoint:
+            return None
+    if resume_from_checkpoint is True:
+        path = newest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint (checkpoint-N with a "
+                "trainer_state.json). Point output_dir at the earlier run, or start without resume_from_checkpoint."
+            )
+        return path
+    path = os.fspath(resume_from_checkpoint)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"resume_from_checkpoint={path!r} is not a directory. Give a checkpoint-N directory.")
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        newest = newest_checkpoint(os.path.dirname(os.path.abspath(path)))
+        hint = f" The newest complete checkpoint beside it is {newest}." if newest else ""
+        raise CheckpointError(
+            f"{path!r} is not a complete checkpoint (no trainer_state.json): it was cut short or is not a "
+            f"checkpoint-N directory.{hint}"
+        )
+    return path
+
+
+def check_fresh_output_dir(output_dir: str) -> None:
+    """Refuse to start a new run over an earlier run's checkpoints (its saves would interleave with, and rotation
+    would delete, the earlier ones)."""
+    found = checkpoints(output_dir)
+    if found:
+        names = ", ".join(os.path.basename(p) for _, p in found[-3:])
+        raise CheckpointError(
+            f"output_dir {output_dir!r} already holds checkpoints of an earlier run ({names}). Resume it with "
+            "resume_from_checkpoint=True (grpo train ... --resume_from_checkpoint true), or use a new output_dir, "
+            "or delete those checkpoints."
+        )
+
+
+def staging_dir(output_dir: str, step: int) -> str:
+    """Where checkpoint `step` is written before it is published."""
+    return os.path.join(output_dir, f"{_STAGING_PREFIX}{step}")
+
+
+def remove_stale_staging(output_dir: str, keep: str | None = None) -> None:
+    """Delete what saves that never finished left behind."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith(_STAGING_PREFIX) and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str, final: str) -> None:
+    """fsync every file of `staged`, then rename it to `final` (replacing an older `final`) and fsync the parent,
+    so that `final` exists only once all its bytes are on disk."""
+    for root, _, files in os.walk(staged):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root, directory=True)
+    old = None
+    if os.path.exists(final):  # the same step saved twice (e.g. at the end of training): keep the newer
+        old = final + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staged, final)
+    _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def describe_write_failure(error: BaseException, step: int, output_dir: str) -> str:
+    """The message for a checkpoint that could not be written: the cause (a full disk said plainly, where torch
+    would say 'basic_ios::clear'), the space left, and the newest checkpoint that is intact."""
+    try:
+        free_mb = shutil.disk_usage(output_dir).free / 2**20
+        space = f"{free_mb:.0f} MiB free on that disk"
+    except OSError:
+        space = "free space unknown"
+    full = getattr(error, "errno", None) == 28 or "No space left" in str(error) or "basic_ios" in str(error)
+    cause = "the disk is full" if full else f"{type(error).__name__}: {error}"
+    newest = newest_checkpoint(output_dir)
+    intact = f"The newest complete checkpoint, {newest}, is intact" if newest else "No earlier checkpoint exists"
+    return (
+        f"Writing checkpoint-{step} in {output_dir} failed: {cause} ({space}). Nothing of it was kept. {intact}. "
+        "Free space (or lower save_total_limit), then resume with resume_from_checkpoint=True."
+    )
+
+
+def save_state(path: str, state: dict) -> None:
+    torch.save(state, path)
+
+
+def load_state(checkpoint: str, process_index: int, settings: dict, device) -> dict | None:
+    """This process's trainer state from `checkpoint` (None for checkpoints written without one), checked against
+    the current run's round settings."""
+    path = os.path.join(checkpoint, STATE_FILE.format(process_index))
+    if not os.path.isfile(path):
+        return None
+    state = torch.load(path, map_location=device, weights_only=True)
+    changed = {k: (v, settings[k]) for k, v in state["settings"].items() if k in settings and settings[k] != v}
+    if changed:
+        listed = ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items())
+        raise CheckpointError(
+            f"{checkpoint} was written with {listed}. A resumed run must keep the settings that shape a generation "
+            "round; set them back, or start a new run in a new output_dir."
+        )
+    return state

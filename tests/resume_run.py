@@ -1,0 +1,105 @@
+"""One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
+
+    python tests/resume_run.py SETTINGS_JSON OUTPUT_DIR [--kill-after-micro-step K | --kill-in-save STEP] [--resume]
+
+It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
+and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
+micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
+being written: every file is written, the rename that publishes it has not happened.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpo.checkpoints  # noqa: E402
+from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
+
+
+def reward_parity(completions):
+    """Equal rewards within a group happen often (dynamic sampling then has groups to replace)."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def reward_length(completions):
+    return [len(c) / 10 for c in completions]
+
+
+class KillAfter(TrainerCallback):
+    def __init__(self, micro_steps):
+        self.remaining = micro_steps
+
+    def _count(self):
+        self.remaining -= 1
+        if self.remaining == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._count()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._count()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("settings")
+    parser.add_argument("output_dir")
+    parser.add_argument("--kill-after-micro-step", type=int)
+    parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--resume", action="store_true")
+    cli = parser.parse_args()
+
+    if cli.kill_in_save is not None:
+        publish = grpo.checkpoints.publish
+
+        def publish_or_die(staged, final):
+            if final.endswith(f"checkpoint-{cli.kill_in_save}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            publish(staged, final)
+
+        grpo.checkpoints.publish = publish_or_die
+        sys.modules["grpo.trainer"].publish = publish_or_die
+
+    tokenizer = tiny_tokenizer()
+    dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(24)]})
+    args = GRPOConfig(
+        output_dir=cli.output_dir,
+        report_to="none",
+        logging_steps=1,  # every step's loss and reward are compared
+        save_strategy="steps",
+        save_steps=1,
+        disable_tqdm=True,
+        max_completion_length=8,  # short completions keep each run to a few seconds
+        num_generations=4,
+        temperature=1.0,
+        learning_rate=1e-2,  # large enough that every step visibly moves the weights
+        seed=7,
+        **json.loads(cli.settings),
+    )
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer),
+        [reward_parity, reward_length],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    if cli.kill_after_micro_step is not None:
+        trainer.add_callback(KillAfter(cli.kill_after_micro_step))
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    torch.save({"log_history": trainer.state.log_history, "params": params}, Path(cli.output_dir) / "result.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Exact resume: a run SIGKILLed and resumed logs the same losses and rewards and ends with bit-identical weights as
+one never stopped (CPU, same seed). Each run is a process of its own (tests/resume_run.py), with real sampling."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.checkpoints import newest_checkpoint
+
+SCRIPT = Path(__file__).with_name("resume_run.py")
+
+# Each scenario kills the run inside a generation round, so the resumed run must take the rest of that round from
+# the checkpoint rather than generate it again.
+SCENARIOS = {
+    # One round feeds two optimizer steps (steps_per_generation > gradient_accumulation_steps); killed in step 2.
+    "mid_round": dict(
+        settings=dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4),
+        kill=["--kill-after-micro-step", "2"],
+    ),
+    # Each round is trained on twice (num_iterations=2), with gradient accumulation; killed after the first micro-step
+    # of step 2, that is inside the round's second pass, whose old log-probs come from the checkpoint.
+    "replayed_round": dict(
+        settings=dict(
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            steps_per_generation=2,
+            num_iterations=2,
+            beta=0.04,
+            max_steps=4,
+        ),
+        kill=["--kill-after-micro-step", "3"],
+    ),
+    # Killed while checkpoint 3 is written (all files written, not yet published), with dynamic sampling, whose
+    # stream of extra prompts must continue where it was; the resume must take checkpoint 2.
+    "killed_save": dict(
+        settings=dict(
+            per_device_train_batch_size=8,
+            steps_per_generation=2,
+            loss_type="dapo",
+            dynamic_sampling=True,
+            max_dynamic_sampling_rounds=2,
+            max_steps=5,
+        ),
+        kill=["--kill-in-save", "3"],
+    ),
+}
+
+
+def run(settings, output_dir, *extra, killed=False):
+    process = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(settings), str(output_dir), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if killed:
+        assert process.returncode == -9, process.stderr[-3000:]
+        return None
+    assert process.returncode == 0, process.stderr[-3000:]
+    return torch.load(Path(output_dir) / "result.pt", weights_only=True)
+
+
+def step_logs(history):
+    """step -> the logged training values of that step (the final summary entry left out)."""
+    return {entry["step"]: entry for entry in history if "loss" in entry}
+
+
+def comparable(entry):
+    """A logged entry without wall-clock timings, NaN (nothing measured) made comparable with ==."""
+    return {k: "nan" if v != v else v for k, v in entry.items() if not k.startswith("timing/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_killed_run_resumes_exactly(tmp_path, name):
+    scenario = SCENARIOS[name]
+    full = run(scenario["settings"], tmp_path / "full")
+
+    out = tmp_path / "killed"
+    run(scenario["settings"], out, *scenario["kill"], killed=True)
+    resume_point = newest_checkpoint(str(out))
+    assert resume_point is not None
+    resume_step = int(resume_point.rsplit("-", 1)[1])
+    if name == "killed_save":
+        # The checkpoint being written when the process died is not visible as one; the previous one is taken.
+        assert resume_step == 2 and (out / "tmp-checkpoint-3" / "checkpoint-3").is_dir()
+        assert not (out / "checkpoint-3").exists()
+    resumed = run(scenario["settings"], out, "--resume")
+
+    expected, got = step_logs(full["log_history"]), step_logs(resumed["log_history"])
+    after = [step for step in expected if step > resume_step]
+    assert after, "the kill must leave steps to train after the resume point"
+    for step in after:
+        assert "loss" in got[step] and "grad_norm" in got[step]
+        assert comparable(got[step]) == comparable(expected[step]), step
+    for param, value in full["params"].items():
+        assert torch.equal(resumed["params"][param], value), param
+    if name == "killed_save":  # the next save cleared what the killed one left
+        assert not (out / "tmp-checkpoint-3").exists()
