@@ -29,8 +29,6 @@ from transformers import (
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
-
 from grpo.checkpoints import (
     ROUND_SETTINGS,
     STATE_FILE,
@@ -64,6 +62,8 @@ from grpo.nonfinite import (
 from grpo.process import is_process_reward, score_process
 from grpo.sampler import RepeatSampler
 from grpo.scoring import load_reward_funcs, reward_name, score_completions
+
+logger = logging.get_logger(__name__)
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
