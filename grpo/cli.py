@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from grpo.recipe import RecipeError, load_recipe, resolve_reward
+from grpo.data import InputError
+from grpo.recipe import load_recipe, resolve_reward
 
 
 def greedy_samples(trainer, dataset, count: int) -> list[dict]:
@@ -200,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from grpo.vllm_server import serve
 
             serve(cli)
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
+    except (InputError, FileNotFoundError) as e:
+        # Bad input (a recipe, its data, a reward, a path; RecipeError is one): one line, exit status 2.
+        message = " ".join(str(e).split())
+        print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
     return 0
 

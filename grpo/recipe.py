@@ -12,36 +12,32 @@ A recipe has four kinds of top-level keys (docs/recipes.md has the reference):
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
 as YAML (`--max_steps 5`, `--report_to "[tensorboard]"`). Every unknown key is an error that names the closest valid
-one. Nothing here trains: `load_recipe` only parses and validates, so a recipe can be checked without a model.
+one; so are YAML syntax errors (with the line), values of the wrong type, and local model or data paths that do not
+exist. Nothing here trains: `load_recipe` only parses and validates, so a recipe can be checked without a model.
+Every error is a `RecipeError`, which `grpo train` prints as one line before exiting with status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
+import numbers
 import os
-import sys
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from grpo.config import GRPOConfig
-
-# Built-in rewards by name: plain functions are used as they are, factories are called with the entry's `kwargs`.
-BUILTIN_REWARDS = {
-    "accuracy": ("accuracy", False),
-    "reasoning_gym": ("reasoning_gym", False),
-    "format_reward": ("format_reward", True),
-    "soft_overlong_punishment": ("soft_overlong_punishment", True),
-    "code_execution": ("code_execution", True),
-}
+from grpo.data import InputError
+from grpo.models import SMOLLM2_NAME, looks_local
+from grpo.scoring import resolve_reward_name, reward_kind
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe (or a command-line override) that cannot be used as written; the message says what to change."""
 
 
@@ -74,7 +70,7 @@ class DatasetSection:
 
 @dataclasses.dataclass
 class RewardSpec:
-    name: str  # a built-in name (BUILTIN_REWARDS) or "module:function"
+    name: str  # a built-in name, "module:function", or a reward model's folder or hub id (grpo.scoring.reward_kind)
     weight: float | None = None
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings for a reward factory
 
@@ -97,14 +93,18 @@ class Recipe:
     source: Path | None = None
 
     def grpo_config(self) -> GRPOConfig:
-        """The `GRPOConfig`, with the rewards' weights; its own `__post_init__` errors pass through unchanged."""
+        """The `GRPOConfig`, with the rewards' weights; its `__post_init__` errors (ValueError, TypeError) become
+        `RecipeError`s naming the recipe, message unchanged."""
         config = dict(self.config)
         weights = [r.weight for r in self.rewards]
         if any(w is not None for w in weights):
             if "reward_weights" in config:
                 raise RecipeError("Weights are given both in `rewards` and as `reward_weights`; keep one of the two.")
             config["reward_weights"] = [1.0 if w is None else float(w) for w in weights]
-        return GRPOConfig(**config)
+        try:
+            return GRPOConfig(**config)
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"{self.source or 'recipe'}: {e}") from e
 
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection}
@@ -120,15 +120,38 @@ def _unknown(key: str, valid, where: str) -> RecipeError:
     return RecipeError(f"Unknown key '{key}' in {where}.{hint} See docs/recipes.md for the valid keys.")
 
 
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a YAML value fits a section field's annotation (str, int, float, bool, dict[...], Any, or a union)."""
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arm) for arm in typing.get_args(hint))
+    hint = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
 def _section(cls, values: Any, where: str):
     if values is None:
         return cls()
     if not isinstance(values, dict):
         raise RecipeError(f"'{where}' must be a mapping of keys to values, got {type(values).__name__}: {values!r}")
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
         if key not in names:
             raise _unknown(key, names, f"the '{where}' section")
+        if not _matches(value, hints[key]):
+            expected = str(hints[key]).replace("typing.", "").replace("NoneType", "null")
+            raise RecipeError(
+                f"{where}.{key}: {value!r} ({type(value).__name__}) is not of type {expected}. Write it as that type "
+                "(numbers unquoted, true/false for yes/no, a {key: value} mapping for a dict)."
+            )
     return cls(**values)
 
 
@@ -136,6 +159,8 @@ def _reward(entry: Any, index: int) -> RewardSpec:
     where = f"rewards[{index}]"
     if isinstance(entry, str):
         return RewardSpec(name=entry)
+    if isinstance(entry, dict) and not isinstance(entry.get("name", ""), str):
+        raise RecipeError(f"{where}.name must be a string such as 'accuracy' or 'my_module:my_reward', got {entry!r}")
     if not isinstance(entry, dict) or "name" not in entry:
         raise RecipeError(
             f"{where} must be a name ('accuracy', 'my_module:my_reward') or a mapping with a 'name' key, got {entry!r}"
@@ -173,7 +198,14 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
                 raise RecipeError(f"The override --{key} needs a value: --{key} VALUE (or --{key}=VALUE).")
             value = argv[i + 1]
             i += 1
-        pairs.append((key.replace("-", "_"), yaml.safe_load(value) if value != "" else ""))
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as e:
+            raise RecipeError(
+                f"The override --{key} {value!r} is not valid YAML ({getattr(e, 'problem', e)}); quote the value, "
+                f"e.g. --{key} '\"{value}\"'."
+            ) from e
+        pairs.append((key.replace("-", "_"), parsed))
         i += 1
     return pairs
 
@@ -201,7 +233,19 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         source = Path(path)
         if not source.is_file():
             raise RecipeError(f"Recipe file {str(source)!r} not found.")
-        raw = yaml.safe_load(source.read_text()) or {}
+        text = source.read_text()
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = mark.line + 1 if mark is not None else None
+            at = f" at line {line}, column {mark.column + 1}" if mark is not None else ""
+            quoted = f" ({text.splitlines()[line - 1].strip()!r})" if line and line <= len(text.splitlines()) else ""
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise RecipeError(
+                f"{source}: YAML syntax error{at}{quoted}: {problem}. Fix that line: each key is followed by a colon "
+                "and a space, nesting is by consistent spaces (no tabs), and quotes and brackets must close."
+            ) from e
         if not isinstance(raw, dict):
             raise RecipeError(f"{source} must hold a mapping of keys to values at the top level.")
     raw = apply_overrides(raw, parse_overrides(overrides or []))
@@ -217,6 +261,13 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         config[key] = _coerce(key, value)
     model = raw.get("model")
     model = ModelSection(name_or_path=model) if isinstance(model, str) else _section(ModelSection, model, "model")
+    # A local path that does not exist fails now; a hub id is left to from_pretrained (it may need the network).
+    name = model.name_or_path
+    if name != SMOLLM2_NAME and looks_local(name) and not Path(name).expanduser().exists():
+        raise RecipeError(
+            f"model: {name!r} does not exist (relative paths start from the working directory {Path.cwd()}). Fix "
+            f"the path, or give a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct' or '{SMOLLM2_NAME}'."
+        )
     rewards = raw.get("rewards") or []
     if isinstance(rewards, str | dict):
         rewards = [rewards]
@@ -228,6 +279,13 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
             "The dataset section needs exactly one source: `path` (a local file or a hub data set name) or "
             "`reasoning_gym` (an offline task name such as basic_arithmetic)."
         )
+    if dataset.path is not None:
+        path = Path(dataset.path).expanduser()
+        if (path.suffix.lower() in LOCAL_SUFFIXES or looks_local(dataset.path)) and not path.exists():
+            raise RecipeError(
+                f"dataset.path: {dataset.path!r} not found (relative paths start from the working directory "
+                f"{Path.cwd()}). Fix the path, or give a hub data set name such as 'openai/gsm8k'."
+            )
     if "output_dir" not in config:
         stem = source.stem if source else "grpo"
         config["output_dir"] = os.path.join("outputs", stem)
@@ -239,43 +297,20 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         config=config,
         source=source,
     )
-    for spec in recipe.rewards:
-        _check_reward_name(spec.name)
+    for i, spec in enumerate(recipe.rewards):
+        try:  # typos of built-in names and missing local paths, before anything is imported or downloaded
+            reward_kind(spec.name)
+        except InputError as e:
+            raise RecipeError(f"rewards[{i}]: {e}") from e
     return recipe
 
 
-def _check_reward_name(name: str) -> None:
-    if ":" in name:
-        return
-    if name not in BUILTIN_REWARDS:
-        raise _unknown(name, BUILTIN_REWARDS, "rewards (built-in names; use 'module:function' for your own)")
-
-
 def resolve_reward(spec: RewardSpec, search_dirs: typing.Sequence[Path] = ()) -> Callable:
-    """The callable of a reward entry. `module:function` is imported with the working directory and `search_dirs`
-    (the recipe's folder) on the import path; a factory is called with `kwargs` when they are given."""
-    if ":" in spec.name:
-        module_name, _, attr = spec.name.partition(":")
-        for folder in [Path.cwd(), *search_dirs]:
-            if str(folder) not in sys.path:
-                sys.path.insert(0, str(folder))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise RecipeError(
-                f"Reward '{spec.name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "
-                "working directory or the recipe's folder, or install the package that provides it."
-            ) from e
-        if not hasattr(module, attr):
-            raise RecipeError(f"Reward '{spec.name}': module '{module_name}' has no attribute '{attr}'.")
-        func = getattr(module, attr)
-        return func(**spec.kwargs) if spec.kwargs else func
-    from grpo import rewards
-
-    attr, is_factory = BUILTIN_REWARDS[spec.name]
-    func = getattr(rewards, attr)
-    if is_factory:
-        return func(**spec.kwargs)
-    if spec.kwargs:
-        raise RecipeError(f"The built-in reward '{spec.name}' takes no settings; remove its `kwargs`.")
-    return func
+    """The reward of a recipe entry, resolved as in Python (`grpo.scoring.resolve_reward_name`), with `search_dirs`
+    (the recipe's folder) on the import path for `module:function`."""
+    try:
+        return resolve_reward_name(spec.name, spec.kwargs, search_dirs)
+    except RecipeError:
+        raise
+    except InputError as e:
+        raise RecipeError(str(e)) from e

@@ -8,6 +8,11 @@ one. It receives, as keyword arguments and only if its signature accepts them (o
 A reward model is a `PreTrainedModel` with one output label (`AutoModelForSequenceClassification`); it scores the
 prompt and completion text, rendered with the chat template for conversational data, using its own tokenizer.
 
+A reward given as a string means the same in Python as in a recipe (`resolve_reward_name`): a built-in name
+(`BUILTIN_REWARDS`), `module:function`, a local reward-model folder, or else a hub reward-model id. A name close to a
+built-in one is refused with a suggestion, and a local-looking path that does not exist is refused, before any
+import or download.
+
 How the functions run (`score_completions`):
   - async functions run concurrently, in one event loop;
   - with `num_workers > 0`, each synchronous function is called on `num_workers` slices of the rows at once, in
@@ -23,25 +28,39 @@ How the functions run (`score_completions`):
 from __future__ import annotations
 
 import asyncio
+import difflib
+import importlib
 import inspect
 import math
 import multiprocessing
 import numbers
 import pickle
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
-from grpo.data import is_conversational
+from grpo.data import InputError, is_conversational
+from grpo.models import check_reward_model, load_reward_model, looks_local
 
 REWARD_ERRORS = ("raise", "skip")
 REWARD_WORKER_TYPES = ("thread", "process")
+
+# Built-in rewards by name (in grpo/rewards.py): (attribute, whether it is a factory called with the settings).
+BUILTIN_REWARDS = {
+    "accuracy": ("accuracy", False),
+    "reasoning_gym": ("reasoning_gym", False),
+    "format_reward": ("format_reward", True),
+    "soft_overlong_punishment": ("soft_overlong_punishment", True),
+    "code_execution": ("code_execution", True),
+}
 
 
 class RewardScores(NamedTuple):
@@ -57,25 +76,103 @@ def reward_name(func: Callable | PreTrainedModel) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def reward_kind(name: str) -> str:
+    """What a reward string names, decided without importing or downloading anything: 'builtin', 'function'
+    (`module:function`), 'path' (an existing local reward-model folder) or 'hub' (a reward-model id). Raises
+    `InputError` for a local-looking path that does not exist and for a name close to a built-in one."""
+    if name in BUILTIN_REWARDS:
+        return "builtin"
+    if looks_local(name):
+        if not Path(name).expanduser().exists():
+            raise InputError(
+                f"Reward {name!r} looks like a local reward-model path, but it does not exist (relative paths start "
+                f"from the working directory {Path.cwd()}). Fix the path, or name a built-in reward "
+                f"({', '.join(BUILTIN_REWARDS)}) or your own as 'module:function'."
+            )
+        return "path"
+    if ":" in name:
+        return "function"
+    if Path(name).is_dir():
+        return "path"
+    close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.6) if "/" not in name else []
+    if close:
+        raise InputError(
+            f"Unknown reward {name!r}: it is not a built-in reward. Did you mean {close[0]!r}? (Built-ins: "
+            f"{', '.join(BUILTIN_REWARDS)}; your own function: 'module:function'; a reward model: a local folder or "
+            "a hub id such as 'org/name'.)"
+        )
+    return "hub"
+
+
+def resolve_reward_name(
+    name: str, kwargs: dict | None = None, search_dirs: Sequence = ()
+) -> Callable | PreTrainedModel:
+    """The reward a string names (see `reward_kind`), the one resolver behind both `GRPOTrainer(reward_funcs="...")`
+    and recipes. `module:function` is imported with the working directory and `search_dirs` on the import path; a
+    factory (built-in or imported) is called with `kwargs` when they are given."""
+    kind = reward_kind(name)
+    kwargs = kwargs or {}
+    if kind in ("path", "hub"):
+        if kwargs:
+            raise InputError(f"Reward model {name!r} takes no settings; remove its `kwargs`.")
+        if kind == "path":
+            return load_reward_model(str(Path(name).expanduser()))
+        try:
+            return load_reward_model(name)
+        except InputError:
+            raise
+        except Exception as e:
+            raise InputError(
+                f"Reward {name!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}), a 'module:function' or a "
+                f"local folder, so it was loaded as a reward model from the hub, which failed: {type(e).__name__}: "
+                f"{e}. Fix the name, or pass the reward model's local folder."
+            ) from e
+    if kind == "function":
+        module_name, _, attr = name.partition(":")
+        for folder in [Path.cwd(), *search_dirs]:
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise InputError(
+                f"Reward '{name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "
+                "working directory or the recipe's folder, or install the package that provides it."
+            ) from e
+        if not hasattr(module, attr):
+            raise InputError(f"Reward '{name}': module '{module_name}' has no attribute '{attr}'.")
+        func = getattr(module, attr)
+        return func(**kwargs) if kwargs else func
+    from grpo import rewards
+
+    attr, is_factory = BUILTIN_REWARDS[name]
+    func = getattr(rewards, attr)
+    if not is_factory:
+        if kwargs:
+            raise InputError(f"The built-in reward '{name}' takes no settings; remove its `kwargs`.")
+        return func
+    try:
+        return func(**kwargs)
+    except TypeError as e:
+        raise InputError(
+            f"The built-in reward '{name}' needs settings ({e}): in a recipe give them under `kwargs:`; in Python "
+            f"call grpo.rewards.{attr}(...) and pass the function it returns."
+        ) from e
+
+
 def load_reward_funcs(reward_funcs, reward_processing_classes=None) -> tuple[list, list]:
-    """Check the rewards given to the trainer; load reward models given by path or hub id and the tokenizers of
-    reward models given without one. Returns (reward functions and models, tokenizers aligned with them)."""
+    """Check the rewards given to the trainer; resolve those given as strings (`resolve_reward_name`) and load the
+    tokenizers of reward models given without one. Returns (reward functions and models, tokenizers aligned with
+    them)."""
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if not reward_funcs:
         raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
-    reward_funcs = [
-        AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
-        for f in reward_funcs
-    ]
+    reward_funcs = [resolve_reward_name(f) if isinstance(f, str) else f for f in reward_funcs]
     for f in reward_funcs:
         if not (callable(f) or isinstance(f, PreTrainedModel)):
             raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
-        if isinstance(f, PreTrainedModel) and getattr(f.config, "num_labels", None) != 1:
-            raise ValueError(
-                f"Reward model '{reward_name(f)}' has num_labels={f.config.num_labels}; a reward model must output "
-                "one score per sequence. Load it with `AutoModelForSequenceClassification.from_pretrained(path, "
-                "num_labels=1)`."
-            )
+        if isinstance(f, PreTrainedModel):
+            check_reward_model(f, reward_name(f))
     given = reward_processing_classes
     if given is None:
         given = [None] * len(reward_funcs)

@@ -50,7 +50,7 @@ def test_unknown_keys_in_sections_and_overrides(tmp_path):
         load_recipe(path, ["--dataset.promt_column", "question"])
     with pytest.raises(RecipeError, match=r"Unknown key 'datset'.*'dataset'"):
         load_recipe(path, ["--datset.size", "3"])
-    with pytest.raises(RecipeError, match=r"Unknown key 'acuracy'.*'accuracy'"):
+    with pytest.raises(RecipeError, match=r"rewards\[0\]: Unknown reward 'acuracy'.*Did you mean 'accuracy'\?"):
         load_recipe(write_recipe(tmp_path, rewards=["acuracy"]))
     with pytest.raises(RecipeError, match="needs a value"):
         parse_overrides(["--max_steps"])
