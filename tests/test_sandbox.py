@@ -386,13 +386,19 @@ def test_attack_memory(hook, bystanders):
 
 
 @needs_bwrap
-def test_the_private_tmp_directory_is_bounded():
+def test_the_private_tmp_directory_is_bounded_and_the_only_writable_place():
     # It is a tmpfs (memory) of Limits.disk_mb: filling it stops at the limit, not at the host's RAM.
     code = (
         "written = 0\ntry:\n    for i in range(100):\n        with open(f'f{i}', 'wb') as f:\n"
         "            f.write(b'x' * 8 * 1024**2)\n        written += 8\nexcept OSError:\n    pass"
     )
     result = run_python(code, ["assert written <= 32"], Limits(**LIMITS, disk_mb=32), audit_hook=False)
+    assert (result.passed, result.error) == (1, None)
+    # Nothing else is writable: not the sandbox's root or /dev (tmpfs too, but unbounded), nor the bound system.
+    code = "import os\nwritable = []\nfor d in ('/', '/dev', '/dev/shm', '/proc', '/usr/lib', os.path.dirname(os.__file__)):"
+    code += "\n    try:\n        open(os.path.join(d, 'probe'), 'w').close()\n        writable.append(d)\n    except OSError:\n"
+    code += "        pass"
+    result = run_python(code, ["assert writable == []"], Limits(**LIMITS), audit_hook=False)
     assert (result.passed, result.error) == (1, None)
 
 
