@@ -121,7 +121,8 @@ def prompt_problem(prompt: Any) -> str | None:
 
 def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: int = 10_000) -> None:
     """Check a prompt data set once, before training: no column named like a reward-function argument the trainer
-    passes itself (RESERVED_COLUMNS), a `prompt` column, and every prompt a string or a list of messages.
+    passes itself (RESERVED_COLUMNS), a `prompt` column, and every prompt a string or a list of messages. `name`
+    is the trainer's argument, "train_dataset" or "eval_dataset" (which may be a dict of data sets).
 
     Reads the prompt column once, `batch_size` rows at a time, without tokenizing (about a second per million string
     prompts). Data sets without a length (an `IterableDataset`, streamed) are not read, as that would consume the
@@ -129,15 +130,16 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
     Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
     if dataset is None:
         return
-    if isinstance(dataset, dict):  # a dict of evaluation sets, as `Trainer` accepts
-        for key, value in dataset.items():
+    if isinstance(dataset, dict):
+        if name == "train_dataset":  # a DatasetDict where one split was meant
+            raise InputError(
+                f"{name} is a dict of data sets with keys {sorted(dataset)}; pass one split, e.g. "
+                f"{name}=dataset[{next(iter(dataset), 'train')!r}]."
+            )
+        for key, value in dataset.items():  # several evaluation sets, as `Trainer` accepts
             check_prompt_dataset(value, f"{name}[{key!r}]", batch_size)
         return
     columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, dict):
-        raise InputError(
-            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
-        )
     if columns is None:
         return  # columns unknown (a torch Dataset, a stream without features): rows are checked when drawn
     reserved = [c for c in columns if c in RESERVED_COLUMNS]

@@ -147,7 +147,9 @@ def _section(cls, values: Any, where: str):
         if key not in names:
             raise _unknown(key, names, f"the '{where}' section")
         if not _matches(value, hints[key]):
-            expected = str(hints[key]).replace("typing.", "").replace("NoneType", "null")
+            hint = hints[key]
+            expected = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            expected = expected.replace("None", "null")  # the YAML spelling
             raise RecipeError(
                 f"{where}.{key}: {value!r} ({type(value).__name__}) is not of type {expected}. Write it as that type "
                 "(numbers unquoted, true/false for yes/no, a {key: value} mapping for a dict)."

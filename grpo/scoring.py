@@ -140,7 +140,10 @@ def resolve_reward_name(
                 "working directory or the recipe's folder, or install the package that provides it."
             ) from e
         if not hasattr(module, attr):
-            raise InputError(f"Reward '{name}': module '{module_name}' has no attribute '{attr}'.")
+            raise InputError(
+                f"Reward '{name}': module '{module_name}' has no attribute '{attr}'. Check the function's name: "
+                "'module:function'."
+            )
         func = getattr(module, attr)
         return func(**kwargs) if kwargs else func
     from grpo import rewards
