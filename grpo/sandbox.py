@@ -5,28 +5,31 @@
 
 Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
   - "bwrap": the child runs under bubblewrap (`apt-get install bubblewrap`) in new user, PID, mount, network, IPC,
-    UTS and cgroup namespaces, with every capability dropped, nested user namespaces disabled, its own session, and
-    killed with the trainer (`--die-with-parent`). Its file system is read-only: the interpreter, its standard library
-    and /usr/lib, nothing else of the host (no /etc, no /home, no project files); a private tmpfs of `disk_mb` at
-    /tmp is its working directory and the only writable place. /proc is that of its own PID namespace, so no process
-    outside the sandbox can be seen, signalled or traced. The network namespace has only a downed loopback. A
-    seccomp filter (built with libseccomp through ctypes, when libseccomp.so.2 is installed) refuses ptrace, other
-    processes' memory, mounts, namespaces, kernel keyrings, bpf, perf, io_uring, userfaultfd, module loading and
+    UTS and cgroup namespaces, as uid 65534 with every capability dropped, nested user namespaces disabled, in its
+    own session, and dies with the trainer (`--die-with-parent`). Its file system is read-only and holds only the
+    interpreter, its standard library and /usr/lib (no /etc, no home, no project files); a private tmpfs of
+    `disk_mb` at /tmp is its working directory and the only writable place. /proc is that of its own PID namespace:
+    no process outside the sandbox can be seen, signalled or traced. The network namespace has only its own
+    loopback. A seccomp filter (built with libseccomp through ctypes, when libseccomp.so.2 is installed) refuses
+    ptrace, other processes' memory, mounts, namespaces, keyrings, bpf, perf, io_uring, userfaultfd, modules and
     every socket but AF_UNIX. If bwrap is missing or cannot start here, `run_python` raises `SandboxUnavailable`.
-  - "process": the weaker mode, only when asked for by name: a plain child process as the trainer's user, with the
-    same rlimits and audit hook, a throwaway working directory, and a network namespace only where the kernel allows.
+  - "process": the weaker mode, used only when asked for by name: a plain child process as the trainer's user, with
+    the same limits, worker filter and audit hook, a throwaway working directory, and a network namespace only where
+    the kernel allows one. It does not stop the code from reaching the trainer's files or processes through ctypes.
 
-In both modes the code then runs with rlimits (CPU seconds, address space, file size, open files, processes) and a
-`sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside the working
-directory. The hook is an extra layer only: Python code can walk around it, the OS layers above cannot be.
+In both modes the process that runs the code (the worker) has rlimits (CPU seconds, address space, file size, open
+files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process and exec (threads
+stay allowed), and a `sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside
+the working directory. The hook is an extra layer only: Python code can walk around it, the layers above it not.
 
-The result cannot be forged. Inside the sandbox a supervisor process reads the job, forks the worker that runs the
-code and the tests, and only then reads a random token; the worker closes the report pipe (the supervisor is not
-dumpable and ptrace is filtered, so it cannot reopen it) and reports its count to the supervisor, which validates it
-(0 <= passed <= total) before writing it, with the token, to the report pipe. The trainer checks the token and the
-range again. A worker that exits early, prints results, writes to other descriptors or reports `passed > total`
-gets no pass; what it can still do is make the tests themselves pass (an `__eq__` that is always True), which no
-sandbox can tell from a correct answer.
+The reported result is validated twice. Inside the sandbox a supervisor process reads the job, forks the worker,
+and only then reads a random token, so the worker's memory never holds it. The worker closes the report pipe (the
+supervisor is not dumpable and ptrace is filtered, so it cannot reopen it) and sends its count through a pipe of
+its own; the supervisor accepts only a well-formed count with 0 <= passed <= total and writes it, with the token,
+to the report pipe, where the trainer checks the token, the format and the range again. Exiting early, printing
+results, writing to inherited descriptors or claiming more passes than tests gives no pass. What no sandbox can
+prevent: the worker runs the tests, so code that subverts them in its own process (an `__eq__` that is always
+True, or a forged count on its own pipe) can score up to `total`, never more.
 """
 
 from __future__ import annotations
