@@ -124,9 +124,9 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
     passes itself (RESERVED_COLUMNS), a `prompt` column, and every prompt a string or a list of messages. `name`
     is the trainer's argument, "train_dataset" or "eval_dataset" (which may be a dict of data sets).
 
-    Reads the prompt column once, `batch_size` rows at a time, without tokenizing (about a second per million string
-    prompts). Data sets without a length (an `IterableDataset`, streamed) are not read, as that would consume the
-    stream: only their column names are checked, when known; a bad row then fails when it is drawn, naming the row.
+    Reads the prompt column once, `batch_size` rows at a time, without tokenizing (per million rows, about 0.1 s for
+    strings and 3 s for chat messages). Data sets without a length (an `IterableDataset`, streamed) are not read, as
+    that would consume the stream: only their column names are checked, when known; a bad row then fails when drawn.
     Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
     if dataset is None:
         return
