@@ -308,6 +308,11 @@ def test_attack_forged_results(hook, bystanders):
     tests = PASSES + ["assert False"] * 2  # 3 tests: the honest score of a completion that runs is 1/3
     for code, (result, _) in zip(codes, attack_all(codes, hook, tests=tests)):
         assert result.passed == 0 and result.total == 3 and result.error is not None, code
+    # The limit of any sandbox: the worker runs the tests, so it can claim an in-range count on its own pipe (as an
+    # always-equal object would make the tests pass). It can never claim more than the number of tests.
+    in_range = every_fd.format(line=b'{"passed": 3, "error": null}') + "os._exit(0)"
+    (result, _), *_ = attack_all([in_range], hook, tests=tests)
+    assert 0 <= result.passed <= result.total == 3
 
 
 @needs_bwrap
