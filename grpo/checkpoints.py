@@ -22,6 +22,8 @@ import shutil
 
 import torch
 
+from grpo.data import InputError
+
 STATE_FILE = "grpo_state_{}.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _STAGING_PREFIX = "tmp-checkpoint-"
@@ -39,7 +41,8 @@ ROUND_SETTINGS = (
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read back; the message says what is intact and what to do."""
+    """A checkpoint could not be written; the message says what is intact and what to do. (A wrong checkpoint to
+    resume from, or a new run over an old one, is bad input: `grpo.data.InputError`.)"""
 
 
 def checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -73,18 +76,18 @@ def resolve_resume(resume_from_checkpoint, output_dir: str) -> str | None:
     if resume_from_checkpoint is True:
         path = newest_checkpoint(output_dir)
         if path is None:
-            raise CheckpointError(
+            raise InputError(
                 f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint (checkpoint-N with a "
                 "trainer_state.json). Point output_dir at the earlier run, or start without resume_from_checkpoint."
             )
         return path
     path = os.fspath(resume_from_checkpoint)
     if not os.path.isdir(path):
-        raise CheckpointError(f"resume_from_checkpoint={path!r} is not a directory. Give a checkpoint-N directory.")
+        raise InputError(f"resume_from_checkpoint={path!r} is not a directory. Give a checkpoint-N directory.")
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         newest = newest_checkpoint(os.path.dirname(os.path.abspath(path)))
         hint = f" The newest complete checkpoint beside it is {newest}." if newest else ""
-        raise CheckpointError(
+        raise InputError(
             f"{path!r} is not a complete checkpoint (no trainer_state.json): it was cut short or is not a "
             f"checkpoint-N directory.{hint}"
         )
@@ -97,7 +100,7 @@ def check_fresh_output_dir(output_dir: str) -> None:
     found = checkpoints(output_dir)
     if found:
         names = ", ".join(os.path.basename(p) for _, p in found[-3:])
-        raise CheckpointError(
+        raise InputError(
             f"output_dir {output_dir!r} already holds checkpoints of an earlier run ({names}). Resume it with "
             "resume_from_checkpoint=True (grpo train ... --resume_from_checkpoint true), or use a new output_dir, "
             "or delete those checkpoints."
@@ -177,7 +180,7 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
     changed = {k: (v, settings[k]) for k, v in state["settings"].items() if k in settings and settings[k] != v}
     if changed:
         listed = ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items())
-        raise CheckpointError(
+        raise InputError(
             f"{checkpoint} was written with {listed}. A resumed run must keep the settings that shape a generation "
             "round; set them back, or start a new run in a new output_dir."
         )

@@ -7,7 +7,8 @@
 `grpo train` does, in order:
   1. parse and validate the recipe and the overrides (unknown keys stop here, before any model is loaded);
   2. load the prompts and the rewards, build the `GRPOTrainer`;
-  3. evaluate the held-out prompts and sample a few greedy completions (when the recipe has held-out prompts);
+  3. evaluate the held-out prompts and sample a few greedy completions (when the recipe has held-out prompts and
+     the run is not resumed);
   4. train; 5. evaluate and sample again; 6. save the model, the trainer state and the plot; print before/after.
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from grpo.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
 from grpo.data import InputError
+from grpo.nonfinite import NonFiniteError
 from grpo.recipe import load_recipe, resolve_reward
 
 
@@ -106,6 +109,10 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 1. Parse and validate.
     recipe = load_recipe(recipe_path, overrides)
     args = recipe.grpo_config()
+    # Resume (`--resume_from_checkpoint DIR|true`), or refuse to write over an earlier run's checkpoints.
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume is None:
+        check_fresh_output_dir(args.output_dir)
 
     # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
     from grpo.dataset_loading import load_prompt_datasets
@@ -124,14 +131,16 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     main = trainer.accelerator.is_main_process
     run = recipe.run
 
-    # 3. Before training.
+    # 3. Before training (not when resuming: the weights are the checkpoint's only once training starts).
     before, samples_before = None, []
-    if held_out is not None and run.evaluate_before:
+    if held_out is not None and run.evaluate_before and resume is None:
         before = trainer.evaluate()
         samples_before = greedy_samples(trainer, held_out, run.sample_completions)
 
     # 4. Train.
-    trainer.train()
+    if resume is not None and main:
+        print(f"resuming from {resume}")
+    trainer.train(resume_from_checkpoint=resume)
 
     # 5. After training.
     after, samples_after = {}, []
@@ -206,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
+    except (NonFiniteError, CheckpointError) as e:
+        # Training stopped to protect the weights or a checkpoint: the message says what is intact and what to do.
+        print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,221 @@
+"""Faults that must not lose a run or poison its weights: non-finite rewards and gradients (`nonfinite`), a disk
+that fills while a checkpoint is written, resuming from a wrong or half-written checkpoint, and a new run started
+over an earlier one. Exact resume after SIGKILL is in tests/test_resume.py."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
+from grpo.data import InputError
+from grpo.nonfinite import NonFiniteError, infinite_rewards, reward_overflow_message
+from grpo.testing import tiny_model
+from tests.scripted import TINY, reward_len
+from tests.test_cli import run_grpo, write_tiny_recipe
+
+
+def make_trainer(tmp_path, tokenizer, dataset, rewards, **kwargs):
+    settings = {**TINY, "max_steps": 3, "learning_rate": 1e-2, **kwargs}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **settings)
+    return GRPOTrainer(tiny_model(tokenizer), rewards, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def inf_at_step(step):
+    """A reward that returns +inf for row 1 once the trainer is at `step` (0-based optimizer steps)."""
+
+    def overflowing(completions, trainer_state, **kwargs):
+        hit = trainer_state.global_step == step
+        return [math.inf if hit and i == 1 else float(len(c)) for i, c in enumerate(completions)]
+
+    return overflowing
+
+
+class PoisonLogits(TrainerCallback):
+    """Makes the policy's last hidden states NaN during optimizer step `step` (1-based), the way an fp16 overflow would, and
+    records the parameters after every step."""
+
+    def __init__(self, model, step):
+        self.step, self.active, self.after = step, False, {}
+        model.model.norm.register_forward_hook(lambda m, i, out: out * math.nan if self.active and m.training else out)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step + 1 == self.step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after[state.global_step] = params_of(model)
+
+
+# ---- Non-finite rewards ----
+
+
+def test_infinite_reward_stops_before_any_update(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len, inf_at_step(1)])
+    before = params_of(trainer.model)
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "Reward function 'overflowing' returned inf for row 1" in message
+    assert "before optimizer step 2" in message and "return None" in message and "nonfinite='skip'" in message
+    assert trainer.state.global_step == 1  # step 1 trained, step 2 never applied
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_infinite_reward_skipped_rows_are_unscored_and_counted(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [inf_at_step(0)], nonfinite="skip", max_steps=2)
+    trainer.train()
+    first, second = trainer.state.log_history[0], trainer.state.log_history[1]
+    assert first["nonfinite/reward_rows"] == 1 and "nonfinite/reward_rows" not in second
+    assert math.isfinite(first["reward"]) and math.isfinite(first["loss"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("nonfinite", ["error", "skip"])
+def test_reward_spread_overflowing_float32_is_an_error(tmp_path, tokenizer, prompt_dataset, nonfinite):
+    def huge(completions):
+        return [1e30 * len(c) for c in completions]
+
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [huge], nonfinite=nonfinite)
+    with pytest.raises(NonFiniteError, match=r"spread overflows float32.*rewards reach .*Rescale the reward"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_reward_checks_by_hand():
+    rewards = torch.tensor([[1.0, math.nan], [-math.inf, 2.0], [0.0, math.inf]])
+    assert infinite_rewards(rewards) == [(1, 0, -math.inf), (2, 1, math.inf)]
+    assert infinite_rewards(torch.tensor([[1.0, math.nan]])) == []  # NaN marks an unscored row
+    assert reward_overflow_message(torch.tensor([1.0, 2.0, math.nan, 4.0]), 2, step=0) is None
+    assert "weighted sum" in reward_overflow_message(torch.tensor([1.0, math.inf, 3.0, 4.0]), 2, step=0)
+    assert "spread overflows" in reward_overflow_message(torch.tensor([0.0, 3e19, 1.0, 2.0]), 2, step=4)
+
+
+# ---- Non-finite gradients ----
+
+
+def test_nonfinite_gradient_stops_with_weights_and_checkpoint_intact(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], save_strategy="steps", save_steps=1)
+    poison = PoisonLogits(trainer.model, step=2)
+    trainer.add_callback(poison)
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "Non-finite gradients at optimizer step 2" in message and "logps" in message
+    assert "weights and the last checkpoint are unchanged" in message and "nonfinite='skip'" in message
+    for name, value in params_of(trainer.model).items():  # still the weights of step 1
+        assert torch.equal(value, poison.after[1][name]), name
+    assert newest_checkpoint(str(tmp_path / "out")).endswith("checkpoint-1")
+    assert not (tmp_path / "out" / "checkpoint-2").exists()
+
+
+def test_nonfinite_gradient_step_is_skipped_and_counted(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], nonfinite="skip")
+    poison = PoisonLogits(trainer.model, step=2)
+    trainer.add_callback(poison)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    for name, value in poison.after[2].items():  # step 2 made no update ...
+        assert torch.equal(value, poison.after[1][name]), name
+    assert any(not torch.equal(poison.after[3][n], v) for n, v in poison.after[2].items())  # ... step 3 did
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+    assert logged[2]["nonfinite/skipped_steps"] == 1 and "nonfinite/skipped_steps" not in logged[3]
+
+
+# ---- Checkpoints ----
+
+
+def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], save_strategy="steps", save_steps=1)
+    save = trainer._save_optimizer_and_scheduler
+
+    def fill_disk(output_dir):
+        if output_dir.endswith("checkpoint-2"):
+            # What torch.save reports when the disk fills up mid-write.
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 0 basic_ios::clear")
+        save(output_dir)
+
+    monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", fill_disk)
+    with pytest.raises(CheckpointError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "Writing checkpoint-2" in message and "the disk is full" in message and "MiB free" in message
+    assert "checkpoint-1, is intact" in message and "resume_from_checkpoint=True" in message
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["checkpoint-1"]  # nothing of checkpoint 2 left behind
+
+    monkeypatch.undo()
+    resumed = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3 and newest_checkpoint(str(out)).endswith("checkpoint-3")
+
+
+def test_new_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, tokenizer, prompt_dataset):
+    make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], save_strategy="steps", save_steps=1).train()
+    again = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], save_strategy="steps", save_steps=1)
+    with pytest.raises(InputError, match=r"already holds checkpoints .*checkpoint-3.*resume_from_checkpoint=True"):
+        again.train()
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_resume_arguments(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-5").mkdir()  # cut short: no trainer_state.json
+    (out / "tmp-checkpoint-6" / "checkpoint-6").mkdir(parents=True)
+    (out / "tmp-checkpoint-6" / "checkpoint-6" / "trainer_state.json").write_text("{}")
+    assert resolve_resume(True, str(out)) == str(out / "checkpoint-2")
+    assert resolve_resume("true", str(out)) == str(out / "checkpoint-2")
+    assert resolve_resume("false", str(out)) is None and resolve_resume(None, str(out)) is None
+    with pytest.raises(InputError, match=r"not a complete checkpoint .*newest complete checkpoint beside it is"):
+        resolve_resume(str(out / "checkpoint-5"), str(out))
+    with pytest.raises(InputError, match=r"is not a directory"):
+        resolve_resume(str(out / "checkpoint-9"), str(out))
+    with pytest.raises(InputError, match=r"holds no complete checkpoint.*start without resume_from_checkpoint"):
+        resolve_resume(True, str(tmp_path / "empty"))
+
+
+# ---- The command line ----
+
+
+@pytest.mark.slow
+def test_grpo_train_resumes_and_refuses_to_overwrite(tmp_path, tiny_model_path):
+    write_tiny_recipe(tmp_path, tiny_model_path)
+    saving = ["--save_strategy", "steps", "--save_steps", "1"]
+    first = run_grpo("train", "tiny.yaml", "--max_steps", "2", *saving, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    again = run_grpo("train", "tiny.yaml", "--max_steps", "4", *saving, cwd=tmp_path)
+    assert again.returncode == 2
+    assert "already holds checkpoints of an earlier run (checkpoint-1, checkpoint-2)" in again.stderr
+    assert "--resume_from_checkpoint true" in again.stderr
+
+    resumed = run_grpo(
+        "train", "tiny.yaml", "--max_steps", "4", *saving, "--resume_from_checkpoint", "true", cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {os.path.join('out', 'checkpoint-2')}" in resumed.stdout
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]  # steps 1-2 from the first run
+
+
+@pytest.mark.slow
+def test_grpo_train_with_an_infinite_reward_saves_no_model(tmp_path, tiny_model_path):
+    write_tiny_recipe(tmp_path, tiny_model_path)
+    (tmp_path / "my_rewards.py").write_text(
+        "def has_digit(completions, **kwargs):\n    return [1e308 * 10] * len(completions)\n"
+    )
+    result = run_grpo("train", "tiny.yaml", "--max_steps", "2", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "grpo train: error: Reward function 'has_digit' returned inf for row 0" in result.stderr
+    assert "model saved" not in result.stdout and not (tmp_path / "out" / "model.safetensors").exists()
