@@ -533,9 +533,9 @@ class GRPOConfig(TrainingArguments):
             for i, w in enumerate(self.reward_weights):
                 if not isinstance(w, numbers.Real) or isinstance(w, bool) or not math.isfinite(w):
                     raise ValueError(
-                        f"reward_weights[{i}]={w!r} must be a finite number: the weighted sum of rewards would be "
-                        f"NaN or infinite for every row. Give one finite weight per reward function, e.g. "
-                        f"reward_weights=[1.0, 0.5]."
+                        f"reward_weights[{i}]={w!r} must be a finite number (not a string, NaN or infinity, which "
+                        "would make every row's total reward useless). Give one finite weight per reward function, "
+                        "e.g. reward_weights=[1.0, 0.5]."
                     )
 
     def _check_generation_kwargs(self):
