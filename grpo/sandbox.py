@@ -332,13 +332,23 @@ def _seccomp_programs() -> tuple[bytes, bytes] | None:
         return None
 
 
+def _stdlib_dirs() -> list[str]:
+    """The base interpreter's standard library (with lib-dynload), never a virtual environment's site-packages."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(
+        vars={**base, "installed_base": sys.base_prefix, "installed_platbase": base["platbase"]}
+    )
+    return sorted({os.path.realpath(paths["stdlib"]), os.path.realpath(paths["platstdlib"])})
+
+
 def _read_only_paths() -> list[str]:
     """What the interpreter needs: its executable, its standard library, and the system's shared libraries."""
-    paths = sysconfig.get_paths()
-    wanted = [os.path.realpath(sys.executable), paths["stdlib"], paths["platstdlib"], "/usr/lib", "/usr/lib64"]
+    wanted = [os.path.realpath(sys.executable), *_stdlib_dirs(), "/usr/lib", "/usr/lib64"]
     libdir = sysconfig.get_config_var("LIBDIR")
     if libdir and sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        wanted.append(os.path.join(libdir, sysconfig.get_config_var("LDLIBRARY")))
+        for name in ("LDLIBRARY", "INSTSONAME"):
+            if sysconfig.get_config_var(name):
+                wanted.append(os.path.join(libdir, sysconfig.get_config_var(name)))
     wanted = sorted({os.path.realpath(p) for p in wanted if os.path.exists(p)})
     return [p for p in wanted if not any(p.startswith(q + os.sep) for q in wanted)]  # parents cover children
 
@@ -414,7 +424,7 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
         "file_size_mb": int(limits.file_size_mb),
         "max_open_files": int(limits.max_open_files),
         "nproc": int(limits.max_processes) if isolation == "bwrap" else 0,
-        "stdlib": sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}),
+        "stdlib": _stdlib_dirs(),
         "report_fd": report_w,
         "hook": audit_hook,
         "isolation": isolation,
