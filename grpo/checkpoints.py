@@ -166,8 +166,20 @@ def describe_write_failure(error: BaseException, step: int, output_dir: str) -> 
     )
 
 
+def _moved(value, device):
+    """`value` with every tensor inside its dicts and lists moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, device) for v in value]
+    return value
+
+
 def save_state(path: str, state: dict) -> None:
-    torch.save(state, path)
+    """Write `state` with its tensors on the CPU, so it loads on any device."""
+    torch.save(_moved(state, "cpu"), path)
 
 
 def load_state(checkpoint: str, process_index: int, settings: dict, device) -> dict | None:
@@ -176,7 +188,7 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
     path = os.path.join(checkpoint, STATE_FILE.format(process_index))
     if not os.path.isfile(path):
         return None
-    state = torch.load(path, map_location=device, weights_only=True)
+    state = _moved(torch.load(path, map_location="cpu", weights_only=True), device)
     changed = {k: (v, settings[k]) for k, v in state["settings"].items() if k in settings and settings[k] != v}
     if changed:
         listed = ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items())

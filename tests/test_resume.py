@@ -2,6 +2,8 @@
 one never stopped (CPU, same seed). Each run is a process of its own (tests/resume_run.py), with real sampling."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,9 @@ import pytest
 import torch
 
 from grpo.checkpoints import newest_checkpoint
+from tests.net import free_port
 
+ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).with_name("resume_run.py")
 
 # Each scenario kills the run inside a generation round, so the resumed run must take the rest of that round from
@@ -101,3 +105,37 @@ def test_killed_run_resumes_exactly(tmp_path, name):
         assert torch.equal(resumed["params"][param], value), param
     if name == "killed_save":  # the next save cleared what the killed one left
         assert not (out / "tmp-checkpoint-3").exists()
+
+
+@pytest.mark.distributed
+def test_two_processes_resume_exactly_in_the_middle_of_a_round(tmp_path):
+    """Under `accelerate launch` (2 gloo processes) every process saves and restores its own share of the round and
+    its own RNG state: resumed from checkpoint-1 (the middle of a round) the run ends as the uninterrupted one."""
+    settings = dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4)
+
+    def launch(output_dir, *extra):
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+            str(SCRIPT), json.dumps(settings), str(output_dir), *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return torch.load(Path(output_dir) / "result.pt", weights_only=True)
+
+    full = launch(tmp_path / "full")
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoint-1").glob("grpo_state_*.pt")) == [
+        "grpo_state_0.pt",
+        "grpo_state_1.pt",
+    ]
+    # The run as if it had died during step 2: only checkpoint-1 survives.
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-1", interrupted / "checkpoint-1")
+    resumed = launch(interrupted, "--resume")
+    expected, got = step_logs(full["log_history"]), step_logs(resumed["log_history"])
+    for step in (2, 3, 4):
+        assert comparable(got[step]) == comparable(expected[step]), step
+    for param, value in full["params"].items():
+        assert torch.equal(resumed["params"][param], value), param
