@@ -176,9 +176,11 @@ def work(job, out):
             # RLIMIT_NPROC counts every process of the trainer's user here: 0 refuses new ones (and threads; root
             # is exempt). With the seccomp filter below, forks are refused by the kernel instead.
             limits.append(("RLIMIT_NPROC", 0, 0))
-        try:  # a network namespace of its own where the kernel allows it (root, or unprivileged user namespaces)
+        try:
             import ctypes
-            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: dies with the supervisor even after leaving its group
+            libc.unshare(0x40000000)  # CLONE_NEWNET, where the kernel allows it (root, or user namespaces)
         except Exception:
             pass
     set_limits(limits)
@@ -361,10 +363,10 @@ def _bwrap_argv(limits: Limits, seccomp_fd: int | None) -> list[str]:
         argv += ["--setenv", name, value]
     for path in _read_only_paths():
         argv += ["--ro-bind", path, path]
-    for link in ("/lib", "/lib64", "/bin"):  # merged /usr: the loader's own path goes through these links
+    for link in ("/lib", "/lib64"):  # the dynamic loader's path goes through these (links to /usr where merged)
         if os.path.islink(link):
             argv += ["--symlink", os.readlink(link), link]
-        elif os.path.isdir(link) and link != "/bin":
+        elif os.path.isdir(link):
             argv += ["--ro-bind", link, link]
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
     argv += ["--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/"]
