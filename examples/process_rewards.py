@@ -3,7 +3,7 @@
     .venv/bin/python examples/process_rewards.py
 
 A process reward function scores every step of a completion (here: every line) and says where each step ends; the
-trainer turns the step rewards into per-token advantages (GRPO_SPEC.md section 4, docs/rewards.md). The model is a
+trainer turns the step rewards into per-token advantages (docs/method.md, docs/rewards.md). The model is a
 randomly initialised 2-layer Llama built in code (`grpo.testing`), so nothing is downloaded and the run takes
 seconds on a CPU; it shows the API, not learning.
 """

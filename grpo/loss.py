@@ -1,6 +1,6 @@
 """The GRPO objective as pure functions: group advantages, the k3 KL estimator, and the clipped policy loss.
 
-Notation (docs/method.md, GRPO_SPEC.md): G completions per prompt, B rows (prompts x G), T completion tokens
+Notation (docs/method.md): G completions per prompt, B rows (prompts x G), T completion tokens
 (padded), m the loss mask (1 for a completion token that counts), A the advantages, logp / old / ref the per-token
 log-probs under the policy, the sampling policy and the reference policy.
 
@@ -104,7 +104,7 @@ def aggregate(
     max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses l (B, T) under the mask m (B, T) to one number (GRPO_SPEC.md section 3).
+    """Reduce per-token losses l (B, T) under the mask m (B, T) to one number (docs/method.md, "Per-token loss and aggregation").
 
         grpo     mean_i ( sum_t l_it m_it / |o_i| )        per-sequence mean, then mean over rows
         bnpo     sum l m / sum m                           token mean over this micro-batch
@@ -135,8 +135,8 @@ def aggregate(
 def process_advantages(
     step_rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
-    """Token advantages from process (step) rewards (DeepSeekMath, arXiv:2402.03300, section 4.1.3; GRPO_SPEC.md
-    section 4).
+    """Token advantages from process (step) rewards (DeepSeekMath, arXiv:2402.03300, section 4.1.3;
+    docs/method.md, "Process supervision").
 
         r~_i^(j) = (r_i^(j) - mean(R)) / (std(R) + eps)      R = every step reward of the group's G completions
         A_{i,t}  = sum over steps j of completion i with index(j) >= t of r~_i^(j)
@@ -256,7 +256,7 @@ def policy_loss(
     normalizer: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (GRPO_SPEC.md section 2).
+    """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
 
         ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)

@@ -1,4 +1,4 @@
-"""Process rewards (PRM): reward functions that score each reasoning step of a completion (GRPO_SPEC.md section 4).
+"""Process rewards (PRM): reward functions that score each reasoning step of a completion (docs/method.md, "Process supervision").
 
 A process reward function is an ordinary reward function marked with `@process_reward`. It receives the same
 arguments, and returns, per completion, a `StepRewards` (or `None` when it does not apply to that row):

@@ -97,7 +97,7 @@ class _GradientGuard(TrainerCallback):
 class GRPOTrainer(Trainer):
     """Trains a causal LM with GRPO (DeepSeekMath, arXiv:2402.03300) and its variants (see `GRPOConfig.loss_type`).
 
-    One optimizer step, as data flows (GRPO_SPEC.md section 1):
+    One optimizer step, as data flows (docs/method.md, "What one step computes"):
       1. The sampler repeats each prompt G times; one generation round feeds `steps_per_generation` micro-steps and
          is replayed `num_iterations` times from a buffer (`_prepare_inputs`).
       2. Generate one completion per row (`self.generation`).

@@ -1,4 +1,4 @@
-"""Two processes (gloo on CPU) against one: the same global batch must give the same update (GRPO_SPEC.md s. 3)."""
+"""Two processes (gloo on CPU) against one: the same global batch must give the same update (docs/method.md)."""
 
 import os
 import subprocess

@@ -1,5 +1,5 @@
 """The GRPO math (grpo/loss.py): hand-worked numbers, equality with the naive loops in tests/naive.py, and the
-properties GRPO_SPEC.md requires."""
+properties docs/method.md requires."""
 
 import math
 

@@ -1,6 +1,6 @@
 """The loss and advantage variants inside the trainer: GSPO, clip-higher and two-sided clipping, top-entropy tokens,
 process rewards and dynamic sampling. The math itself is proven in tests/test_loss.py; these tests check the wiring
-and the batch-layout properties GRPO_SPEC.md requires."""
+and the batch-layout properties docs/method.md requires."""
 
 import math
 
