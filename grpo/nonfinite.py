@@ -18,6 +18,8 @@ is an error in both modes: skipping it would drop every group of the batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpo.loss import group_reward_stats
@@ -66,11 +68,19 @@ def reward_overflow_message(rewards: torch.Tensor, num_generations: int, step: i
 
 
 def gradients_finite(parameters) -> torch.Tensor:
-    """A 0-d bool tensor: every gradient of `parameters` is finite (parameters without a gradient are ignored)."""
-    flags = [torch.isfinite(p.grad).all() for p in parameters if p.grad is not None]
-    if not flags:
+    """A 0-d bool tensor: every gradient of `parameters` is finite (parameters without a gradient are ignored).
+
+    Each gradient's max-norm is inf or NaN exactly when one of its entries is, and it is computed by one fused
+    reduction that allocates nothing the size of the gradient (unlike `torch.isfinite(grad)`). For a sharded
+    gradient (a DTensor) the local shard is checked; the trainer all-reduces the answer over processes."""
+    norms = [
+        torch.linalg.vector_norm(getattr(p.grad, "_local_tensor", p.grad), math.inf)
+        for p in parameters
+        if p.grad is not None
+    ]
+    if not norms:
         return torch.tensor(True)
-    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+    return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).max())
 
 
 def nonfinite_terms(records: list[dict[str, torch.Tensor]]) -> list[str]:

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.data import InputError
-from grpo.nonfinite import NonFiniteError, infinite_rewards, reward_overflow_message
+from grpo.nonfinite import NonFiniteError, gradients_finite, infinite_rewards, reward_overflow_message
 from grpo.testing import tiny_model
 from tests.scripted import TINY, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
@@ -219,3 +219,15 @@ def test_grpo_train_with_an_infinite_reward_saves_no_model(tmp_path, tiny_model_
     assert result.returncode == 1
     assert "grpo train: error: Reward function 'has_digit' returned inf for row 0" in result.stderr
     assert "model saved" not in result.stdout and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_gradients_finite_by_hand():
+    finite, nan, inf = torch.tensor([1.0, -3e38]), torch.tensor([1.0, math.nan]), torch.tensor([-math.inf, 0.0])
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    assert gradients_finite(params)  # no gradients yet
+    for p, g in zip(params, (finite, finite, finite)):
+        p.grad = g
+    assert gradients_finite(params)
+    for bad in (nan, inf):
+        params[1].grad = bad
+        assert not gradients_finite(params)
