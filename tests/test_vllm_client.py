@@ -4,6 +4,7 @@ prompts, checkpoint names with PEFT, and the importance-sampling correction. The
 tests/test_vllm.py (`make test-vllm`)."""
 
 import copy
+import io
 import multiprocessing
 import socket
 import time
@@ -42,7 +43,10 @@ def _receiver(ports, queue):
         except PermissionError as e:
             queue.put(e)
             continue
-        queue.put([(name, tensor.clone()) for name, tensor in receive_weights(group, torch.device("cpu"))])
+        # As bytes: a tensor put on a queue is shared through a file descriptor, which dies with this process.
+        buffer = io.BytesIO()
+        torch.save([(name, tensor.clone()) for name, tensor in receive_weights(group, torch.device("cpu"))], buffer)
+        queue.put(buffer.getvalue())
 
 
 def test_weights_cross_processes_in_buckets_unchanged_from_the_rank_0_with_the_token():
@@ -61,7 +65,7 @@ def test_weights_cross_processes_in_buckets_unchanged_from_the_rank_0_with_the_t
     send_token(group, TOKEN, torch.device("cpu"))
     # 4 KiB buckets: a.weight (8 KiB) is a bucket of its own, the four small tensors share the second.
     buckets, sent = send_weights(group, iter(_weights()), 4096, torch.device("cpu"))
-    received = queue.get(timeout=60)
+    received = torch.load(io.BytesIO(queue.get(timeout=60)), weights_only=True)
     receiver.join(timeout=30)
     assert [name for name, _ in received] == [name for name, _ in _weights()]
     for (_, got), (_, want) in zip(received, _weights()):
