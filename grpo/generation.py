@@ -117,7 +117,6 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
         accelerator,
         client=client,
         num_generations=args.num_generations,
-        seed=args.seed,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
         **sampling,
     )

@@ -283,7 +283,6 @@ class VLLMGeneration:
         top_k: int,
         min_p: float | None,
         repetition_penalty: float,
-        seed: int,
         bucket_bytes: int,
     ):
         self.accelerator = accelerator
@@ -297,9 +296,7 @@ class VLLMGeneration:
             "min_p": min_p or 0.0,
             "repetition_penalty": repetition_penalty,
         }
-        self.seed = seed
         self.bucket_bytes = bucket_bytes
-        self.calls = 0
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
         self.last_sync: dict | None = None  # {"buckets", "bytes", "seconds"} of the latest sync
         if accelerator.is_main_process:
@@ -327,8 +324,9 @@ class VLLMGeneration:
             groups = [rows[i : i + G] for i in range(0, len(rows), G)]
             if len(rows) % G or any(row != group[0] for group in groups for row in group):
                 raise ValueError(f"prompt rows do not come as groups of {G} equal consecutive rows")
-            # A fresh seed per call: reproducible runs, and no two calls draw the same samples.
-            seed = (self.seed * 1_000_003 + self.calls * 65_537) % 2**31
+            # A fresh seed per call from torch's generator, seeded by `args.seed` and saved in checkpoints: runs are
+            # reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share samples.
+            seed = int(torch.randint(2**31 - 1, ()))
             reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
             if reply["weights_version"] != self.synced_version:
                 raise VLLMServerError(
@@ -338,7 +336,6 @@ class VLLMGeneration:
                     "checkpoint after a server restart."
                 )
             answer = [(reply["completion_ids"], reply["logprobs"])]
-        self.calls += 1
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
         start = self.accelerator.process_index * len(prompt_ids)

@@ -179,7 +179,6 @@ def _backend(client, G=3):
         top_k=0,
         min_p=None,
         repetition_penalty=1.0,
-        seed=5,
         bucket_bytes=1 << 20,
     )
 
@@ -196,6 +195,12 @@ def test_each_prompt_is_sent_once_with_n_equal_to_the_group_size():
     assert out.logprobs == [[-1.0, -2.0]] * 6
     backend.generate(None, rows)
     assert client.calls[0][2]["seed"] != client.calls[1][2]["seed"]  # fresh samples every round
+    # The seeds come from torch's generator, whose state checkpoints save: restoring it repeats them (exact resume).
+    torch.manual_seed(11)
+    backend.generate(None, rows)
+    torch.manual_seed(11)
+    backend.generate(None, rows)
+    assert client.calls[2][2]["seed"] == client.calls[3][2]["seed"]
 
 
 def test_rows_that_are_not_whole_groups_are_refused():
