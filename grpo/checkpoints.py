@@ -16,6 +16,7 @@ run resumed at any optimizer step continues with the same batches, generations a
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -156,8 +157,12 @@ def describe_write_failure(error: BaseException, step: int, output_dir: str) -> 
         space = f"{free_mb:.0f} MiB free on that disk"
     except OSError:
         space = "free space unknown"
-    full = getattr(error, "errno", None) == 28 or "No space left" in str(error) or "basic_ios" in str(error)
-    cause = "the disk is full" if full else f"{type(error).__name__}: {error}"
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+        cause = "the disk is full"
+    elif "basic_ios" in str(error):  # how torch.save reports a write that failed, most often for lack of space
+        cause = "a write error, most likely a full disk (torch says 'basic_ios::clear')"
+    else:
+        cause = f"{type(error).__name__}: {error}"
     newest = newest_checkpoint(output_dir)
     intact = f"The newest complete checkpoint, {newest}, is intact" if newest else "No earlier checkpoint exists"
     return (

@@ -730,6 +730,18 @@ class GRPOTrainer(Trainer):
         settings["num_processes"] = self.accelerator.num_processes
         return settings
 
+    def _resume_state(self) -> dict[str, Any]:
+        """What this process needs beyond Trainer's checkpoint to continue exactly (see grpo/checkpoints.py)."""
+        return {
+            "settings": self._round_settings(),
+            "step": self._step,
+            "buffer": self._buffer,
+            "num_tokens": self._num_tokens,
+            "refill_position": self._refill_position,
+            "samples": self._samples,
+            "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
+        }
+
     def _restore_state(self, checkpoint: str) -> None:
         state = load_state(checkpoint, self.accelerator.process_index, self._round_settings(), self.accelerator.device)
         if state is None:
@@ -762,16 +774,8 @@ class GRPOTrainer(Trainer):
         self._staging_run_dir = staged
         try:
             super()._save_checkpoint(model, trial)
-            state = {
-                "settings": self._round_settings(),
-                "step": self._step,
-                "buffer": self._buffer,
-                "num_tokens": self._num_tokens,
-                "refill_position": self._refill_position,
-                "samples": self._samples,
-                "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
-            }
-            save_state(os.path.join(staged, name, STATE_FILE.format(self.accelerator.process_index)), state)
+            path = os.path.join(staged, name, STATE_FILE.format(self.accelerator.process_index))
+            save_state(path, self._resume_state())
         except Exception as e:  # noqa: BLE001 - reported on every process below
             failure = e
         finally:
