@@ -101,6 +101,30 @@ def load_reward_model(name_or_path: str) -> PreTrainedModel:
     return model
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a PEFT model (it has adapters that `disable_adapter()` can switch off)."""
+    return getattr(model, "peft_config", None) is not None and hasattr(model, "disable_adapter")
+
+
+def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
+    """`peft.get_peft_model(model, peft_config)`: only the adapter's weights train."""
+    if is_peft_model(model):
+        raise InputError(
+            "`model` is already a PeftModel and `peft_config` was given too. Pass the PeftModel alone (its adapters "
+            "train), or the base model with `peft_config`."
+        )
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError("peft_config needs the `peft` package: pip install 'grpo[peft]' (or pip install peft).") from e
+    if not isinstance(peft_config, PeftConfig):
+        raise InputError(
+            f"peft_config must be a peft.PeftConfig such as peft.LoraConfig(r=16, lora_alpha=32, "
+            f"target_modules='all-linear'), got {type(peft_config).__name__}."
+        )
+    return get_peft_model(model, peft_config)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode with no gradients: the reference policy pi_ref."""
     ref = copy.deepcopy(model)

@@ -12,9 +12,10 @@ The trainer orchestrates; the arithmetic lives in `grpo.loss` (advantages, KL, c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from grpo.generation import cut_at_eos, make_generation_backend
 from grpo.logprobs import completion_logprobs
 from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss, sampling_correction
 from grpo.metrics import MetricsWindow, format_completions, write_completions
-from grpo.models import disable_dropout, frozen_copy, load_causal_lm
+from grpo.models import apply_peft, disable_dropout, frozen_copy, is_peft_model, load_causal_lm
 from grpo.nonfinite import (
     NonFiniteError,
     gradient_message,
@@ -123,6 +124,9 @@ class GRPOTrainer(Trainer):
         reward_processing_classes: tokenizers of the reward models, aligned with `reward_funcs` (None entries are
             loaded from each reward model's path).
         callbacks, optimizers: as for `transformers.Trainer`.
+        peft_config: a `peft.PeftConfig` (e.g. `LoraConfig`): the model is wrapped with `peft.get_peft_model` and
+            only the adapter trains. A `PeftModel` passed as `model` works the same. Either way the reference
+            policy (beta != 0) is the same network with the adapter disabled, not a copy (docs/peft.md).
     """
 
     # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
@@ -139,6 +143,7 @@ class GRPOTrainer(Trainer):
         reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
+        peft_config=None,
     ):
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
@@ -164,6 +169,8 @@ class GRPOTrainer(Trainer):
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
         self.eos_token_ids = self._eos_token_ids(model, processing_class)
+        if peft_config is not None:
+            model = apply_peft(model, peft_config)
         if args.disable_dropout:
             disable_dropout(model)
 
@@ -189,8 +196,9 @@ class GRPOTrainer(Trainer):
         self.reward_weights = self.reward_weights[[not p for p in is_process]]
         self.reward_names = [reward_name(f) for f in self.reward_funcs] + [reward_name(f) for f in self.process_funcs]
 
-        # The reference policy exists only when the KL term does.
-        self.ref_model = frozen_copy(model) if args.beta != 0 else None
+        # The reference policy exists only when the KL term does: a frozen copy of the policy, or for a PEFT model
+        # the same network with its adapter disabled (`_reference`), which costs no memory.
+        self.ref_model = frozen_copy(model) if args.beta != 0 and not is_peft_model(model) else None
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
@@ -523,8 +531,9 @@ class GRPOTrainer(Trainer):
             chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
             if mode == "train" and self._reuses_batches:
                 batch["old_logps"], _ = self._logprobs(self.model, batch, batch_size=chunk)
-            if self.ref_model is not None:
-                batch["ref_logps"], _ = self._logprobs(self.ref_model, batch, batch_size=chunk)
+            if args.beta != 0:
+                with self._reference() as reference:
+                    batch["ref_logps"], _ = self._logprobs(reference, batch, batch_size=chunk)
 
         if args.log_completions and mode == "train":
             metric_columns, _ = self._metric_rewards(round_)
@@ -675,6 +684,15 @@ class GRPOTrainer(Trainer):
             metrics.add_max("sampling/sampling_logp_difference/max", peaks[0])
             metrics.add_max("sampling/importance_sampling_ratio/max", peaks[1])
             metrics.add_min("sampling/importance_sampling_ratio/min", -peaks[2])
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy pi_ref: the frozen copy, or the PEFT policy with its adapter switched off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            yield self.model
 
     def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref."""
