@@ -116,7 +116,9 @@ def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
     try:
         from peft import PeftConfig, get_peft_model
     except ImportError as e:
-        raise ImportError("peft_config needs the `peft` package: pip install 'grpo[peft]' (or pip install peft).") from e
+        raise ImportError(
+            "peft_config needs the `peft` package: pip install 'grpo[peft]' (or pip install peft)."
+        ) from e
     if not isinstance(peft_config, PeftConfig):
         raise InputError(
             f"peft_config must be a peft.PeftConfig such as peft.LoraConfig(r=16, lora_alpha=32, "
