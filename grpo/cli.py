@@ -127,6 +127,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         args=args,
         train_dataset=train_data,
         eval_dataset=held_out,
+        peft_config=recipe.peft_config(),
     )
     main = trainer.accelerator.is_main_process
     run = recipe.run

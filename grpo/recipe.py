@@ -8,6 +8,7 @@ A recipe has four kinds of top-level keys (docs/recipes.md has the reference):
     dataset:  where the prompts come from (a local file, a hub data set or a reasoning-gym task) and how to shape them
     rewards:  a list of built-in names or `module:function` paths, each optionally with a weight and settings
     run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
+    peft:     optional LoRA settings ({r: 16, lora_alpha: 32, target_modules: all-linear}): train an adapter only
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -84,6 +85,36 @@ class RunSection:
 
 
 @dataclasses.dataclass
+class PeftSection:
+    # The fields of `peft.LoraConfig` that a recipe may set; absent `peft:` means full fine-tuning (docs/peft.md).
+    r: int = 16  # the adapter's rank
+    lora_alpha: int | float = 32  # the adapter's output is scaled by lora_alpha / r
+    target_modules: str | list[str] = "all-linear"  # "all-linear" (every linear layer but the output head) or names
+    lora_dropout: float = 0.0
+    bias: str = "none"  # "none", "all" or "lora_only": which biases train
+    modules_to_save: list[str] | None = None  # modules trained in full beside the adapter (e.g. [lm_head])
+    use_rslora: bool = False  # scale by lora_alpha / sqrt(r) instead (rank-stabilised LoRA)
+
+    def lora_config(self):
+        """The `peft.LoraConfig` of these settings (task CAUSAL_LM); LoraConfig itself checks almost nothing, so
+        the values that would fail only once the model is wrapped are checked here."""
+        if self.r < 1:
+            raise RecipeError(f"peft.r must be a positive rank such as 8 or 16, got {self.r}.")
+        if not 0 <= self.lora_dropout < 1:
+            raise RecipeError(f"peft.lora_dropout must be in [0, 1), got {self.lora_dropout}.")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise RecipeError(f"peft.bias must be 'none', 'all' or 'lora_only', got {self.bias!r}.")
+        try:
+            from peft import LoraConfig
+        except ImportError as e:
+            raise RecipeError("The recipe's `peft:` section needs the `peft` package: pip install peft.") from e
+        try:
+            return LoraConfig(task_type="CAUSAL_LM", **dataclasses.asdict(self))
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"peft: {e}") from e
+
+
+@dataclasses.dataclass
 class Recipe:
     model: ModelSection
     dataset: DatasetSection
@@ -91,6 +122,11 @@ class Recipe:
     run: RunSection
     config: dict[str, Any]  # GRPOConfig keyword arguments
     source: Path | None = None
+    peft: PeftSection | None = None  # None: full fine-tuning
+
+    def peft_config(self):
+        """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
+        return self.peft.lora_config() if self.peft is not None else None
 
     def grpo_config(self) -> GRPOConfig:
         """The `GRPOConfig`, with the rewards' weights; its `__post_init__` errors (ValueError, TypeError) become
@@ -107,7 +143,7 @@ class Recipe:
             raise RecipeError(f"{self.source or 'recipe'}: {e}") from e
 
 
-_SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection}
+_SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -298,7 +334,11 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         run=_section(RunSection, raw.get("run"), "run"),
         config=config,
         source=source,
+        # `peft: null` (or `--peft null`) turns LoRA off; `peft: {}` is LoRA with the defaults above.
+        peft=_section(PeftSection, raw["peft"], "peft") if raw.get("peft") is not None else None,
     )
+    if recipe.peft is not None:
+        recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
     for i, spec in enumerate(recipe.rewards):
         try:  # typos of built-in names and missing local paths, before anything is imported or downloaded
             reward_kind(spec.name)
