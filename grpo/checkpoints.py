@@ -10,7 +10,8 @@ Beside Trainer's files (weights as safetensors, optimizer, scheduler, RNG state 
 writes `grpo_state_{process}.pt`: the part of a generation round it has not trained on yet (the buffer), its
 micro-step counter, the metrics not yet logged, and the dynamic-sampling prompt stream's position. With these a
 run resumed at any optimizer step continues with the same batches, generations and updates as one never stopped
-(docs/reliability.md). The file holds only tensors, numbers, strings, lists and dicts, and is read with
+(docs/reliability.md). When the reference moves (`sync_ref_model`, `ref_model_reset_steps`), the main process also
+writes it, as `reference_model.safetensors`. The file holds only tensors, numbers, strings, lists and dicts, and is read with
 `torch.load(weights_only=True)`: nothing is unpickled.
 """
 
@@ -26,6 +27,7 @@ import torch
 from grpo.data import InputError
 
 STATE_FILE = "grpo_state_{}.pt"
+REFERENCE_FILE = "reference_model.safetensors"  # only when the reference moves (sync_ref_model, ref_model_reset_steps)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _STAGING_PREFIX = "tmp-checkpoint-"
 
@@ -185,6 +187,27 @@ def _moved(value, device):
 def save_state(path: str, state: dict) -> None:
     """Write `state` with its tensors on the CPU, so it loads on any device."""
     torch.save(_moved(state, "cpu"), path)
+
+
+def save_reference(checkpoint_dir: str, reference) -> None:
+    """The reference model's weights, as safetensors (shared tensors such as tied embeddings stored once)."""
+    from safetensors.torch import save_model
+
+    save_model(reference, os.path.join(checkpoint_dir, REFERENCE_FILE))
+
+
+def load_reference(checkpoint: str, reference) -> None:
+    """Load the reference saved by `save_reference` into `reference`, in place."""
+    from safetensors.torch import load_model
+
+    path = os.path.join(checkpoint, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        raise InputError(
+            f"{checkpoint} has no {REFERENCE_FILE}: it was written by a run whose reference did not move, so the "
+            "moved reference this run needs is not there. Resume without sync_ref_model / ref_model_reset_steps, "
+            "or start a new run."
+        )
+    load_model(reference, path, device=str(next(reference.parameters()).device))
 
 
 def load_state(checkpoint: str, process_index: int, settings: dict, device) -> dict | None:

@@ -79,6 +79,9 @@ FIELD_RANGES = {
     "max_dynamic_sampling_rounds": Interval(0, why="extra generation rounds allowed per batch"),
     "beta": Interval(0, why="0 disables the KL penalty and the reference model"),
     "epsilon": Interval(0, open_low=True),
+    "ref_model_mixup_alpha": Interval(0, 1, open_low=True, why="1 copies the policy into the reference"),
+    "ref_model_sync_steps": Interval(1),
+    "ref_model_reset_steps": Interval(1, why="None never resets the reference"),
     "epsilon_high": Interval(0, open_low=True, why="None uses epsilon"),
     "delta": Interval(1, open_low=True, why="it must also exceed 1 + epsilon_high; None turns it off"),
     "top_entropy_quantile": Interval(0, 1, open_low=True, why="the fraction of highest-entropy tokens; 1.0 = all"),
@@ -328,6 +331,31 @@ class GRPOConfig(TrainingArguments):
             "saves its memory and forward pass; DeepSeekMath used 0.04."
         },
     )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Move the reference toward the policy every `ref_model_sync_steps` optimizer steps: "
+            "ref = alpha * policy + (1 - alpha) * ref with alpha = `ref_model_mixup_alpha` (TR-DPO, Gorbatovski et "
+            "al., arXiv:2404.09656). Needs beta > 0 and a reference copy (not a PEFT adapter-disabled reference)."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={"help": "alpha of the soft reference update under `sync_ref_model`: 1 copies the policy."},
+    )
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={"help": "Optimizer steps between two soft reference updates under `sync_ref_model`."},
+    )
+    ref_model_reset_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "The iterative scheme of DeepSeekMath (arXiv:2402.03300, Algorithm 1): every K optimizer steps "
+            "the reference becomes the current policy, and callbacks with an `on_reference_reset` method run (where "
+            "a reward model is refreshed on new samples; docs/method.md). None: the reference never resets. Needs "
+            "beta > 0 and a reference copy."
+        },
+    )
     epsilon: float = field(
         default=0.2,
         metadata={"help": "Lower clipping range: the ratio is clipped below at 1 - epsilon."},
@@ -486,6 +514,19 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if (self.sync_ref_model or self.ref_model_reset_steps is not None) and self.beta == 0:
+            setting = (
+                "sync_ref_model=True" if self.sync_ref_model else f"ref_model_reset_steps={self.ref_model_reset_steps}"
+            )
+            raise ValueError(
+                f"{setting} moves the reference model, but beta=0 means there is none (no KL term). Set beta > 0 "
+                "(e.g. 0.04), or leave the reference alone."
+            )
+        if self.sync_ref_model and self.ref_model_reset_steps is not None:
+            raise ValueError(
+                "sync_ref_model=True (soft updates) and ref_model_reset_steps (hard resets) both move the reference; "
+                "pick one."
+            )
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ValueError(
                 f"delta={self.delta} must be > 1 + epsilon_high = {1 + self.epsilon_high}: it caps ratios above the "

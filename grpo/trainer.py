@@ -36,10 +36,12 @@ from grpo.checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
     describe_write_failure,
+    load_reference,
     load_state,
     publish,
     remove_stale_staging,
     resolve_resume,
+    save_reference,
     save_state,
     staging_dir,
 )
@@ -61,6 +63,7 @@ from grpo.nonfinite import (
     reward_overflow_message,
 )
 from grpo.process import is_process_reward, score_process
+from grpo.reference import ReferenceUpdate
 from grpo.sampler import RepeatSampler
 from grpo.scoring import load_reward_funcs, reward_name, score_completions
 
@@ -199,6 +202,13 @@ class GRPOTrainer(Trainer):
         # The reference policy exists only when the KL term does: a frozen copy of the policy, or for a PEFT model
         # the same network with its adapter disabled (`_reference`), which costs no memory.
         self.ref_model = frozen_copy(model) if args.beta != 0 and not is_peft_model(model) else None
+        self._reference_moves = args.sync_ref_model or args.ref_model_reset_steps is not None
+        if self._reference_moves and self.ref_model is None:
+            raise ValueError(
+                "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
+                "the base model with the adapter disabled, which cannot move. Train without them, or merge the "
+                "adapter (model.merge_and_unload()) and train the full model."
+            )
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
@@ -228,6 +238,8 @@ class GRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.add_callback(_GradientGuard(self))
+        if self._reference_moves:
+            self.add_callback(ReferenceUpdate(self))
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
         self.reward_funcs = [
@@ -761,6 +773,8 @@ class GRPOTrainer(Trainer):
         }
 
     def _restore_state(self, checkpoint: str) -> None:
+        if self._reference_moves:
+            load_reference(checkpoint, self.ref_model)
         state = load_state(checkpoint, self.accelerator.process_index, self._round_settings(), self.accelerator.device)
         if state is None:
             logger.warning(
@@ -794,6 +808,8 @@ class GRPOTrainer(Trainer):
             super()._save_checkpoint(model, trial)
             path = os.path.join(staged, name, STATE_FILE.format(self.accelerator.process_index))
             save_state(path, self._resume_state())
+            if self._reference_moves and self.args.should_save:  # the same on every process
+                save_reference(os.path.join(staged, name), self.ref_model)
         except Exception as e:  # noqa: BLE001 - reported on every process below
             failure = e
         finally:
