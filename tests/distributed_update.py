@@ -1,14 +1,27 @@
-"""One SGD step of GRPO on scripted completions; saves the parameter update per loss type and per variant.
+"""One SGD step of GRPO on scripted completions; saves the parameter update per loss type, per variant and with a
+LoRA adapter.
 
     accelerate launch --config_file tests/accelerate_cpu_2proc.yaml tests/distributed_update.py OUT PER_DEVICE GA
 
 tests/test_distributed.py runs it on 2 processes and compares with the same step on 1 process."""
 
+import importlib.util
 import sys
 
 import torch
+from datasets import Dataset
 
-from tests.scripted import half_flat_dataset, half_flat_reward, len_as_final_step, sgd_step_update
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.testing import tiny_model, tiny_tokenizer
+from tests.scripted import (
+    TINY,
+    ScriptedGeneration,
+    half_flat_dataset,
+    half_flat_reward,
+    len_as_final_step,
+    reward_len,
+    sgd_step_update,
+)
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
@@ -26,10 +39,48 @@ VARIANTS = {
     ),
 }
 
+# Run only where peft is installed (tests/test_distributed.py skips it otherwise).
+EXTRA = ("lora",) if importlib.util.find_spec("peft") is not None else ()
+
+
+def lora_config():
+    """A small adapter on every linear layer of the tiny model (rank 4: its hidden size is 64)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def lora_step_update(output_dir, **config):
+    """`sgd_step_update` with `peft_config=lora_config()`: (update of every parameter, trainer) after one plain-SGD
+    step on the scripted completions of 16 fixed prompts, the KL term on (the reference is the adapter disabled)."""
+    tokenizer = tiny_tokenizer()
+    dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
+    settings = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False, beta=0.04)
+    args = GRPOConfig(output_dir=str(output_dir), **{**TINY, **settings, **config})
+    torch.manual_seed(0)  # LoRA's A is drawn when the model is wrapped: the same on every process and every run
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer),
+        reward_len,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_config(),
+    )
+    offset = trainer.accelerator.process_index * args.per_device_train_batch_size * args.steps_per_generation
+    trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
+
 
 def one_step(name, per_device, accumulation, output_dir):
-    """(update, number of processes, logged loss) of one step with the KL term on. `name`: a loss type or a
-    variant."""
+    """(update, number of processes, logged loss) of one step with the KL term on. `name`: a loss type, a variant
+    or "lora" (the default loss with a LoRA adapter; only the adapter moves)."""
+    if name == "lora":
+        update, trainer = lora_step_update(
+            output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
+        )
+        return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"]
     settings = dict(loss_type=name) if name in LOSS_TYPES else VARIANTS[name]
     update, trainer = sgd_step_update(
         output_dir,
@@ -43,7 +94,9 @@ def one_step(name, per_device, accumulation, output_dir):
 
 if __name__ == "__main__":
     out_file, per_device, accumulation = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    results = {name: one_step(name, per_device, accumulation, f"{out_file}.d") for name in (*LOSS_TYPES, *VARIANTS)}
+    results = {
+        name: one_step(name, per_device, accumulation, f"{out_file}.d") for name in (*LOSS_TYPES, *VARIANTS, *EXTRA)
+    }
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
     if torch.distributed.is_initialized():

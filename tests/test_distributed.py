@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_update import LOSS_TYPES, VARIANTS, one_step
+from tests.distributed_update import EXTRA, LOSS_TYPES, VARIANTS, one_step
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,8 @@ def test_two_processes_match_one(tmp_path, per_device, accumulation):
     assert result.returncode == 0, result.stderr[-3000:]
     two = torch.load(out_file)
     # The global batch: 2 processes x per_device x accumulation rows = one process with twice the rows per step.
-    for loss_type in (*LOSS_TYPES, *VARIANTS):
+    # EXTRA: "lora" (a LoRA adapter, the reference its base) where peft is installed.
+    for loss_type in (*LOSS_TYPES, *VARIANTS, *EXTRA):
         if loss_type == "top_entropy" and accumulation > 1:
             # The entropy threshold is per micro-step, and with accumulation the two layouts put different rows
             # in a micro-step (process p holds a contiguous block of the round), so only GA = 1 is comparable.
