@@ -2,7 +2,8 @@
 
 from grpo.config import GRPOConfig
 from grpo.process import StepRewards, process_reward
+from grpo.reference import ReferenceResetCallback
 from grpo.trainer import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "StepRewards", "process_reward"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "ReferenceResetCallback", "StepRewards", "process_reward"]
 __version__ = "0.1.0"

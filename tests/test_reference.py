@@ -140,3 +140,27 @@ def test_moved_reference_resumes_exactly(tmp_path, moving):
         assert comparable(got[step]) == comparable(expected[step]), step
     for param, value in full["params"].items():
         assert torch.equal(resumed["params"][param], value), param
+
+
+@pytest.mark.slow
+def test_iterative_reward_model_example_refreshes_between_iterations():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(root / "examples" / "iterative_reward_model.py"), "--steps", "4", "--reset-every", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    refreshes = re.findall(
+        r"iteration ending at step (\d+): .* on (\d+) new samples \(error on them (\S+) -> (\S+)\)", result.stdout
+    )
+    assert [int(step) for step, *_ in refreshes] == [2, 4]
+    for _, count, before, after in refreshes:
+        assert int(count) == 16 and float(after) <= float(before)  # 2 steps x 8 completions, fitted
