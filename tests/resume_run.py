@@ -1,11 +1,13 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
     python tests/resume_run.py SETTINGS_JSON OUTPUT_DIR [--kill-after-micro-step K | --kill-in-save STEP] [--resume]
+                               [--lora]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
 micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
-being written: every file is written, the rename that publishes it has not happened.
+being written: every file is written, the rename that publishes it has not happened. `--lora` trains a LoRA adapter
+(rank 4 on every linear layer) instead of every weight.
 """
 
 import argparse
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo.checkpoints  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.distributed_update import lora_config  # noqa: E402
 
 
 def reward_parity(completions):
@@ -58,6 +61,7 @@ def main():
     parser.add_argument("--kill-after-micro-step", type=int)
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--lora", action="store_true")
     cli = parser.parse_args()
 
     if cli.kill_in_save is not None:
@@ -93,6 +97,7 @@ def main():
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
+        peft_config=lora_config() if cli.lora else None,
     )
     if cli.kill_after_micro_step is not None:
         trainer.add_callback(KillAfter(cli.kill_after_micro_step))
