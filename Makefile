@@ -9,8 +9,11 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The docs packages (MkDocs, Material, mkdocstrings) go into .venv on top of $(STAMP), with a stamp of their own so
+# that `make test` installs them once and never reinstalls the rest.
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install install-vllm test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm clean
+.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
@@ -22,6 +25,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints-cpu.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# The site, into site/, with warnings as errors: a broken link or anchor, a page missing from the nav or a bad
+# docstring fails the build (mkdocs.yml). Not --quiet: it hides the warnings from --strict too, which then passes.
+# The generated config reference and the snippets are checked by pytest (tests/test_docs*.py).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -37,9 +50,11 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 
 install-vllm: $(VLLM_STAMP)
 
-# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), then the vLLM tier.
+# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), the docs site, then the
+# vLLM tier.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not vllm" tests
+	$(MAKE) docs
 	$(MAKE) test-vllm
 
 # A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
@@ -74,4 +89,4 @@ demo: $(STAMP)
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache site
