@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # that `make test` installs them once and never reinstalls the rest.
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm clean
+.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm bench-peft clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
@@ -79,6 +79,11 @@ format: $(STAMP)
 # Benchmarks print ratios against a baseline measured in the same run (docs/performance.md).
 bench: $(STAMP)
 	$(PY) benchmarks/logprobs_memory.py
+
+# One GRPO step with LoRA (adapter-disabled reference) against full fine-tuning with a reference copy: peak RSS and
+# step time on SmolLM2-135M-Instruct, CPU (docs/peft.md).
+bench-peft: $(STAMP)
+	$(PY) benchmarks/peft_memory.py
 
 # Generation through the vLLM server against `model.generate`, and the weight-sync time (SmolLM2-135M, CPU).
 bench-vllm: $(VLLM_STAMP)
