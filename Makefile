@@ -59,7 +59,7 @@ test: $(STAMP)
 
 # A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_colocate.py
 
 # The fast unit tier, for edit-test loops (under a minute).
 test-fast: $(STAMP)

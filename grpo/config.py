@@ -91,6 +91,9 @@ FIELD_RANGES = {
     "vllm_group_port": Interval(1, 65535),
     "vllm_sync_bucket_mb": Interval(0, open_low=True),
     "vllm_importance_sampling_cap": Interval(0, open_low=True),
+    "vllm_gpu_memory_utilization": Interval(0, 1, open_low=True, why="the fraction of each GPU's memory vLLM takes"),
+    "vllm_tensor_parallel_size": Interval(1, 1, why="one engine per process is built; server mode for more"),
+    "vllm_max_model_length": Interval(1, why="prompt + completion tokens, or None for the model's own limit"),
     "num_completions_to_print": Interval(0, why="None prints every row"),
 }
 
@@ -407,7 +410,10 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_mode: str = field(
         default="server",
-        metadata={"help": "How vLLM runs: 'server' (a separate `grpo vllm-serve` process) is the one mode built."},
+        metadata={
+            "help": "How vLLM runs: 'server' (a separate `grpo vllm-serve` process the trainer pushes weights to) or "
+            "'colocate' (a vLLM engine inside each training process, sharing its device; docs/vllm.md#colocate-mode)."
+        },
     )
     vllm_server_base_url: str | None = field(
         default=None,
@@ -433,6 +439,36 @@ class GRPOConfig(TrainingArguments):
     vllm_sync_bucket_mb: float = field(
         default=256.0,
         metadata={"help": "Size of the buckets the weights are sent in, in MiB (one broadcast per bucket)."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Colocate mode: the fraction of each GPU's memory the engine takes for its weights and KV cache "
+            "(the trainer keeps the rest). vLLM's CPU build ignores it and sizes its KV cache from "
+            "VLLM_CPU_KVCACHE_SPACE (GiB). Server mode: pass --gpu-memory-utilization to `grpo vllm-serve` instead."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Colocate mode: devices per engine. Only 1 is built (one engine per training process); for a "
+            "model that needs tensor parallelism use server mode (`grpo vllm-serve --tensor-parallel-size N`)."
+        },
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Colocate mode: put the engine to sleep after each generation (weights offloaded to CPU memory, KV "
+            "cache freed) and wake it before the next, so training gets that memory back. Needs a CUDA, ROCm or XPU "
+            "build of vLLM; elsewhere (vLLM's CPU build) it is an error when the engine starts."
+        },
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Colocate mode: the engine's context length (prompt + completion tokens), which bounds its KV "
+            "cache per sequence; None takes the model's own limit. Server mode: --max-model-len."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
@@ -555,10 +591,10 @@ class GRPOConfig(TrainingArguments):
             )
         if self.reward_worker_type not in REWARD_WORKER_TYPES:
             raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
-        if self.vllm_mode != "server":
+        if self.vllm_mode not in ("server", "colocate"):
             raise ValueError(
-                f"vllm_mode={self.vllm_mode!r}: only 'server' is built. Start a server with `grpo vllm-serve --model "
-                "...` and set use_vllm=True (docs/vllm.md)."
+                f"vllm_mode={self.vllm_mode!r} is not one of ('server', 'colocate'): 'server' generates on a "
+                "`grpo vllm-serve` process, 'colocate' on a vLLM engine inside each training process (docs/vllm.md)."
             )
         if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
             raise ValueError(

@@ -4,7 +4,8 @@ A backend takes prompt token ids (one list per row; each prompt's G copies are c
 completion token ids per row, and the log-probs the sampler gave those tokens when it has them (a vLLM engine does;
 `model.generate` here does not, as they would equal the trainer's own). `cut_at_eos` then applies the one rule the
 spec fixes: a completion ends at its first end-of-sequence token, which stays in the loss; one that never emits it
-is *truncated*. The vLLM server backend is `grpo.vllm_client.VLLMGeneration` (docs/vllm.md).
+is *truncated*. The vLLM backends are `grpo.vllm_client.VLLMGeneration` (a `grpo vllm-serve` server) and
+`grpo.vllm_colocate.VLLMColocateGeneration` (an engine inside each training process); docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class TransformersGeneration:
 
 
 def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int]) -> GenerationBackend:
-    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or a vLLM server (`use_vllm`,
-    docs/vllm.md)."""
+    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or with `use_vllm` a vLLM server
+    (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md."""
     sampling = dict(
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
@@ -102,6 +103,17 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
+            **sampling,
+        )
+    if args.vllm_mode == "colocate":
+        from grpo.vllm_colocate import VLLMColocateGeneration
+
+        return VLLMColocateGeneration(
+            accelerator,
+            eos_token_ids=eos_token_ids,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
             **sampling,
         )
     from grpo.vllm_client import VLLMClient, VLLMGeneration

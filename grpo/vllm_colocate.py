@@ -1,0 +1,226 @@
+"""`vllm_mode="colocate"`: a vLLM engine inside each training process, sampling that process's own rows.
+
+    GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+
+Each process builds one `vllm.LLM` on its own device the first time it needs it (one engine per process: tensor
+parallelism is not built here), runs vLLM's engine core in this process (no child process, no HTTP, no weight-sync
+group), and loads the policy's weights into it directly whenever an optimizer step changed them (docs/vllm.md).
+
+Where this departs from the server backend (grpo/vllm_client.py):
+- Each process generates only its own rows, so nothing is gathered or broadcast. A group of G equal rows may span two
+  processes (grpo/sampler.py): each process sends every run of equal consecutive rows once, with n = the run's
+  length. A split group is then sampled as two requests with different seeds, which are still G independent samples
+  of one prompt: the group statistics, computed after rewards are gathered, do not care where a sample was drawn.
+- The engine is built from the policy's config alone (written to a temporary folder) with dummy weights; the real
+  ones arrive with the first `sync_weights`. So a model built in code, a PEFT model (its base config) and a hub id
+  all take one path, nothing is read from disk twice, and no tokenizer is needed: prompts are token ids and the
+  trainer's EOS ids are the stop tokens.
+- The engine runs in the dtype of the policy's weights, which are what it receives.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import random
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from grpo.generation import Completions
+from grpo.vllm_client import checkpoint_tensors
+
+INSTALL_HINT = (
+    "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
+    "environment: `pip install vllm` on a GPU machine, or on a CPU-only machine `make install-vllm` (the .venv-vllm "
+    "environment with vLLM's CPU build) and train from it; docs/vllm.md#colocate-mode."
+)
+
+
+def equal_runs(rows: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Maximal runs of equal consecutive rows, as (row, length): [a, a, a, b, b, a] -> [(a, 3), (b, 2), (a, 1)]."""
+    runs: list[tuple[list[int], int]] = []
+    for row in rows:
+        if runs and runs[-1][0] == list(row):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((list(row), 1))
+    return runs
+
+
+def _reload(worker, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run inside vLLM's worker (`LLM.collective_rpc`): load checkpoint-named tensors in place. `reload_weights`
+    fuses q/k/v and gate/up and repacks for the device's kernels; the model's own `load_weights` fails on vLLM's CPU
+    build once weights were repacked (grpo/vllm_server.py uses the same call)."""
+    worker.model_runner.reload_weights(weights_iterator=tensors)
+
+
+class VLLMColocateGeneration:
+    """`GenerationBackend` on a vLLM engine in this process (`use_vllm=True, vllm_mode="colocate"`).
+
+    Args:
+        gpu_memory_utilization: the fraction of the device's memory the engine takes (vLLM's CPU build ignores it
+            and reads VLLM_CPU_KVCACHE_SPACE, in GiB).
+        max_model_length: the engine's context length; None takes the model's.
+        enable_sleep_mode: sleep (weights to CPU memory, KV cache freed) after each generation, wake before the
+            next; an error where vLLM has no sleep mode (its CPU build).
+        engine_kwargs: further `vllm.LLM` arguments, over the ones chosen here.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        *,
+        eos_token_ids: Sequence[int],
+        max_completion_length: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float | None,
+        repetition_penalty: float,
+        gpu_memory_utilization: float = 0.3,
+        max_model_length: int | None = None,
+        enable_sleep_mode: bool = False,
+        engine_kwargs: dict | None = None,
+    ):
+        if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
+            raise ImportError(INSTALL_HINT)
+        self.accelerator = accelerator
+        self.sampling = {
+            "max_tokens": max_completion_length,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p or 0.0,
+            "repetition_penalty": repetition_penalty,
+            # vLLM has no tokenizer here (prompts are ids), so it knows no EOS of its own: stop at the trainer's.
+            "stop_token_ids": list(eos_token_ids),
+        }
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_model_length = max_model_length
+        self.enable_sleep_mode = enable_sleep_mode
+        self.engine_kwargs = engine_kwargs or {}
+        self.llm = None  # built at the first sync_weights or generate, from the policy's config
+        self.asleep = False
+        self.synced_version: int | None = None  # the trainer step whose weights the engine holds
+        self.last_sync: dict | None = None  # {"seconds"} of the latest sync
+        self._config_dir: tempfile.TemporaryDirectory | None = None
+
+    # ---- The engine ----
+
+    def engine(self, model: nn.Module):
+        """This process's `vllm.LLM`, built on first use from `model`'s config with dummy weights."""
+        if self.llm is not None:
+            return self.llm
+        # The engine core runs in this process: a child process could not take weights without a transport.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise ImportError(f"{INSTALL_HINT} ({e})") from e
+        if self.enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(
+                f"vllm_enable_sleep_mode=True, but vLLM has no sleep mode on this platform "
+                f"({current_platform.device_type or 'cpu'}; it needs CUDA, ROCm or XPU). Set "
+                "vllm_enable_sleep_mode=False; on CPU the engine's memory is its KV cache, sized by "
+                "VLLM_CPU_KVCACHE_SPACE (GiB)."
+            )
+        base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
+        config = copy.deepcopy(base.config)
+        config.architectures = config.architectures or [type(base).__name__]
+        self._config_dir = tempfile.TemporaryDirectory(prefix="grpo-colocate-")
+        config.save_pretrained(self._config_dir.name)
+        settings = dict(
+            model=self._config_dir.name,
+            load_format="dummy",  # random weights until the first sync_weights, which loads every tensor
+            skip_tokenizer_init=True,
+            dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
+            tensor_parallel_size=1,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_length,
+            enable_sleep_mode=self.enable_sleep_mode,
+            enable_prefix_caching=True,
+            # Log-probs after temperature (and penalties), as the server returns them: the distribution the tokens
+            # were drawn from, which the trainer's importance-sampling correction compares with.
+            logprobs_mode="processed_logprobs",
+            # CPU has no CUDA graphs, and compiling costs ~35 s per process at start (docs/vllm.md#colocate-mode).
+            enforce_eager=current_platform.is_cpu(),
+            seed=self.accelerator.process_index,
+        )
+        if self.accelerator.num_processes > 1:
+            # Several training processes: vLLM builds its (size-1) parallel groups inside the trainer's process
+            # group instead of starting one of its own, which is what its external launcher mode is for.
+            os.environ.setdefault("RANK", str(self.accelerator.process_index))
+            os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
+            os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
+            settings["distributed_executor_backend"] = "external_launcher"
+        # vLLM seeds the process's random generators with its `seed` and lowers torch's thread count "for serving":
+        # the trainer's seeded streams (and a resumed run's) and its threads are put back.
+        threads, states = torch.get_num_threads(), (random.getstate(), np.random.get_state())
+        with torch.random.fork_rng():
+            self.llm = LLM(**{**settings, **self.engine_kwargs})
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_num_threads(threads)
+        return self.llm
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        # Level 1 keeps the weights (in CPU memory): a generation with no optimizer step since (evaluation, a second
+        # round at one step) needs them back without a sync. Level 2 would drop them.
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    # ---- GenerationBackend ----
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Load `model`'s weights into the engine unless it holds those of step `version`; then drop the cached
+        prefixes, computed with the old weights. Every process loads its own engine; sharded weights (ZeRO-3, FSDP2)
+        are gathered by all processes together inside `checkpoint_tensors`."""
+        if version == self.synced_version:
+            return
+        llm = self.engine(model)
+        self._wake()
+        start = time.perf_counter()
+        self.synced_version = None  # a load cut short leaves no version
+        llm.collective_rpc(_reload, args=(checkpoint_tensors(model),))
+        llm.reset_prefix_cache()
+        self.synced_version = version
+        self.last_sync = {"seconds": time.perf_counter() - start}
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        from vllm import SamplingParams
+
+        if self.synced_version is None:
+            raise RuntimeError("call sync_weights before generate: the engine holds no weights of the policy yet")
+        llm = self.engine(model)
+        self._wake()
+        # A fresh seed per call from torch's generator (seeded by `args.seed`, per process, and saved in
+        # checkpoints): runs are reproducible and no two calls, or processes, share samples. Row r draws with seed
+        # + r (vLLM gives the i-th of n samples seed + i).
+        seed, start = int(torch.randint(2**31 - 1, ())), 0
+        requests, params = [], []
+        for prompt, count in equal_runs(prompt_ids):
+            requests.append({"prompt_token_ids": prompt})
+            params.append(SamplingParams(n=count, seed=seed + start, logprobs=0, detokenize=False, **self.sampling))
+            start += count
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        ids, logprobs = [], []
+        for output in outputs:
+            for sample in output.outputs:
+                ids.append(list(sample.token_ids))
+                logprobs.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
+        self._sleep()
+        return Completions(ids, logprobs)

@@ -1,0 +1,185 @@
+"""`vllm_mode="colocate"`: a real vLLM engine (vLLM's CPU build) inside the test process, and inside each of two
+trainer processes under `accelerate launch`.
+
+Runs in the vLLM environment: `make test-vllm`. An engine on the tiny model starts in about 3 s once vLLM is imported.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
+
+from vllm import SamplingParams  # noqa: E402
+
+from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo.generation import cut_at_eos  # noqa: E402
+from grpo.testing import save_tiny_model  # noqa: E402
+from grpo.vllm_colocate import VLLMColocateGeneration  # noqa: E402
+from tests.net import free_port  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [71, 68, 75, 75, 78]  # five byte tokens
+TOKENS = 10
+ONE_PROCESS = types.SimpleNamespace(process_index=0, local_process_index=0, num_processes=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_engine_settings():
+    # A 1 GiB KV cache per engine (vLLM's CPU default is larger than this machine wants for a tiny model).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _greedy(model, prompt=PROMPT, tokens=TOKENS):
+    model.eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine_greedy(llm, prompt=PROMPT, tokens=TOKENS):
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, detokenize=False)
+    return list(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_greedy_outputs_match_model_generate_before_and_after_a_sync(model_path):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # The stop token is one the greedy completion emits, so that stopping is checked too.
+    eos = _greedy(model)[3]
+    backend = VLLMColocateGeneration(
+        ONE_PROCESS,
+        eos_token_ids=[eos],
+        max_completion_length=TOKENS,
+        temperature=0.0,  # greedy: the config refuses 0, the backend passes it to vLLM as is
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        engine_kwargs={"max_model_len": 256},
+    )
+    with pytest.raises(RuntimeError, match="sync_weights before generate"):
+        backend.generate(model, [PROMPT])
+    backend.sync_weights(model, version=0)
+    other = [5, 6, 7]
+    before = backend.generate(model, [PROMPT, other])
+    expected, _ = cut_at_eos([_greedy(model), _greedy(model, other)], [eos], TOKENS)
+    assert before.ids == expected and before.ids[0][-1] == eos
+    assert [len(row) for row in before.logprobs] == [len(row) for row in before.ids]
+
+    # New weights reach the engine only with a new version.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    backend.sync_weights(model, version=0)
+    assert backend.generate(model, [PROMPT, other]).ids == before.ids
+    backend.sync_weights(model, version=1)
+    after = backend.generate(model, [PROMPT, other])
+    expected, _ = cut_at_eos([_greedy(model), _greedy(model, other)], [eos], TOKENS)
+    assert after.ids == expected and after.ids != before.ids
+
+    # Sampling: a group split into runs (G = 4 here, 3 rows then 1 after another prompt) gets one row per input
+    # row, in order, with distinct samples within a run and fresh samples at every call.
+    backend.sampling["temperature"] = 1.0
+    backend.sampling["stop_token_ids"] = []
+    rows = [PROMPT] * 3 + [other] + [PROMPT]
+    first = backend.generate(model, rows)
+    assert len(first.ids) == 5 and all(len(ids) == TOKENS for ids in first.ids)
+    assert len({tuple(ids) for ids in first.ids[:3]}) == 3
+    assert backend.generate(model, rows).ids != first.ids
+    assert all(lp <= 0 for row in first.logprobs for lp in row)
+
+    # A PEFT model: its LoRA deltas merged into the base weights the engine holds.
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_model = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    backend.sync_weights(peft_model, version=2)
+    assert _engine_greedy(backend.llm) == _greedy(peft_model.merge_and_unload())
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": ["hello there", "count to three", "abc", "xyz"] * 4})
+
+
+def _reward(prompts, completions, **kwargs):
+    # Rewards letters, so that groups have a spread and the steps move the weights.
+    return [sum(ch.isalpha() for ch in c) / 10 for c in completions]
+
+
+def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=256,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        # Two steps: the second round is sampled after a sync, so its log-probs show the engine had the new weights.
+        max_steps=2,
+        # A large step so that one update visibly changes the greedy completion of the tiny random model.
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    assert isinstance(trainer.generation, VLLMColocateGeneration)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    start = _greedy(policy)
+    trainer.train()
+    assert trainer.generation.synced_version == 1  # step 1's weights sampled the second round
+
+    # The engine's log-probs of its samples match the trainer's (float32 on both sides) at both steps.
+    steps = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+    assert len(steps) == 2
+    for logs in steps:
+        assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+        assert abs(logs["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
+
+    # After the last step and a sync, the engine generates like the trained model, which moved.
+    trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    trained = _greedy(policy)
+    assert _engine_greedy(trainer.generation.llm) == trained and trained != start
+
+
+def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(root / "tests" / "accelerate_cpu_2proc.yaml"),
+        "--main_process_port", str(free_port()),
+        str(root / "tests" / "vllm_colocate_two_processes.py"), str(model_path), str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(out.read_text())
+    assert outcome["world_size"] == 2
+    # Both engines hold the trained weights.
+    assert outcome["engine_greedy"] == [outcome["trainer_greedy"]] * 2
+    # Every group of 4 was split 2 + 2 across the processes; each process sampled its rows with its own seeds.
+    assert outcome["split_group_samples_differ"]
+    steps = [h for h in outcome["log_history"] if "sampling/sampling_logp_difference/max" in h]
+    assert len(steps) == 2 and all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
