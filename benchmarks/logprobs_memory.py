@@ -3,6 +3,7 @@
     python benchmarks/logprobs_memory.py                      # CPU, float32, vocabularies 49,152 and 151,936
     python benchmarks/logprobs_memory.py --device cuda        # GPU, bfloat16, torch.cuda.max_memory_allocated
     python benchmarks/logprobs_memory.py --vocab 49152 --repeats 3
+    python benchmarks/logprobs_memory.py --plot logprobs_memory.png    # also a bar chart (needs matplotlib)
 
 What is measured: from the final hidden states (B x T x H, here 8 x 512 x 896) and the output projection (V x H) to
 a GRPO loss (grpo.loss.policy_loss, dapo, beta 0.04, with old and reference log-probs), forward and backward, the
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--vocab", type=int, nargs="+", default=[49_152, 151_936])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot", metavar="PNG", help="also draw the measured memory and time as a chart")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "VOCAB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # one measurement in this (fresh) process
@@ -122,6 +124,7 @@ def main() -> None:
     header = f"{'vocab':>8} {'chunk':>6} | {'naive MiB':>10} {'chunked MiB':>12} {'ratio':>6} | "
     header += f"{'naive s':>8} {'chunked s':>10} {'ratio':>6} | {'max|dlogp|':>10} {'grad rel':>9}"
     print(header)
+    rows = []  # (vocab, naive, chunked) for --plot
     for vocab in args.vocab:
         results = {}
         for impl in ("naive", "chunked"):
@@ -140,6 +143,37 @@ def main() -> None:
             f"{logp_err:>10.1e} {grad_err:>9.1e}"
         )
         print(f"{'':>8} times naive {naive['times']}, chunked {chunked['times']}", flush=True)
+        rows.append((vocab, naive, chunked))
+    if args.plot:
+        plot(rows, args.plot, args.device)
+        print(f"chart written to {args.plot}")
+
+
+def plot(rows: list[tuple[int, dict, dict]], path: str, device: str) -> None:
+    """Two bar charts side by side, peak memory and seconds per forward+backward, naive against chunked per
+    vocabulary, each pair labelled with the chunked/naive ratio (the figure to read across machines)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'grpo[plot]'.") from e
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = range(len(rows))
+    for ax, key, scale, unit in ((axes[0], "peak_bytes", 2**20, "peak memory (MiB)"), (axes[1], "seconds", 1, "s")):
+        naive = [r[1][key] / scale for r in rows]
+        chunked = [r[2][key] / scale for r in rows]
+        ax.bar([i - 0.2 for i in x], naive, 0.4, label="full logits", color="#b0b0b0")
+        ax.bar([i + 0.2 for i in x], chunked, 0.4, label="chunked (grpo)", color="#3b6ea8")
+        for i, (n, c) in enumerate(zip(naive, chunked)):
+            ax.annotate(f"x{c / n:.2f}", (i + 0.2, c), ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(list(x), [f"V = {r[0]:,}" for r in rows])
+        ax.set_ylabel(unit if key == "peak_bytes" else "seconds per forward+backward")
+        ax.legend(frameon=False, fontsize=9)
+    fig.suptitle(f"log-probs + GRPO loss, {BATCH} x {LENGTH} tokens, hidden {HIDDEN}, {device}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
