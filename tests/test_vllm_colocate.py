@@ -163,6 +163,37 @@ def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
     assert _engine_greedy(trainer.generation.llm) == trained and trained != start
 
 
+def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokenizer, tmp_path):
+    # Building the engine seeds torch's generator with vLLM's `seed`; the backend puts the trainer's state back, so
+    # the resumed run (whose engine is built after the checkpoint's generator state is restored) draws the same
+    # per-call seeds, hence the same samples and losses.
+    def run(out, resume=None):
+        args = GRPOConfig(
+            output_dir=str(out),
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_max_model_length=256,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=12,
+            max_steps=3,
+            learning_rate=0.05,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=1,
+        )
+        trainer = GRPOTrainer(
+            str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-1"))
+    assert len(full) == 3 and resumed == full
+
+
 def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "result.json"
