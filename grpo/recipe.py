@@ -2,7 +2,7 @@
 
     grpo train examples/recipes/demo.yaml --learning_rate 2e-5 --dataset.size 200
 
-A recipe has four kinds of top-level keys (docs/recipes.md has the reference):
+A recipe has these top-level keys (docs/recipes.md has the reference):
 
     model:    {name_or_path: ...}       or just `model: some/path` (a folder, a hub id, or "smollm2-135m-instruct")
     dataset:  where the prompts come from (a local file, a hub data set or a reasoning-gym task) and how to shape them
