@@ -165,9 +165,14 @@ def test_generation_samples_with_the_adapter(tmp_path, tokenizer, prompt_dataset
 
 def test_checkpoints_and_save_model_write_the_adapter_only(tmp_path, tokenizer, prompt_dataset):
     trainer = make_trainer(
-        tmp_path, tokenizer, prompt_dataset, peft_config=lora_config(), max_steps=1, save_strategy="steps"
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        peft_config=lora_config(),
+        max_steps=1,
+        save_strategy="steps",
+        save_steps=1,
     )
-    trainer.args.save_steps = 1
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "adapter_config.json").is_file()
