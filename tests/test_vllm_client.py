@@ -269,8 +269,8 @@ def test_sampling_weights_scale_each_tokens_loss_and_gradient():
 def test_config_refuses_what_the_server_cannot_do():
     from grpo import GRPOConfig
 
-    with pytest.raises(ValueError, match="only 'server' is built"):
-        GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_mode="colocate", report_to=[])
+    with pytest.raises(ValueError, match=r"vllm_mode='remote' is not one of \('server', 'colocate'\)"):
+        GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_mode="remote", report_to=[])
     with pytest.raises(ValueError, match="which the vLLM server does not take"):
         GRPOConfig(output_dir="/tmp/x", use_vllm=True, generation_kwargs={"typical_p": 0.9}, report_to=[])
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
