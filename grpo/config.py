@@ -504,6 +504,8 @@ class GRPOConfig(TrainingArguments):
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        if self.dataloader_pin_memory and not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # pinned memory only speeds copies to a GPU; on CPU torch warns
         self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
         self._check_values()
