@@ -263,6 +263,18 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- The trainer's generation backend ----
 
 
+def vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty) -> dict:
+    """The trainer's sampling settings under vLLM's names (min_p None means 0: off)."""
+    return {
+        "max_tokens": max_completion_length,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p or 0.0,
+        "repetition_penalty": repetition_penalty,
+    }
+
+
 class VLLMGeneration:
     """`GenerationBackend` on a `grpo vllm-serve` server (`use_vllm=True`).
 
@@ -288,14 +300,7 @@ class VLLMGeneration:
         self.accelerator = accelerator
         self.client = client
         self.num_generations = num_generations
-        self.sampling = {
-            "max_tokens": max_completion_length,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": min_p or 0.0,
-            "repetition_penalty": repetition_penalty,
-        }
+        self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
         self.bucket_bytes = bucket_bytes
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
         self.last_sync: dict | None = None  # {"buckets", "bytes", "seconds"} of the latest sync

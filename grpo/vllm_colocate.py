@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from grpo.generation import Completions
-from grpo.vllm_client import checkpoint_tensors
+from grpo.vllm_client import checkpoint_tensors, vllm_sampling
 
 INSTALL_HINT = (
     "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
@@ -92,12 +92,7 @@ class VLLMColocateGeneration:
             raise ImportError(INSTALL_HINT)
         self.accelerator = accelerator
         self.sampling = {
-            "max_tokens": max_completion_length,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": min_p or 0.0,
-            "repetition_penalty": repetition_penalty,
+            **vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty),
             # vLLM has no tokenizer here (prompts are ids), so it knows no EOS of its own: stop at the trainer's.
             "stop_token_ids": list(eos_token_ids),
         }

@@ -126,23 +126,26 @@ def _reward(prompts, completions, **kwargs):
     return [sum(ch.isalpha() for ch in c) / 10 for c in completions]
 
 
-def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
+def _training_config(output_dir, **overrides):
+    return GRPOConfig(
+        output_dir=str(output_dir),
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=256,
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=12,
-        # Two steps: the second round is sampled after a sync, so its log-probs show the engine had the new weights.
-        max_steps=2,
         # A large step so that one update visibly changes the greedy completion of the tiny random model.
         learning_rate=0.05,
         logging_steps=1,
         report_to=[],
-        save_strategy="no",
+        **overrides,
     )
+
+
+def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
+    # Two steps: the second round is sampled after a sync, so its log-probs show the engine had the new weights.
+    args = _training_config(tmp_path / "out", max_steps=2, save_strategy="no")
     trainer = GRPOTrainer(str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
     assert isinstance(trainer.generation, VLLMColocateGeneration)
     policy = trainer.accelerator.unwrap_model(trainer.model)
@@ -168,21 +171,7 @@ def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokeni
     # the resumed run (whose engine is built after the checkpoint's generator state is restored) draws the same
     # per-call seeds, hence the same samples and losses.
     def run(out, resume=None):
-        args = GRPOConfig(
-            output_dir=str(out),
-            use_vllm=True,
-            vllm_mode="colocate",
-            vllm_max_model_length=256,
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=12,
-            max_steps=3,
-            learning_rate=0.05,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="steps",
-            save_steps=1,
-        )
+        args = _training_config(out, max_steps=3, save_strategy="steps", save_steps=1)
         trainer = GRPOTrainer(
             str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
         )
