@@ -20,6 +20,10 @@ Step positions are given either as `token_ends` (the index, in the completion's 
 token) or as `char_ends` (the number of characters of the completion text up to and including each step, i.e. the
 exclusive end offset; the text is the one the function received: for a conversational prompt, the message content,
 which starts with any prefilled text). `grpo.loss.process_advantages` turns the step rewards into token advantages.
+
+Process functions are called exactly like outcome ones, by `grpo.scoring.RewardSet.score` (async functions,
+`reward_timeout`, `reward_num_workers`, `reward_errors`); this module only checks what they return
+(`check_step_rewards`) and lays it out per token (`lay_out_steps`), as pure functions of the returned values.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import torch
 
-from grpo.scoring import _accepted_kwargs, reward_name
+from grpo.rewards import completion_text
 
 
 @dataclass
@@ -87,8 +91,78 @@ def _token_char_ends(ids: Sequence[int], tokenizer, text: str) -> list[int]:
     return ends
 
 
-def _text_of(completion: Any) -> str:
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+def check_step_rewards(values: Any, name: str, num_rows: int, offset: int = 0) -> list[StepRewards | None]:
+    """What a process function `name` returned for `num_rows` rows (the first being row `offset` of the batch),
+    checked: one `StepRewards` or None per row. A wrong length or type is a bug in the function, so it raises
+    (even under reward_errors="skip") naming the function and the row."""
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
+        got = f"length {len(values)}" if isinstance(values, Sequence) else type(values).__name__
+        raise ValueError(
+            f"Process reward function '{name}' must return a list of {num_rows} StepRewards (one per row), got {got}."
+        )
+    for i, steps in enumerate(values):
+        if steps is not None and not isinstance(steps, StepRewards):
+            raise TypeError(
+                f"Process reward function '{name}' returned {steps!r} for row {offset + i}; each entry must be a "
+                "grpo.StepRewards (or None). For one number per completion, drop the @process_reward mark."
+            )
+    return list(values)
+
+
+def _token_ends(steps: StepRewards, ids: Sequence[int], completion: Any, tokenizer, name: str, row: int) -> list[int]:
+    """The token index of each step's end: `token_ends` as given, or each char end mapped to the token that
+    completes that character of the generated text (after any prefill, which the function saw but did not
+    generate)."""
+    if steps.token_ends is not None:
+        return list(steps.token_ends)
+    if tokenizer is None:
+        raise ValueError(
+            f"Process reward function '{name}', row {row}: char_ends need the policy's tokenizer to find tokens; "
+            "pass tokenizer= when scoring, or return token_ends."
+        )
+    text = completion_text(completion)
+    generated = tokenizer.decode(list(ids), skip_special_tokens=True)
+    prefill = len(text) - len(generated)
+    offsets = _token_char_ends(ids, tokenizer, generated)  # (T,), non-decreasing
+    token_ends = []
+    for end in steps.char_ends:
+        if not prefill < end <= len(text):
+            raise ValueError(
+                f"Process reward function '{name}', row {row}: char end {end} is outside the generated text "
+                f"(characters {prefill + 1}..{len(text)} of the completion)."
+            )
+        token_ends.append(bisect.bisect_left(offsets, end - prefill))  # the token holding character end-1
+    return token_ends
+
+
+def lay_out_steps(
+    values: Sequence[StepRewards | None],
+    completion_ids: Sequence[Sequence[int]],
+    completions: Sequence[Any],
+    tokenizer,
+    width: int,
+    name: str,
+) -> torch.Tensor:
+    """A process function's checked step rewards (`check_step_rewards`, one per row) laid out as
+    `process_advantages` takes them: (B, width) float32, the reward of each step at the index of its last token,
+    NaN elsewhere and on rows without a value (None: not applicable, or failed under reward_errors="skip").
+    `tokenizer` (the policy's) maps `char_ends` to tokens; a step end outside the completion raises, naming the
+    function `name` and the row."""
+    dense = torch.full((len(values), width), math.nan)
+    for i, steps in enumerate(values):
+        if steps is None:
+            continue
+        num_tokens = len(completion_ids[i])
+        token_ends = _token_ends(steps, completion_ids[i], completions[i], tokenizer, name, i)
+        if token_ends and (token_ends[0] < 0 or token_ends[-1] >= num_tokens):
+            raise ValueError(
+                f"Process reward function '{name}', row {i}: token ends {token_ends} must lie in "
+                f"0..{num_tokens - 1} (the completion has {num_tokens} tokens)."
+            )
+        for reward, end in zip(steps.rewards, token_ends):
+            # Two character ends inside one token land on the same token: their rewards add up.
+            dense[i, end] = reward if math.isnan(dense[i, end]) else dense[i, end] + reward
+    return dense
 
 
 def score_process(
@@ -102,73 +176,20 @@ def score_process(
     trainer_state: Any = None,
     width: int,
 ) -> torch.Tensor:
-    """Step rewards of every row under every process reward function: (B, K, width) float32, NaN where no step
-    ends. The functions receive the same arguments as in `grpo.scoring.score_completions`."""
-    available = {
-        **columns,
-        "prompts": prompts,
-        "completions": completions,
-        "completion_ids": completion_ids,
-        "trainer_state": trainer_state,
-    }
-    per_func = [step_rewards_tensor(f, available, completion_ids, tokenizer, width) for f in funcs]
-    if not per_func:
-        return torch.empty(len(prompts), 0, width)
-    return torch.stack(per_func, dim=1)  # (B, K, width)
+    """Kept for the trainer until it scores through `grpo.scoring.RewardSet`: the step rewards of every row under
+    every process function, (B, K, width) float32, NaN where no step ends, computed by that same path with
+    reward_errors="raise" and no timeout."""
+    from grpo.scoring import score_rewards  # here, not at the top: grpo.scoring imports this module
 
-
-def step_rewards_tensor(
-    func: Callable,
-    available: dict[str, Any],
-    completion_ids: Sequence[Sequence[int]],
-    tokenizer,
-    width: int,
-) -> torch.Tensor:
-    """Call a process reward function and lay its step rewards out as `process_advantages` takes them: (B, width)
-    float32, the reward of each step at the index of its last token, NaN elsewhere (and on rows it returned None
-    for). `available` holds the reward-function arguments."""
-    name = reward_name(func)
-    num_rows = len(completion_ids)
-    try:
-        values = func(**_accepted_kwargs(func, available))
-    except Exception as error:
-        raise RuntimeError(f"Process reward function '{name}' failed: {type(error).__name__}: {error}") from error
-    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
-        got = f"length {len(values)}" if isinstance(values, Sequence) else type(values).__name__
-        raise ValueError(
-            f"Process reward function '{name}' must return a list of {num_rows} StepRewards (one per row), got {got}."
-        )
-    dense = torch.full((num_rows, width), math.nan)
-    for i, steps in enumerate(values):
-        if steps is None:
-            continue
-        if not isinstance(steps, StepRewards):
-            raise TypeError(
-                f"Process reward function '{name}' returned {steps!r} for row {i}; each entry must be a "
-                "grpo.StepRewards (or None). For one number per completion, drop the @process_reward mark."
-            )
-        num_tokens = len(completion_ids[i])
-        if steps.token_ends is not None:
-            token_ends = steps.token_ends
-        else:
-            text = _text_of(available["completions"][i])
-            generated = tokenizer.decode(list(completion_ids[i]), skip_special_tokens=True)
-            prefill = len(text) - len(generated)
-            offsets = _token_char_ends(completion_ids[i], tokenizer, generated)  # (T,), non-decreasing
-            token_ends = []
-            for end in steps.char_ends:
-                if not prefill < end <= len(text):
-                    raise ValueError(
-                        f"Process reward function '{name}', row {i}: char end {end} is outside the generated text "
-                        f"(characters {prefill + 1}..{len(text)} of the completion)."
-                    )
-                token_ends.append(bisect.bisect_left(offsets, end - prefill))  # the token holding character end-1
-        if token_ends and (token_ends[0] < 0 or token_ends[-1] >= num_tokens):
-            raise ValueError(
-                f"Process reward function '{name}', row {i}: token ends {list(token_ends)} must lie in "
-                f"0..{num_tokens - 1} (the completion has {num_tokens} tokens)."
-            )
-        for reward, end in zip(steps.rewards, token_ends):
-            # Two character ends inside one token land on the same token: their rewards add up.
-            dense[i, end] = reward if math.isnan(dense[i, end]) else dense[i, end] + reward
-    return dense
+    return score_rewards(
+        [],
+        [],
+        funcs,
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        columns=columns,
+        trainer_state=trainer_state,
+        tokenizer=tokenizer,
+        width=width,
+    ).step_rewards

@@ -13,7 +13,11 @@ A reward given as a string means the same in Python as in a recipe (`resolve_rew
 built-in one is refused with a suggestion, and a local-looking path that does not exist is refused, before any
 import or download.
 
-How the functions run (`score_completions`):
+A process reward function (`@process_reward`, grpo/process.py) is called the same way and returns a
+`StepRewards` (or None) per row instead of a number; `RewardSet` keeps the two kinds apart for the trainer and
+scores both in one pass (`RewardSet.score`, or `score_rewards` for the functions given as lists).
+
+How the functions run (`score_rewards`; the same for outcome and process functions):
   - async functions run concurrently, in one event loop;
   - with `num_workers > 0`, each synchronous function is called on `num_workers` slices of the rows at once, in
     threads (for slow row-wise functions: remote judges, sandboxes) or, with `worker_type="process"`, in a pool of
@@ -22,7 +26,8 @@ How the functions run (`score_completions`):
   - every call may have a timeout; a timed-out thread cannot be killed and is abandoned (it is a daemon thread),
     a process pool with a timed-out call is killed once the round's other calls have finished;
   - on an exception the rows are retried one by one to name the failing row; `errors="skip"` gives failed rows
-    None for that function and counts them instead of raising.
+    None for that function (for a process function: no step rewards, all NaN) and counts them, one per failed
+    row (a timed-out or wholly failed call counts all its rows), instead of raising.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from grpo.data import InputError, is_conversational
 from grpo.models import check_reward_model, load_reward_model, looks_local
+from grpo.process import check_step_rewards, is_process_reward, lay_out_steps
 
 REWARD_ERRORS = ("raise", "skip")
 REWARD_WORKER_TYPES = ("thread", "process")
@@ -64,9 +70,15 @@ BUILTIN_REWARDS = {
 
 
 class RewardScores(NamedTuple):
-    rewards: torch.Tensor  # (B, K) float32, NaN where a function returned None (or failed, under errors="skip")
-    errors: list[int]  # per function: rows whose call failed or timed out (always 0 under errors="raise")
+    # (B, K_outcome) float32, NaN where an outcome function returned None (or failed, under errors="skip")
+    rewards: torch.Tensor
+    # per function, outcome functions first, then process functions: rows whose call failed or timed out (always 0
+    # under errors="raise")
+    errors: list[int]
     seconds: float  # wall-clock time of the whole scoring
+    # (B, K_process, width) float32: each step's reward at its last token, NaN elsewhere (and on rows a process
+    # function returned None for or failed on); (B, 0, width) without process functions
+    step_rewards: torch.Tensor | None = None
 
 
 def reward_name(func: Callable | PreTrainedModel) -> str:
@@ -233,9 +245,9 @@ def _rows(kwargs: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     return {k: (v[start:stop] if isinstance(v, (list, tuple, torch.Tensor)) else v) for k, v in kwargs.items()}
 
 
-def _to_float(value: Any, name: str, row: int) -> float:
+def _to_float(value: Any, name: str, row: int) -> float | None:
     if value is None:
-        return math.nan
+        return None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, numbers.Real):
@@ -246,7 +258,9 @@ def _to_float(value: Any, name: str, row: int) -> float:
     )
 
 
-def _checked(values: Any, name: str, num_rows: int, offset: int = 0) -> list[float]:
+def _checked(values: Any, name: str, num_rows: int, offset: int = 0) -> list[float | None]:
+    """What an outcome function `name` returned for `num_rows` rows (the first being row `offset` of the batch),
+    checked: a float or None per row. A wrong length or type raises (a bug in the function, never skipped)."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
@@ -258,16 +272,19 @@ def _checked(values: Any, name: str, num_rows: int, offset: int = 0) -> list[flo
 class _Call(NamedTuple):
     """One call of one function on rows [start, start + num_rows) of the batch."""
 
-    index: int  # the function's position in reward_funcs
+    index: int  # the function's position among the functions scored (outcome functions first)
     func: Callable
     kwargs: dict[str, Any]
     start: int
     num_rows: int
+    # checks what the function returned: (values, name, num_rows, offset) -> one value or None per row;
+    # `_checked` (numbers) for outcome functions, `check_step_rewards` (StepRewards) for process functions
+    check: Callable[[Any, str, int, int], list] = _checked
 
 
-# The outcome of a call: the values (NaN where a row failed) and the failures as (row in the batch or None for
-# the whole call, exception). Rows are retried one by one only after the call on all of them raised.
-_Outcome = tuple[list[float], list[tuple[int | None, BaseException]]]
+# The outcome of a call: the checked values (None where a row failed) and the failures as (row in the batch or None
+# for the whole call, exception). Rows are retried one by one only after the call on all of them raised.
+_Outcome = tuple[list[Any], list[tuple[int | None, BaseException]]]
 
 
 def _retry_rows(call: _Call, batch_error: Exception, one_row: Callable, stop_at_first: bool) -> _Outcome:
@@ -278,14 +295,14 @@ def _retry_rows(call: _Call, batch_error: Exception, one_row: Callable, stop_at_
             value = one_row(_rows(call.kwargs, i, i + 1))
         except Exception as error:
             failures.append((call.start + i, error))
-            values.append(math.nan)
+            values.append(None)
             if stop_at_first:
                 break
             continue
-        values += _checked(value, name, 1, call.start + i)  # a malformed result is a bug: raise, never skip
+        values += call.check(value, name, 1, call.start + i)  # a malformed result is a bug: raise, never skip
     if not failures:  # every row alone works, the batch does not
-        return [math.nan] * call.num_rows, [(None, batch_error)]
-    return values + [math.nan] * (call.num_rows - len(values)), failures
+        return [None] * call.num_rows, [(None, batch_error)]
+    return values + [None] * (call.num_rows - len(values)), failures
 
 
 def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) -> _Outcome:
@@ -295,7 +312,7 @@ def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) 
         values = invoke(call.kwargs)
     except Exception as error:
         return _retry_rows(call, error, invoke, stop_at_first)
-    return _checked(values, reward_name(call.func), call.num_rows, call.start), []
+    return call.check(values, reward_name(call.func), call.num_rows, call.start), []
 
 
 # Worker-process pools, one per size, kept between rounds (starting a process costs far more than a call).
@@ -340,7 +357,7 @@ async def _run_async(call: _Call, stop_at_first: bool) -> _Outcome:
         return await _in_daemon_thread(
             lambda: _retry_rows(call, batch_error, lambda kwargs: asyncio.run(call.func(**kwargs)), stop_at_first)
         )
-    return _checked(values, reward_name(call.func), call.num_rows, call.start), []
+    return call.check(values, reward_name(call.func), call.num_rows, call.start), []
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -385,7 +402,7 @@ async def _run_concurrently(
                 return await asyncio.wait_for(work, timeout)
         except (asyncio.TimeoutError, TimeoutError):
             timed_out = True
-            return [math.nan] * call.num_rows, [(None, TimeoutError(f"timed out after {timeout} s (reward_timeout)"))]
+            return [None] * call.num_rows, [(None, TimeoutError(f"timed out after {timeout} s (reward_timeout)"))]
 
     outcomes = await asyncio.gather(*(run(call) for call in calls))
     if pool is not None and (timed_out or getattr(pool, "_broken", False)):
@@ -410,6 +427,7 @@ def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
     if errors == "skip":
         return sum(call.num_rows if row is None else 1 for row, _ in failures)
     row, error = failures[0]
+    what = "Process reward function" if is_process_reward(call.func) else "Reward function"
     name = reward_name(call.func)
     if row is None:
         last = call.start + call.num_rows - 1
@@ -418,7 +436,7 @@ def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
     else:
         where, detail = f"row {row}", f" (prompt: {str(prompts[row])[:200]!r})"
     raise RuntimeError(
-        f"Reward function '{name}' failed on {where}{detail}: {type(error).__name__}: {error}. Fix the function, or "
+        f"{what} '{name}' failed on {where}{detail}: {type(error).__name__}: {error}. Fix the function, or "
         "set reward_errors='skip' to give such rows None for this function and continue."
     ) from error
 
@@ -432,7 +450,7 @@ def call_reward_function(func: Callable, available: dict[str, Any], num_rows: in
     else:
         values, failures = _run_sync(call, stop_at_first=True)
     _report(call, failures, available.get("prompts", [None] * num_rows), "raise")
-    return values
+    return [math.nan if v is None else v for v in values]
 
 
 @torch.no_grad()
@@ -465,6 +483,117 @@ def score_with_model(
     return scores
 
 
+def _plan_calls(
+    funcs: Sequence[Callable], checks: Sequence[Callable], available: dict[str, Any], timeout, num_workers: int
+) -> tuple[list[_Call], list[_Call]]:
+    """The calls of the functions (reward models excluded): those for the event loop (async, threaded, timed) and
+    those run one after the other in this thread. With `num_workers`, a synchronous function is cut into row
+    slices."""
+    num_rows = len(available["prompts"])
+    in_loop, inline = [], []
+    for k, (func, check) in enumerate(zip(funcs, checks)):
+        if isinstance(func, PreTrainedModel):
+            continue
+        kwargs = _accepted_kwargs(func, available)
+        if is_async(func) or (num_workers == 0 and timeout is not None):
+            in_loop.append(_Call(k, func, kwargs, 0, num_rows, check))
+        elif num_workers > 0:
+            size = math.ceil(num_rows / num_workers)
+            for start in range(0, num_rows, size):
+                stop = min(start + size, num_rows)
+                in_loop.append(_Call(k, func, _rows(kwargs, start, stop), start, stop - start, check))
+        else:
+            inline.append(_Call(k, func, kwargs, 0, num_rows, check))
+    return in_loop, inline
+
+
+def _warn_unscored(rewards: torch.Tensor, step_rewards: torch.Tensor, any_failed: bool) -> None:
+    """Warn about rows that no function scored: no outcome value and no step reward. They get advantage 0."""
+    if rewards.shape[1] + step_rewards.shape[1] == 0:  # nothing was asked to score: nothing to warn about
+        return
+    no_steps = torch.isnan(step_rewards).flatten(1).all(dim=1)  # (B,), True when K_process = 0
+    unscored = (torch.isnan(rewards).all(dim=1) & no_steps).nonzero().flatten().tolist()
+    if unscored:
+        warnings.warn(
+            f"No reward function scored row(s) {unscored[:20]}{' ...' if len(unscored) > 20 else ''} of this batch "
+            f"({len(unscored)} of {rewards.shape[0]}): each returned None{' or failed' if any_failed else ''}. "
+            "These rows get advantage 0. Make sure at least one reward function applies to every row.",
+            stacklevel=4,
+        )
+
+
+def score_rewards(
+    outcome_funcs: Sequence[Callable | PreTrainedModel],
+    outcome_tokenizers: Sequence[Any],
+    process_funcs: Sequence[Callable],
+    *,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    trainer_state: Any = None,
+    tokenizer: Any = None,
+    width: int | None = None,
+    errors: str = "raise",
+    timeout: float | None = None,
+    num_workers: int = 0,
+    worker_type: str = "thread",
+    model_batch_size: int | None = None,
+) -> RewardScores:
+    """Score every row under every outcome function or reward model (`outcome_tokenizers`: the reward models'
+    tokenizers, aligned) and every process function, all called the same way (see the module docstring for
+    `errors`, `timeout`, `num_workers` and `worker_type`). Returns the (B, K_outcome) rewards, the
+    (B, K_process, width) step rewards (`tokenizer`: the policy's, which maps `char_ends` to tokens; `width`: the
+    longest completion when None), the failed rows per function (outcome functions first) and the time taken."""
+    if errors not in REWARD_ERRORS:
+        raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
+    if worker_type not in REWARD_WORKER_TYPES:
+        raise ValueError(f"worker_type={worker_type!r} must be one of {REWARD_WORKER_TYPES}.")
+    began = time.perf_counter()
+    num_rows = len(prompts)
+    width = max((len(ids) for ids in completion_ids), default=0) if width is None else width
+    available = {
+        **columns,
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        "trainer_state": trainer_state,
+    }
+    funcs = [*outcome_funcs, *process_funcs]
+    checks = [_checked] * len(outcome_funcs) + [check_step_rewards] * len(process_funcs)
+    in_loop, inline = _plan_calls(funcs, checks, available, timeout, num_workers)
+
+    stop_at_first = errors == "raise"
+    outcomes = (
+        _run_event_loop(_run_concurrently(in_loop, timeout, num_workers, worker_type, stop_at_first))
+        if in_loop
+        else []
+    )
+    outcomes += [_run_sync(call, stop_at_first) for call in inline]
+
+    values: list[list[Any]] = [[None] * num_rows for _ in funcs]  # per function, per row; None: no value
+    failed = [0] * len(funcs)
+    for call, (call_values, failures) in zip(in_loop + inline, outcomes):
+        failed[call.index] += _report(call, failures, prompts, errors)
+        values[call.index][call.start : call.start + call.num_rows] = call_values
+
+    rewards = torch.full((num_rows, len(outcome_funcs)), math.nan)  # (B, K_outcome)
+    for k, (func, reward_tokenizer) in enumerate(zip(outcome_funcs, outcome_tokenizers)):
+        if isinstance(func, PreTrainedModel):
+            scores = score_with_model(func, reward_tokenizer, prompts, completions, model_batch_size)
+            rewards[:, k] = torch.tensor(scores)
+        else:
+            rewards[:, k] = torch.tensor([math.nan if v is None else v for v in values[k]], dtype=torch.float32)
+    laid_out = [
+        lay_out_steps(values[len(outcome_funcs) + j], completion_ids, completions, tokenizer, width, reward_name(f))
+        for j, f in enumerate(process_funcs)
+    ]
+    step_rewards = torch.stack(laid_out, dim=1) if laid_out else torch.empty(num_rows, 0, width)
+
+    _warn_unscored(rewards, step_rewards, any(failed))
+    return RewardScores(rewards, failed, time.perf_counter() - began, step_rewards)
+
+
 def score_completions(
     reward_funcs: Sequence[Callable | PreTrainedModel],
     reward_tokenizers: Sequence[Any],
@@ -480,60 +609,97 @@ def score_completions(
     worker_type: str = "thread",
     model_batch_size: int | None = None,
 ) -> RewardScores:
-    """Rewards of every row under every function: (B, K) float32, NaN where a function returned None, with the
-    number of failed rows per function (under `errors="skip"`) and the time taken. See the module docstring for
-    how `timeout` and `num_workers` run the functions."""
-    if errors not in REWARD_ERRORS:
-        raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
-    if worker_type not in REWARD_WORKER_TYPES:
-        raise ValueError(f"worker_type={worker_type!r} must be one of {REWARD_WORKER_TYPES}.")
-    began = time.perf_counter()
-    num_rows = len(prompts)
-    available = {
-        **columns,
-        "prompts": prompts,
-        "completions": completions,
-        "completion_ids": completion_ids,
-        "trainer_state": trainer_state,
-    }
-    in_loop, inline = [], []  # calls for the event loop (async, threaded), calls in this thread
-    for k, func in enumerate(reward_funcs):
-        if isinstance(func, PreTrainedModel):
-            continue
-        kwargs = _accepted_kwargs(func, available)
-        if is_async(func) or (num_workers == 0 and timeout is not None):
-            in_loop.append(_Call(k, func, kwargs, 0, num_rows))
-        elif num_workers > 0:
-            size = math.ceil(num_rows / num_workers)
-            for start in range(0, num_rows, size):
-                stop = min(start + size, num_rows)
-                in_loop.append(_Call(k, func, _rows(kwargs, start, stop), start, stop - start))
-        else:
-            inline.append(_Call(k, func, kwargs, 0, num_rows))
-
-    stop_at_first = errors == "raise"
-    outcomes = (
-        _run_event_loop(_run_concurrently(in_loop, timeout, num_workers, worker_type, stop_at_first))
-        if in_loop
-        else []
+    """`score_rewards` with outcome functions and reward models only: rewards of every row under every function,
+    (B, K) float32, NaN where a function returned None, with the failed rows per function and the time taken."""
+    return score_rewards(
+        reward_funcs,
+        reward_tokenizers,
+        [],
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        columns=columns,
+        trainer_state=trainer_state,
+        errors=errors,
+        timeout=timeout,
+        num_workers=num_workers,
+        worker_type=worker_type,
+        model_batch_size=model_batch_size,
     )
-    outcomes += [_run_sync(call, stop_at_first) for call in inline]
 
-    rewards = torch.full((num_rows, len(reward_funcs)), math.nan)  # (B, K)
-    failed = [0] * len(reward_funcs)
-    for call, (values, failures) in zip(in_loop + inline, outcomes):
-        failed[call.index] += _report(call, failures, prompts, errors)
-        rewards[call.start : call.start + call.num_rows, call.index] = torch.tensor(values)
-    for k, (func, tokenizer) in enumerate(zip(reward_funcs, reward_tokenizers)):
-        if isinstance(func, PreTrainedModel):
-            rewards[:, k] = torch.tensor(score_with_model(func, tokenizer, prompts, completions, model_batch_size))
 
-    unscored = torch.isnan(rewards).all(dim=1).nonzero().flatten().tolist()
-    if unscored and reward_funcs:  # with only process rewards (K = 0) the trainer has nothing to warn about here
-        warnings.warn(
-            f"No reward function scored row(s) {unscored[:20]}{' ...' if len(unscored) > 20 else ''} of this batch "
-            f"({len(unscored)} of {num_rows}): each returned None{' or failed' if any(failed) else ''}. These rows "
-            "get advantage 0. Make sure at least one reward function applies to every row.",
-            stacklevel=2,
+class RewardSet:
+    """The trainer's reward functions, built once: rewards given as strings resolved and reward-model tokenizers
+    loaded (`load_reward_funcs`), weights checked, and the functions split by kind, since outcome and process
+    functions give different advantages (grpo/loss.py `mixed_advantages`) but are called the same way (`score`).
+
+    Attributes: `names` (outcome functions first, then process functions: the order of the reward columns in
+    metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward functions and reward
+    models, with the models' tokenizers; a caller may replace the models, e.g. with ones prepared for its devices),
+    `outcome_weights` and `process_weights` (float32 tensors) and `process_funcs` (`@process_reward` functions)."""
+
+    def __init__(self, reward_funcs, reward_processing_classes=None, reward_weights: Sequence[float] | None = None):
+        funcs, tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes)
+        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward functions "
+                f"({[reward_name(f) for f in funcs]}); give one weight per function."
+            )
+        is_process = [_is_process_function(f) for f in funcs]
+        self.outcome_funcs = [f for f, p in zip(funcs, is_process) if not p]
+        self.outcome_tokenizers = [t for t, p in zip(tokenizers, is_process) if not p]
+        self.outcome_weights = torch.tensor([w for w, p in zip(weights, is_process) if not p], dtype=torch.float32)
+        self.process_funcs = [f for f, p in zip(funcs, is_process) if p]
+        self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
+        self.names = [reward_name(f) for f in self.outcome_funcs] + [reward_name(f) for f in self.process_funcs]
+
+    def score(
+        self,
+        *,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        columns: dict[str, list],
+        trainer_state: Any = None,
+        tokenizer: Any = None,
+        width: int | None = None,
+        errors: str = "raise",
+        timeout: float | None = None,
+        num_workers: int = 0,
+        worker_type: str = "thread",
+        model_batch_size: int | None = None,
+    ) -> RewardScores:
+        """Every function of the set on this batch, in one pass (`score_rewards`): `rewards` (B, K_outcome),
+        `step_rewards` (B, K_process, width) and `errors` per function in `names` order."""
+        return score_rewards(
+            self.outcome_funcs,
+            self.outcome_tokenizers,
+            self.process_funcs,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
+            columns=columns,
+            trainer_state=trainer_state,
+            tokenizer=tokenizer,
+            width=width,
+            errors=errors,
+            timeout=timeout,
+            num_workers=num_workers,
+            worker_type=worker_type,
+            model_batch_size=model_batch_size,
         )
-    return RewardScores(rewards, failed, time.perf_counter() - began)
+
+
+def _is_process_function(func: Callable | PreTrainedModel) -> bool:
+    """Whether `func` is a process reward function; a reward model marked as one is refused (models give one
+    number per completion)."""
+    if not is_process_reward(func):
+        return False
+    if isinstance(func, PreTrainedModel):
+        raise TypeError(
+            f"Reward model '{reward_name(func)}' is marked @process_reward, but a reward model scores whole "
+            "completions. Wrap it in a @process_reward function that splits the completion into steps, scores them "
+            "and returns StepRewards."
+        )
+    return True

@@ -61,6 +61,17 @@ def test_accuracy_runs_in_worker_threads():
         assert pool.submit(accuracy, ["\\boxed{2}", "\\boxed{3}"], answer=["2", "2"]).result() == [1.0, 0.0]
 
 
+def test_one_completion_text_for_rewards_reports_and_step_positions():
+    from grpo.cli import _text
+    from grpo.metrics import format_completions
+
+    chat = [{"role": "assistant", "content": "2 + 2\n= 4"}]
+    assert rewards.completion_text("4") == "4" and rewards.completion_text(chat) == "2 + 2\n= 4"
+    assert _text(chat) == "2 + 2\\n= 4"  # the command line's report: the same text on one line
+    table = format_completions([{"prompt": "q", "completion": chat, "rewards": [1.0], "advantage": 0.5}], ["r"])
+    assert "2 + 2\\n= 4" in table
+
+
 def test_fallback_comparison():
     assert extract_answer("<answer> x + 1 </answer> and 5") == "x + 1"
     assert extract_answer("nothing") is None

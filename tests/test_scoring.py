@@ -294,6 +294,51 @@ def test_reward_model_checks(tokenizer):
         load_reward_funcs([_reward_model(tokenizer)], [tokenizer, None])
 
 
+def test_reward_set_splits_functions_by_kind_and_scores_both_in_one_pass(tokenizer):
+    from grpo import StepRewards, process_reward
+    from grpo.scoring import RewardSet
+
+    def length(completions):
+        return [float(len(c)) for c in completions]
+
+    @process_reward
+    def last_token(completion_ids):
+        return [StepRewards([1.0], token_ends=[len(ids) - 1]) for ids in completion_ids]
+
+    model = _reward_model(tokenizer)
+    rewards = RewardSet([last_token, length, model], [None, None, tokenizer], reward_weights=[0.5, 1.0, 2.0])
+    assert rewards.names == [reward_name(length), reward_name(model), "last_token"]  # outcome first, then process
+    assert rewards.outcome_funcs == [length, model] and rewards.outcome_tokenizers == [None, tokenizer]
+    assert rewards.process_funcs == [last_token]
+    assert rewards.outcome_weights.tolist() == [1.0, 2.0] and rewards.process_weights.tolist() == [0.5]
+    assert rewards.outcome_weights.dtype == torch.float32 and rewards.process_weights.dtype == torch.float32
+
+    scores = rewards.score(
+        prompts=["p0", "p1"], completions=["a", "bb"], completion_ids=[[1], [1, 2]], columns={}, width=3
+    )
+    assert scores.rewards.shape == (2, 2) and scores.rewards[:, 0].tolist() == [1.0, 2.0]
+    assert scores.step_rewards.shape == (2, 1, 3) and scores.step_rewards[0, 0, 0] == 1.0
+    assert scores.step_rewards[1, 0, 1] == 1.0 and scores.errors == [0, 0, 0]
+    # Without width the step rewards are as wide as the longest completion.
+    unpadded = rewards.score(prompts=["p0", "p1"], completions=["a", "bb"], completion_ids=[[1], [1, 2]], columns={})
+    assert unpadded.step_rewards.shape == (2, 1, 2)
+
+
+def test_reward_set_checks_weights_and_refuses_a_process_reward_model(tokenizer):
+    from grpo import process_reward
+    from grpo.scoring import RewardSet
+
+    def length(completions):
+        return [float(len(c)) for c in completions]
+
+    with pytest.raises(
+        ValueError, match=r"reward_weights has 2 entries but there are 1 reward functions \(\['length'\]\)"
+    ):
+        RewardSet([length], reward_weights=[1.0, 2.0])
+    with pytest.raises(TypeError, match="is marked @process_reward, but a reward model scores whole completions"):
+        RewardSet([process_reward(_reward_model(tokenizer))], [tokenizer])
+
+
 def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
     import os
     import time
