@@ -62,10 +62,12 @@ class MetricsWindow:
 
 def format_completions(samples: list[dict], reward_names: list[str], max_rows: int | None = None) -> str:
     """A plain-text table of sampled completions: prompt, completion, each reward and the advantage."""
+    from grpo.rewards import completion_text
+
     rows = samples if max_rows is None else samples[:max_rows]
 
     def clip(value, width):
-        text = value if isinstance(value, str) else (value[-1]["content"] if isinstance(value, list) else str(value))
+        text = str(completion_text(value))
         text = text.replace("\n", "\\n")
         return text if len(text) <= width else text[: width - 3] + "..."
 
