@@ -27,8 +27,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from grpo import weight_sync
+from grpo import lora_sync, weight_sync
 from grpo.generation import Completions
+from grpo.models import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -177,21 +178,37 @@ class VLLMClient:
             self.group = None  # the server refused or dropped the group (a failed handshake, for one)
             raise
 
-    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> dict:
+    def update_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int,
+        adapter_config: dict | None = None,
+    ) -> dict:
         """Send every (checkpoint name, tensor) in buckets of about `bucket_bytes`, cast to the server's dtype; the
         server loads them and resets its prefix cache. `version` tags the weights (the trainer's step); the
-        server's generations report it. Returns {"buckets", "bytes", "seconds"}."""
+        server's generations report it. With `adapter_config` (the JSON of a LoraConfig) the tensors are a LoRA
+        adapter under PEFT's names, which the server (started with --enable-lora) serves over its base model from
+        then on. Returns {"buckets", "tensors", "bytes", "seconds"}."""
         if self.group is None:
             self.init_communicator()
         device = self._device()
         dtype = weight_sync.parse_dtype(self.info["dtype"])
-        start, sent = time.perf_counter(), {}
+        start, sent = time.perf_counter(), {"tensors": 0}
+
+        def counted():
+            for item in tensors:
+                sent["tensors"] += 1
+                yield item
 
         def send():
-            sent["buckets"], sent["bytes"] = weight_sync.send_weights(self.group, tensors, bucket_bytes, device, dtype)
+            sent["buckets"], sent["bytes"] = weight_sync.send_weights(
+                self.group, counted(), bucket_bytes, device, dtype
+            )
 
+        payload = {"version": version} if adapter_config is None else {"version": version, "adapter": adapter_config}
         try:
-            self._while_posting("/update_weights", {"version": version}, send)
+            self._while_posting("/update_weights", payload, send)
         except Exception:
             # A broadcast cut short leaves the group out of step: drop it; the next update opens a new one.
             self._drop_group()
@@ -260,7 +277,33 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each weight of a PEFT model's active adapter, under the names PEFT's
+    `get_peft_model_state_dict` gives them (those of adapter_model.safetensors, which vLLM loads), gathered whole
+    when sharded (every process must iterate it)."""
+    from peft import get_peft_model_state_dict
+
+    (adapter,) = model.active_adapters
+    parameters = dict(model.named_parameters())
+    # The parameters themselves (not a state dict): only PEFT's selection and names are wanted, and `_full` gathers.
+    selected = get_peft_model_state_dict(
+        model, state_dict=parameters, adapter_name=adapter, save_embedding_layers=False
+    )
+    with torch.no_grad():
+        for name, param in selected.items():
+            yield name, _full(param)
+
+
 # ---- The trainer's generation backend ----
+
+
+def _mode_note(mode: str, is_peft: bool, info: dict) -> str:
+    """The one log line that says what each sync sends, and why."""
+    if mode == "adapter":
+        return "the LoRA adapter alone (the server was started with --enable-lora)"
+    if is_peft:
+        return "merged weights (the server was started without --enable-lora; with it, the adapter alone is sent)"
+    return "the full weights (the policy is not a PEFT model)"
 
 
 def vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty) -> dict:
@@ -303,17 +346,54 @@ class VLLMGeneration:
         self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
         self.bucket_bytes = bucket_bytes
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
-        self.last_sync: dict | None = None  # {"buckets", "bytes", "seconds"} of the latest sync
+        self.last_sync: dict | None = None  # {"mode", "buckets", "tensors", "bytes", "seconds"} of the latest sync
+        self.mode: str | None = None  # "merged" or "adapter", chosen at the first sync
         if accelerator.is_main_process:
             client.wait_until_ready()
 
+    def _choose_mode(self, model: nn.Module) -> str:
+        """The main process picks the sync mode from the model and the server's /health (`sync_mode`), logs it, and
+        tells the other processes, which gather sharded weights in step with it. An adapter the server cannot take
+        is an error on every process."""
+        from accelerate.utils import broadcast_object_list
+
+        choice = [None]
+        if self.accelerator.is_main_process:
+            info, peft = self.client.info, is_peft_model(model)
+            mode = lora_sync.sync_mode(peft, info)
+            problems = []
+            if mode == "adapter":
+                config = model.peft_config[model.active_adapters[0]]
+                problems = lora_sync.adapter_problems(config, info["max_lora_rank"], model.active_adapters)
+            choice = [(mode, lora_sync.adapter_error(problems, self.client.base_url) if problems else None)]
+            if not problems:
+                logger.info("vLLM weight sync: %s", _mode_note(mode, peft, info))
+        mode, error = broadcast_object_list(choice, from_process=0)[0]
+        if error:
+            raise ValueError(error)
+        return mode
+
     def sync_weights(self, model: nn.Module, version: int) -> None:
-        """Push `model`'s weights unless the server already holds those of step `version`. All processes call it."""
+        """Push `model`'s weights unless the server already holds those of step `version`: merged, or the LoRA
+        adapter alone when the server serves adapters (`lora_sync.sync_mode`). All processes call it."""
         if version == self.synced_version:
             return
-        tensors = checkpoint_tensors(model)
+        if self.mode is None:
+            self.mode = self._choose_mode(model)
+        adapter = self.mode == "adapter"
+        tensors = adapter_tensors(model) if adapter else checkpoint_tensors(model)
         if self.accelerator.is_main_process:
-            self.last_sync = self.client.update_weights(tensors, version=version, bucket_bytes=self.bucket_bytes)
+            config = lora_sync.adapter_config(model.peft_config[model.active_adapters[0]]) if adapter else None
+            try:
+                sync = self.client.update_weights(tensors, version, self.bucket_bytes, adapter_config=config)
+            except VLLMServerError as e:
+                if not adapter:
+                    raise
+                raise VLLMServerError(
+                    f"{e}. The server could not load the LoRA adapter; restart it without --enable-lora to sync "
+                    "merged weights instead (docs/vllm.md#lora-merged-or-adapter-sync)."
+                ) from None
+            self.last_sync = {"mode": self.mode, **sync}
         else:
             for _ in tensors:  # take part in gathering sharded weights
                 pass

@@ -2,13 +2,15 @@
 
     grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tensor-parallel-size N]
                     [--data-parallel-size N] [--gpu-memory-utilization F] [--max-model-len N] [--dtype D]
-                    [--enforce-eager]
+                    [--enforce-eager] [--enable-lora [--max-lora-rank R]]
 
 Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
-    GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size
+    GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size,
+                               LoRA (lora, max_lora_rank)
     POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs
     POST /init_communicator    open the weight-sync process group (grpo/weight_sync.py) with the trainer
-    POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache
+    POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache; with
+                               "adapter" (a LoraConfig's JSON), a LoRA adapter that every later /generate uses
     POST /reset_prefix_cache   drop cached prefixes (computed with older weights)
     POST /close_communicator   close the weight-sync group
 
@@ -22,6 +24,12 @@ Layout: this process serves HTTP and runs no model; each of the `data_parallel_s
 with its own `vllm.LLM` on `tensor_parallel_size` devices. A request's prompts are split among the engines; a weight
 update reaches them all. Engine calls are serialised by one lock, so a weight update never interleaves with a
 generation. vLLM is imported only in the engine processes.
+
+LoRA (`--enable-lora`, docs/vllm.md#lora-merged-or-adapter-sync): the trainer may send a LoRA adapter instead of
+merged weights. The workers receive its tensors over the same group, the first worker of each engine writes them as
+an adapter directory in a private temporary directory (removed at shutdown), and the engine loads it under a new
+LoRA id at every sync, so no older adapter is served from vLLM's cache. Until the first adapter arrives, generations
+use the base model.
 """
 
 import hmac
@@ -29,10 +37,13 @@ import ipaddress
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any
 
+from grpo.lora_sync import MAX_LORA_RANKS, write_adapter
 from grpo.weight_sync import check_token, open_group, receive_weights
 
 logger = logging.getLogger("grpo.vllm_server")
@@ -81,6 +92,16 @@ class WeightSyncWorker:
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
             raise
 
+    def receive_adapter(self, path: str, config: dict) -> None:
+        """Receive a LoRA adapter's tensors over the group; the engine's first worker writes them, with `config`, as
+        an adapter directory at `path` (`write_adapter`), which the engine then loads. The other workers (tensor
+        parallelism) take part in the broadcast and drop what they received: vLLM shards the adapter on loading."""
+        if self.weight_group is None:
+            raise RuntimeError("no weight-sync group is open; call /init_communicator first")
+        tensors = list(receive_weights(self.weight_group, self.device))  # the whole broadcast, whatever comes next
+        if self.rank == 0:
+            write_adapter(path, tensors, config)
+
     def close_weight_group(self) -> None:
         self.weight_group = None
 
@@ -94,10 +115,12 @@ def _resolve_model(name: str) -> str:
     return str(smollm2_path()) if name == SMOLLM2_NAME else name
 
 
-def _engine_main(conn, engine_kwargs: dict, env: dict) -> None:
-    """Run one `vllm.LLM` and answer (command, kwargs) messages on `conn` until the pipe closes."""
+def _engine_main(conn, engine_kwargs: dict, env: dict, adapter_dir: str | None = None) -> None:
+    """Run one `vllm.LLM` and answer (command, kwargs) messages on `conn` until the pipe closes. With LoRA enabled,
+    the adapters it receives are written under `adapter_dir`, one directory per sync, the older one removed."""
     os.environ.update(env)
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     llm = LLM(
         model=_resolve_model(engine_kwargs.pop("model")),
@@ -109,10 +132,13 @@ def _engine_main(conn, engine_kwargs: dict, env: dict) -> None:
         **engine_kwargs,
     )
     config = llm.llm_engine.vllm_config
+    lora: dict[str, Any] = {"request": None, "next_id": 1}  # the adapter every generation uses (None: base model)
 
     def generate(prompts, seeds, n, logprobs, **sampling):
         params = [SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora["request"]
+        )
         ids, logps = [], []
         for output in outputs:
             for sample in output.outputs:
@@ -121,9 +147,36 @@ def _engine_main(conn, engine_kwargs: dict, env: dict) -> None:
                     logps.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
         return {"completion_ids": ids, "logprobs": logps if logprobs else None}
 
-    def update_weights():
-        llm.collective_rpc("receive_weights")
+    def update_weights(adapter=None):
+        if adapter is None:
+            llm.collective_rpc("receive_weights")
+            drop_adapter()  # new base weights: an adapter trained on the old ones no longer applies
+        else:
+            update_adapter(adapter)
         llm.reset_prefix_cache()
+
+    def update_adapter(adapter: dict):
+        """Receive the adapter into a new directory and load it under a new id, so that vLLM, which caches
+        adapters by id, cannot serve the older one; loading now (not at the next generation) makes a sync that
+        vLLM refuses fail here, with vLLM's reason."""
+        lora_id = lora["next_id"]
+        lora["next_id"] += 1
+        path = os.path.join(adapter_dir, f"adapter-{lora_id}")
+        try:
+            llm.collective_rpc("receive_adapter", kwargs={"path": path, "config": adapter})
+            request = LoRARequest(f"grpo-{lora_id}", lora_id, path)
+            llm.llm_engine.add_lora(request)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        drop_adapter()
+        lora["request"] = request
+
+    def drop_adapter():
+        if lora["request"] is not None:
+            llm.llm_engine.remove_lora(lora["request"].lora_int_id)
+            shutil.rmtree(lora["request"].lora_path, ignore_errors=True)
+            lora["request"] = None
 
     handlers = {
         "generate": generate,
@@ -158,9 +211,16 @@ class EngineError(RuntimeError):
 
 
 class Engines:
-    """The data-parallel engine processes, each a `vllm.LLM` on `tensor_parallel_size` devices."""
+    """The data-parallel engine processes, each a `vllm.LLM` on `tensor_parallel_size` devices; with LoRA enabled,
+    engine i writes the adapters it receives under `adapter_root`/engine-i."""
 
-    def __init__(self, engine_kwargs: dict, data_parallel_size: int, tensor_parallel_size: int):
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        data_parallel_size: int,
+        tensor_parallel_size: int,
+        adapter_root: str | None = None,
+    ):
         context = multiprocessing.get_context("spawn")  # vLLM and CUDA do not survive fork
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         needed = data_parallel_size * tensor_parallel_size
@@ -185,7 +245,10 @@ class Engines:
             parent, child = context.Pipe()
             # Not a daemon: vLLM starts processes of its own for tensor parallelism. An engine leaves when its pipe
             # closes, also when this process is killed.
-            process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env))
+            adapter_dir = None if adapter_root is None else os.path.join(adapter_root, f"engine-{rank}")
+            if adapter_dir is not None:
+                os.makedirs(adapter_dir, mode=0o700)
+            process = context.Process(target=_engine_main, args=(child, dict(engine_kwargs), env, adapter_dir))
             process.start()
             child.close()
             self.conns.append(parent)
@@ -317,6 +380,8 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
 
     class UpdateRequest(Strict):
         version: int  # the trainer's tag for these weights (its optimizer step); /generate answers with it
+        # A LoraConfig's JSON: the tensors are this LoRA adapter (PEFT's names), not merged weights.
+        adapter: dict[str, Any] | None = None
 
     app = FastAPI(title="grpo vllm-serve")
 
@@ -403,10 +468,19 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
 
     @app.post("/update_weights")
     def update_weights(request: UpdateRequest):
+        if request.adapter is not None and not settings.get("lora"):
+            raise HTTPException(
+                status_code=409,
+                detail="this server was started without --enable-lora, so it takes merged weights only: restart it "
+                "with --enable-lora to send a LoRA adapter",
+            )
+        if request.adapter is not None and request.adapter.get("peft_type") != "LORA":
+            raise HTTPException(status_code=422, detail="adapter: only LoRA adapters (peft_type 'LORA') are served")
         if state["world_size"] is None:
             raise HTTPException(status_code=409, detail="no weight-sync group is open: POST /init_communicator first")
         state["weights_version"] = None  # a failed update leaves the weights half old, half new
-        run("update_weights", "update_weights", f"version {request.version} ")
+        kind = "adapter" if request.adapter is not None else "weights"
+        run("update_weights", "update_weights", f"version {request.version} ({kind}) ", adapter=request.adapter)
         state["weights_version"] = request.version
         return {"status": "ok", "weights_version": request.version}
 
@@ -451,16 +525,22 @@ def serve(args) -> None:
         "dtype": args.dtype,
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
+        **lora_engine_kwargs(args.enable_lora, args.max_lora_rank),
     }
+    # Private (mkdtemp: mode 0700): the adapters written there are the policy being trained.
+    adapter_root = tempfile.mkdtemp(prefix="grpo-vllm-lora-") if args.enable_lora else None
     start = time.perf_counter()
     try:
-        engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size)
+        engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size, adapter_root)
     except EngineError as e:
+        _remove(adapter_root)
         raise SystemExit(f"grpo vllm-serve: error: the engine did not start: {e}") from None
     settings = {
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
+        "lora": args.enable_lora,
+        "max_lora_rank": args.max_lora_rank if args.enable_lora else None,
     }
     logger.info(
         "%d engine(s) ready in %.1f s; serving on http://%s:%d (%s)",
@@ -477,6 +557,20 @@ def serve(args) -> None:
         uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="warning")
     finally:
         engines.close()
+        _remove(adapter_root)
+
+
+def _remove(directory: str | None) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def lora_engine_kwargs(enable_lora: bool, max_lora_rank: int) -> dict:
+    """The `vllm.LLM` arguments for --enable-lora: one adapter at a time (the policy's), of rank up to
+    `max_lora_rank`."""
+    if not enable_lora:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
 
 
 def add_arguments(parser) -> None:
@@ -499,3 +593,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", help="weights dtype: auto, bfloat16, float16 or float32")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (fast start)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve the LoRA adapter a PEFT policy sends (much less data per sync than merged weights); without it, "
+        "a PEFT policy's syncs send merged weights",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=MAX_LORA_RANKS,
+        metavar="R",
+        help=f"with --enable-lora: the largest adapter rank the engine takes, one of {list(MAX_LORA_RANKS)} "
+        "(default 16)",
+    )

@@ -5,6 +5,7 @@ one server serves the whole module, except the tests that need their own (two en
 requires an API key (--api-key), and GRPO_VLLM_API_KEY carries it to every client here, the trainers' included.
 """
 
+import copy
 import json
 import os
 import signal
@@ -255,6 +256,82 @@ def test_lora_weights_are_merged_before_the_sync(server, model_path, tokenizer, 
     assert _server_greedy(client) == _trainer_greedy(policy)
     merged = policy.merge_and_unload()  # the same weights, merged by PEFT itself
     assert _server_greedy(client) == _trainer_greedy(merged)
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_path, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
+    process, client = _start_server(model_path, port, log_path, "--enable-lora", "--max-lora-rank", "8")
+    yield port, client
+    _stop(process)
+
+
+def _lora_model(model_path, seed):
+    peft = pytest.importorskip("peft")
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, lora)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # LoRA's B starts at zero; give the adapter a visible effect
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def test_a_lora_server_gets_the_adapter_alone_and_generates_with_it(
+    lora_server, server, model_path, tokenizer, tmp_path
+):
+    port, client = lora_server
+    assert client.info["lora"] is True and client.info["max_lora_rank"] == 8
+    base_greedy = _server_greedy(client)  # no adapter yet: the base model
+    trainer = GRPOTrainer(
+        _lora_model(model_path, seed=1),
+        _reward,
+        args=_config(tmp_path, port),
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+    )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    with policy.disable_adapter():
+        assert _trainer_greedy(policy) == base_greedy
+    adapter = [p for name, p in policy.named_parameters() if ".lora_" in name]
+    trainer.generation.sync_weights(policy, version=0)
+    sync = trainer.generation.last_sync
+    # Only the adapter went over the wire: its 12 tensors (3 modules x 2 layers x A, B), in float32.
+    assert sync["mode"] == "adapter" and sync["tensors"] == len(adapter) == 12
+    assert sync["bytes"] == sum(p.numel() * 4 for p in adapter)
+    assert sync["bytes"] < sum(p.numel() * 4 for _, p in checkpoint_tensors(policy)) / 20
+    # The server generates with the adapter: like the trainer's PEFT model, and not like the base model.
+    with_adapter = _server_greedy(client)
+    assert with_adapter == _trainer_greedy(policy) and with_adapter != base_greedy
+
+    # Another adapter under the next version replaces it (a new LoRA id: no stale adapter from vLLM's cache).
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    trainer.generation.sync_weights(policy, version=1)
+    assert _server_greedy(client) == _trainer_greedy(policy) != with_adapter
+
+    # A training step, then its sync: the engine's log-probs match the trainer's (ratio ~ 1).
+    trainer.generation.synced_version = None
+    trainer.train()
+    trainer.generation.sync_weights(policy, version=trainer.state.global_step + 10)
+    assert _server_greedy(client) == _trainer_greedy(policy)
+    logs = trainer.state.log_history[0]
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+
+    # Merged weights (a policy that is not a PEFT model) replace the base weights and drop the adapter.
+    merged = copy.deepcopy(policy).merge_and_unload()
+    client.update_weights(checkpoint_tensors(merged), version=99, bucket_bytes=1 << 20)
+    assert _server_greedy(client) == _trainer_greedy(merged) == _trainer_greedy(policy)
+
+    # A server started without --enable-lora refuses an adapter before any weights move.
+    _, plain = server
+    with pytest.raises(VLLMServerError, match="answered 409.*started without --enable-lora"):
+        plain.request("/update_weights", {"version": 1, "adapter": {"peft_type": "LORA"}})
 
 
 def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, tmp_path):
