@@ -17,12 +17,17 @@ writes it, as `reference_model.safetensors`. The file holds only tensors, number
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import shutil
+from collections.abc import Iterator
 
 import torch
+from accelerate.utils import gather_object
+from transformers import Trainer
+from transformers.trainer_utils import rotate_checkpoints
 
 from grpo.data import InputError
 
@@ -173,6 +178,34 @@ def describe_write_failure(error: BaseException, step: int, output_dir: str) -> 
     )
 
 
+@contextlib.contextmanager
+def atomic_checkpoint(run_dir: str, step: int, accelerator, is_writer: bool) -> Iterator[str]:
+    """Write a checkpoint under a temporary name and publish it only once every process wrote its part.
+
+    Yields the staging directory (`tmp-checkpoint-N`, whose `checkpoint-N` the body fills); then the writer
+    (`is_writer`: the process that saves) fsyncs and renames it to `run_dir/checkpoint-N`. A failure on any
+    process removes what was staged and raises `CheckpointError` on every process, naming the cause."""
+    staged = staging_dir(run_dir, step)
+    if is_writer:
+        remove_stale_staging(run_dir)
+    accelerator.wait_for_everyone()
+    failure = None
+    try:
+        yield staged
+    except Exception as e:  # noqa: BLE001 - reported on every process below
+        failure = e
+    if any(gather_object([failure is not None])):
+        if is_writer:
+            shutil.rmtree(staged, ignore_errors=True)
+        message = describe_write_failure(failure or OSError("another process failed"), step, run_dir)
+        raise CheckpointError(message) from failure
+    if is_writer:
+        name = f"checkpoint-{step}"
+        publish(os.path.join(staged, name), os.path.join(run_dir, name))
+        os.rmdir(staged)
+    accelerator.wait_for_everyone()
+
+
 def _moved(value, device):
     """`value` with every tensor inside its dicts and lists moved to `device`."""
     if isinstance(value, torch.Tensor):
@@ -225,3 +258,47 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
             "round; set them back, or start a new run in a new output_dir."
         )
     return state
+
+
+class ResumableTrainer(Trainer):
+    """`transformers.Trainer` whose checkpoints are complete or absent (`atomic_checkpoint`), resumable from the
+    newest complete one (`resume_from_checkpoint=True`), refusing a new run over an earlier run's checkpoints, and
+    carrying state of the subclass's own: `_save_state(checkpoint_dir)` writes it (on every process, into the
+    checkpoint being staged) and `_restore_state(checkpoint)` reads it back before training resumes."""
+
+    _staging_run_dir: str | None = None  # set while a checkpoint is written: where Trainer's files go
+
+    def _save_state(self, checkpoint_dir: str) -> None:
+        """Write this trainer's own state into `checkpoint_dir` (every process)."""
+
+    def _restore_state(self, checkpoint: str) -> None:
+        """Read back what `_save_state` wrote."""
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if checkpoint is None:
+            check_fresh_output_dir(self.args.output_dir)
+        else:
+            self._restore_state(checkpoint)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir, step = self._get_output_dir(trial), self.state.global_step
+        final = os.path.join(run_dir, f"checkpoint-{step}")
+        with atomic_checkpoint(run_dir, step, self.accelerator, self.args.should_save) as staged:
+            self._staging_run_dir = staged
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_run_dir = None
+            checkpoint = os.path.join(staged, os.path.basename(final))
+            self._save_state(checkpoint)
+            if self.args.should_save and self.state.best_model_checkpoint == checkpoint:
+                self.state.best_model_checkpoint = final
+                self.state.save_to_json(os.path.join(checkpoint, "trainer_state.json"))
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()

@@ -24,49 +24,26 @@ from grpo.recipe import load_recipe, resolve_reward
 
 
 def greedy_samples(trainer, dataset, count: int) -> list[dict]:
-    """Greedy completions of the first `count` rows of `dataset`, each with its rewards (one per function)."""
-    import torch
-
-    from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
-    from grpo.generation import cut_at_eos
-    from grpo.scoring import score_completions
+    """Greedy completions of the first `count` rows of `dataset`, each with its rewards (one per function), made
+    the way the trainer makes a round (`GRPOTrainer._sample`, `_score`) with a greedy sampler."""
+    from grpo.generation import TransformersGeneration
 
     rows = [dataset[i] for i in range(min(count, len(dataset)))]
     if not rows:
         return []
-    tokenizer, args = trainer.processing_class, trainer.args
-    prompts = [row["prompt"] for row in rows]
-    ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length)
-    input_ids, mask = pad(ids, tokenizer.pad_token_id, side="left")
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        output = model.generate(
-            input_ids=input_ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            max_new_tokens=args.max_completion_length,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=trainer.eos_token_ids,
-        )
-    model.train(was_training)
-    completion_ids, _ = cut_at_eos(
-        output[:, input_ids.shape[1] :].tolist(), trainer.eos_token_ids, args.max_completion_length
+    greedy = TransformersGeneration(
+        max_completion_length=trainer.args.max_completion_length,
+        pad_token_id=trainer.processing_class.pad_token_id,
+        eos_token_ids=trainer.eos_token_ids,
+        greedy=True,
     )
-    completions = decode_completions(completion_ids, prompts, tokenizer)
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    scores = score_completions(
-        trainer.reward_funcs,
-        trainer.reward_tokenizers,
-        prompts=prompts,
-        completions=completions,
-        completion_ids=completion_ids,
-        columns=columns,
-        errors="skip",
-    )
+    rollout, columns = trainer._sample(rows, greedy)
+    rollout = trainer._score(rollout, columns, mode=None)
+    rewards, _ = trainer._reward_columns(rollout)  # all processes' rows
+    rewards = rewards[rollout.local_slice(trainer.accelerator.process_index)]
     return [
-        {"prompt": p, "completion": c, "rewards": r} for p, c, r in zip(prompts, completions, scores.rewards.tolist())
+        {"prompt": p, "completion": c, "rewards": r}
+        for p, c, r in zip(rollout.prompts, rollout.completions, rewards.tolist())
     ]
 
 

@@ -81,6 +81,12 @@ def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str) -> tuple[
     return ids, mask
 
 
+def content_widths(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[int, int]:
+    """The widths that hold every row's tokens: the longest prompt (left-padded) and the longest completion
+    (right-padded), at least 1. Columns beyond them are padding in every row and can be dropped."""
+    return max(int(prompt_mask.sum(dim=1).max()), 1), max(int(completion_mask.sum(dim=1).max()), 1)
+
+
 def decode_completions(
     completion_ids: Sequence[Sequence[int]], prompts: Sequence[Any], tokenizer
 ) -> list[str | list[dict]]:

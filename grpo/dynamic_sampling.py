@@ -1,30 +1,20 @@
-"""Moving rows between generation rounds and processes, for DAPO dynamic sampling (`GRPOConfig.dynamic_sampling`).
+"""DAPO dynamic sampling (`GRPOConfig.dynamic_sampling`): replace the groups whose advantages are all zero.
 
-The trainer decides which groups to keep (`GRPOTrainer._dynamic_sampling`, docs/method.md); these helpers do the
-bookkeeping. A *round* is the dict `GRPOTrainer._generate_round` returns: token tensors and text for this process's
-rows, rewards (`rewards_per_func`, `step_rewards`) for all processes' rows. `gather_round` makes every entry global;
-`select_rows` builds a round of chosen rows from several gathered rounds and keeps one process's share.
+A group whose G rewards are all equal has zero advantages and gives no policy gradient. `fill_groups` keeps the
+groups with a spread and generates further rounds from extra prompts (`refill_indices`) until the batch's groups
+are filled or `max_dynamic_sampling_rounds` extra rounds are spent; slots still empty then keep zero-advantage
+groups, so the batch size never changes (docs/method.md). It works on gathered rollouts (a kept group may come
+from another process); `Rollout.select` then builds this process's share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
-from accelerate.utils import gather, gather_object
 
-from grpo.sampler import RepeatSampler
-
-# Row-aligned token tensors: (key, side padded).
-_TOKEN_KEYS = (
-    ("prompt_ids", "left"),
-    ("prompt_mask", "left"),
-    ("completion_ids", "right"),
-    ("completion_mask", "right"),
-    ("loss_mask", "right"),
-    ("sampling_logps", "right"),  # None unless the sampler reports log-probs (vLLM)
-)
+from grpo.rollout import Rollout
+from grpo.sampler import RepeatSampler, train_sampler
 
 
 def refill_indices(sampler: RepeatSampler) -> Iterator[int]:
@@ -37,6 +27,30 @@ def refill_indices(sampler: RepeatSampler) -> Iterator[int]:
         epoch += 1
 
 
+class RefillPrompts:
+    """Where extra rounds take their prompts: a stream of dataset indices apart from the training order (the
+    training sampler's settings with its own seed, one pass per epoch), the same on every process, each process
+    taking its block of every round. `position` (indices taken so far) is saved in checkpoints: a resumed run
+    continues the stream where it stopped."""
+
+    def __init__(self, args, position: int = 0):
+        self.args, self.position = args, position
+        self._indices: Iterator[int] | None = None
+
+    def take(self, dataset, process_index: int, num_rows: int) -> list[dict]:
+        """This process's `num_rows` examples of the next round of `generation_batch_size` prompts."""
+        if self._indices is None:
+            sampler = train_sampler(self.args, len(dataset))
+            sampler.repeat_count, sampler.seed = 1, self.args.seed + 1
+            self._indices = refill_indices(sampler)
+            for _ in range(self.position):  # resumed: skip what the stopped run took
+                next(self._indices)
+        indices = [next(self._indices) for _ in range(self.args.generation_batch_size)]
+        self.position += len(indices)
+        start = process_index * num_rows
+        return [dataset[i] for i in indices[start : start + num_rows]]
+
+
 def zero_advantage_groups(advantages: torch.Tensor, num_generations: int) -> list[bool]:
     """For each group of G consecutive rows, whether every advantage of its rows is exactly 0 (equal rewards: the
     group gives no policy gradient). `advantages` is (B,) or (B, T)."""
@@ -44,51 +58,36 @@ def zero_advantage_groups(advantages: torch.Tensor, num_generations: int) -> lis
     return (groups == 0).all(dim=1).tolist()
 
 
-def gather_round(accelerator, pad_token_id: int, round_: dict[str, Any]) -> dict[str, Any]:
-    """All processes' rows of a round, in process order: token tensors padded to a common width across processes
-    (prompts on the left, completions on the right), texts by `gather_object`. Rewards are already global."""
-    out = dict(round_)
-    out["prompts"], out["completions"] = gather_object(round_["prompts"]), gather_object(round_["completions"])
-    for key, side in _TOKEN_KEYS:
-        if round_.get(key) is None:
-            continue
-        fill = pad_token_id if key.endswith("_ids") else 0
-        padded = accelerator.pad_across_processes(round_[key], dim=1, pad_index=fill, pad_first=side == "left")
-        out[key] = gather(padded)
-    out["is_truncated"] = gather(round_["is_truncated"])
-    return out
+def fill_groups(
+    rollout: Rollout,
+    *,
+    gather: Callable[[Rollout], Rollout],
+    advantages: Callable[[Rollout], torch.Tensor],
+    next_rollout: Callable[[], Rollout],
+    num_groups: int,
+    num_generations: int,
+    max_extra_rounds: int,
+) -> tuple[list[Rollout], list[tuple[int, int]], dict[str, int]]:
+    """Choose `num_groups` groups, those with a spread first, generating extra rounds while too few have one.
 
-
-def _stack(rounds, key, selection, fill, side):
-    """Rows `selection` ((round, row) pairs) of `key` from several rounds, padded on `side` to a common width."""
-    width = max(rounds[r][key].shape[-1] for r, _ in selection)
-    values = []
-    for r, i in selection:
-        value = rounds[r][key][i]
-        padding = value.new_full((*value.shape[:-1], width - value.shape[-1]), fill)
-        values.append(torch.cat([padding, value], -1) if side == "left" else torch.cat([value, padding], -1))
-    return torch.stack(values)
-
-
-def select_rows(
-    rounds: list[dict[str, Any]], rows: list[tuple[int, int]], local: slice, pad_token_id: int
-) -> dict[str, Any]:
-    """The round made of `rows` ((index into `rounds`, row) pairs, in batch order) of gathered rounds: this
-    process's rows `rows[local]` for the token tensors and texts (trimmed to their longest prompt and completion),
-    and every row for the rewards, which stay global as `_generate_round` returns them."""
-    picked = rows[local]
-    out: dict[str, Any] = {
-        "prompts": [rounds[r]["prompts"][i] for r, i in picked],
-        "completions": [rounds[r]["completions"][i] for r, i in picked],
+    Returns the gathered rounds, the chosen rows as (round, row) pairs in batch order (whole groups), and counts for
+    metrics: groups dropped, zero-advantage groups kept to fill the batch, extra rounds generated."""
+    rounds: list[Rollout] = []
+    kept: list[tuple[int, int]] = []  # (round, group) with a spread
+    flat: list[tuple[int, int]] = []  # (round, group) without
+    while True:
+        rounds.append(gather(rollout))
+        for g, is_zero in enumerate(zero_advantage_groups(advantages(rounds[-1]), num_generations)):
+            (flat if is_zero else kept).append((len(rounds) - 1, g))
+        if len(kept) >= num_groups or len(rounds) > max_extra_rounds:
+            break
+        rollout = next_rollout()
+    chosen = (kept + flat)[:num_groups]
+    zero_kept = max(num_groups - len(kept), 0)  # slots the extra rounds could not fill
+    counts = {
+        "dynamic_sampling/dropped_groups": len(flat) - zero_kept,
+        "dynamic_sampling/zero_std_groups_kept": zero_kept,
+        "dynamic_sampling/extra_rounds": len(rounds) - 1,
     }
-    keys = [(key, side) for key, side in _TOKEN_KEYS if rounds[0].get(key) is not None]
-    for key, side in keys:
-        out[key] = _stack(rounds, key, picked, pad_token_id if key.endswith("_ids") else 0, side)
-    prompt_width = max(int(out["prompt_mask"].sum(dim=1).max()), 1)
-    completion_width = max(int(out["completion_mask"].sum(dim=1).max()), 1)
-    for key, side in keys:
-        out[key] = out[key][:, -prompt_width:] if side == "left" else out[key][:, :completion_width]
-    out["is_truncated"] = torch.stack([rounds[r]["is_truncated"][i] for r, i in picked])
-    out["rewards_per_func"] = torch.stack([rounds[r]["rewards_per_func"][i] for r, i in rows])  # (B_global, K)
-    out["step_rewards"] = _stack(rounds, "step_rewards", rows, torch.nan, "right")  # (B_global, K_p, T)
-    return out
+    rows = [(r, g * num_generations + k) for r, g in chosen for k in range(num_generations)]
+    return rounds, rows, counts

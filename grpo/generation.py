@@ -51,20 +51,24 @@ class TransformersGeneration:
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         generation_kwargs: dict | None = None,
+        greedy: bool = False,
     ):
         self.pad_token_id = pad_token_id
         settings = {
             "max_new_tokens": max_completion_length,
-            "do_sample": True,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,  # 0 disables the top-k filter; left unset it would default to 50
-            "min_p": min_p,
-            "repetition_penalty": repetition_penalty,
+            "do_sample": not greedy,
             "pad_token_id": pad_token_id,
             "eos_token_id": list(eos_token_ids),
             "use_cache": True,
         }
+        if not greedy:  # with `greedy` (evaluation samples) every sampling setting is ignored
+            settings |= {
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,  # 0 disables the top-k filter; left unset it would default to 50
+                "min_p": min_p,
+                "repetition_penalty": repetition_penalty,
+            }
         self.generation_config = GenerationConfig(**{**settings, **(generation_kwargs or {})})
 
     def sync_weights(self, model: nn.Module, version: int) -> None:

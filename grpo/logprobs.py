@@ -13,6 +13,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
+from grpo.data import content_widths
+
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
 # holds two, backward one).
 CHUNK_BYTES = 128 * 2**20
@@ -282,8 +284,7 @@ def completion_logprobs(
 
     # Columns that are padding in every row (the batch may be padded to a longer one's width) are dropped here.
     num_completion = completion_ids.shape[1]
-    prompt_width = max(int(prompt_mask.sum(1).max()), 1)
-    completion_width = max(int(completion_mask.sum(1).max()), 1)
+    prompt_width, completion_width = content_widths(prompt_mask, completion_mask)
     prompt_ids, prompt_mask = prompt_ids[:, -prompt_width:], prompt_mask[:, -prompt_width:]
     completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
 

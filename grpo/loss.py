@@ -10,6 +10,8 @@ each one with a naive loop over the same inputs (tests/naive.py) and with number
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -77,6 +79,34 @@ def group_reward_stats(rewards: torch.Tensor, num_generations: int) -> dict[str,
     (fraction of groups whose rewards are all equal, so that they contribute no gradient)."""
     _, _, _, std, flat = _group_moments(rewards, num_generations)
     return {"reward_std": std.mean(), "frac_reward_zero_std": flat.float().mean()}
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The reward of each row: the weighted sum over the functions that scored it (NaN entries are skipped).
+
+        r_i = sum_{k: r_ik not NaN} w_k * r_ik,   NaN when no function scored row i
+
+    `rewards_per_func` (B, K), `weights` (K,); returns (B,). A NaN reward means "unscored": its advantage is 0.
+    """
+    weighted = rewards_per_func * weights.to(rewards_per_func.device)
+    scored = ~torch.isnan(rewards_per_func).all(dim=1)
+    return torch.where(scored, weighted.nansum(dim=1), torch.nan)
+
+
+def step_reward_sums(step_rewards: torch.Tensor) -> torch.Tensor:
+    """Each process function's total step reward per row, for metrics: (B, K_p, T) -> (B, K_p), NaN where the
+    function gave the row no step."""
+    return torch.where(torch.isnan(step_rewards).all(dim=2), torch.nan, step_rewards.nansum(dim=2))
+
+
+def window_token_totals(tokens_per_micro_batch: torch.Tensor, window: int) -> torch.Tensor:
+    """dapo's normaliser: for each micro-batch, the loss tokens of the `window` consecutive micro-batches of its
+    optimizer step. `tokens_per_micro_batch` (num,), num a multiple of `window`; returns (num,).
+
+        [3, 1, 2, 2], window 2 -> [4, 4, 4, 4]
+    """
+    totals = tokens_per_micro_batch.view(-1, window).sum(dim=1)
+    return totals.repeat_interleave(window)
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -236,6 +266,19 @@ def sampling_correction(
     weights = torch.where(mask, weights.expand_as(mask), 1.0)
     difference = torch.where(mask, (old_logps - sampling_logps).abs(), 0.0).detach()
     return weights, {"logp_difference": difference, "ratio": ratio}
+
+
+def loss_settings(args) -> dict[str, Any]:
+    """The `policy_loss` settings a `GRPOConfig` fixes for a whole run."""
+    return {
+        "loss_type": args.loss_type,
+        "beta": args.beta,
+        "epsilon_low": args.epsilon,
+        "epsilon_high": args.epsilon_high,
+        "delta": args.delta,
+        "importance_sampling_level": args.importance_sampling_level,
+        "max_completion_length": args.max_completion_length,
+    }
 
 
 def policy_loss(

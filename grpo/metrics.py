@@ -12,6 +12,10 @@ import json
 import math
 import os
 
+import torch
+
+from grpo.loss import group_reward_stats
+
 
 class MetricsWindow:
     def __init__(self):
@@ -58,6 +62,90 @@ class MetricsWindow:
         out.update(self._totals)
         self.__init__()
         return out
+
+
+def add_round_metrics(
+    window: MetricsWindow,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    reward_columns: torch.Tensor,
+    rewards: torch.Tensor,
+    names: list[str],
+    num_generations: int,
+) -> None:
+    """The metrics of one generation round, from all processes' rows (B_g): completion `lengths` (B_g,),
+    `truncated` (B_g,) 0/1, each function's reward column (B_g, K) and the combined `rewards` (B_g,), NaN where
+    unscored (ignored by the means)."""
+    lengths, truncated = lengths.float(), truncated.float()
+    window.add_mean("completions/mean_length", lengths.sum(), lengths.numel())
+    window.add_min("completions/min_length", lengths.min())
+    window.add_max("completions/max_length", lengths.max())
+    window.add_mean("completions/clipped_ratio", truncated.sum(), truncated.numel())
+    terminated = lengths[truncated == 0]
+    window.add_mean("completions/mean_terminated_length", terminated.sum(), terminated.numel())
+    for j, name in enumerate(names):
+        column = reward_columns[:, j]
+        valid = column[~torch.isnan(column)]
+        window.add_mean(f"rewards/{name}/mean", valid.sum(), valid.numel())
+        if valid.numel() > 1:
+            window.add_mean(f"rewards/{name}/std", valid.std(), 1)
+    valid = rewards[~torch.isnan(rewards)]
+    window.add_mean("reward", valid.sum(), valid.numel())
+    for key, value in group_reward_stats(rewards, num_generations).items():
+        window.add_mean(key, value, 1)
+
+
+def sampling_summary(stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:
+    """This process's share of the `sampling/*` metrics (`sampling_correction`'s stats over the loss tokens; per
+    sequence modes: over the rows with a loss token), as one (7,) tensor to gather: sums and counts of the log-prob
+    difference and of the ratio, then the peaks (max difference, max ratio, -min ratio; -inf when empty)."""
+    mask = loss_mask.bool()
+    ratio = stats["ratio"]  # (B, T), or (B, 1) per sequence
+    ratio = ratio[mask] if ratio.shape == mask.shape else ratio[mask.any(dim=1)].reshape(-1)
+    difference = stats["logp_difference"][mask]
+    floor = torch.full((1,), -torch.inf, device=mask.device)  # max() of nothing
+    counts = torch.tensor([float(difference.numel()), float(ratio.numel())], device=mask.device)
+    return torch.stack(
+        [
+            difference.sum(),
+            counts[0],
+            ratio.sum(),
+            counts[1],
+            torch.cat([difference, floor]).max(),
+            torch.cat([ratio, floor]).max(),
+            torch.cat([-ratio, floor]).max(),
+        ]
+    )
+
+
+def add_sampling_metrics(window: MetricsWindow, summaries: torch.Tensor) -> None:
+    """Reduce every process's `sampling_summary` ((P, 7), gathered) into the window."""
+    sums, peaks = summaries[:, :4].sum(dim=0), summaries[:, 4:].amax(dim=0)
+    window.add_mean("sampling/sampling_logp_difference/mean", sums[0], sums[1])
+    window.add_mean("sampling/importance_sampling_ratio/mean", sums[2], sums[3])
+    if sums[1] > 0:
+        window.add_max("sampling/sampling_logp_difference/max", peaks[0])
+        window.add_max("sampling/importance_sampling_ratio/max", peaks[1])
+        window.add_min("sampling/importance_sampling_ratio/min", -peaks[2])
+
+
+def token_metric_totals(
+    stats: dict[str, torch.Tensor], entropy: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, list[str]]:
+    """This process's share of the token-weighted metrics of one micro-step: [loss tokens, stat_1 x tokens, ...]
+    for the loss statistics (means over the loss tokens) and the mean entropy, with the names in that order; sum
+    it over processes for `add_token_metrics`."""
+    mask = loss_mask.bool()
+    tokens = mask.sum().float()
+    stats = {**stats, "entropy": torch.where(mask, entropy, 0.0).sum() / tokens.clamp(min=1)}
+    names = sorted(stats)
+    return torch.stack([tokens] + [stats[name].float() * tokens for name in names]), names
+
+
+def add_token_metrics(window: MetricsWindow, totals: torch.Tensor, names: list[str]) -> None:
+    """Token-weighted means: `totals` is [loss tokens, value_1 * tokens, ...] summed over processes."""
+    for name, total in zip(names, totals[1:]):
+        window.add_mean(name, total, totals[0])
 
 
 def format_completions(samples: list[dict], reward_names: list[str], max_rows: int | None = None) -> str:

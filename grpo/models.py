@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpo.data import InputError
 
@@ -38,6 +38,44 @@ def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None)
         name_or_path = str(smollm2_path())
     check_local_path(name_or_path, "Model")
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_config=None, dropout: bool = True):
+    """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
+    with `model_init_kwargs`) or a loaded model; the tokenizer loaded from the model's path when not given (its pad
+    token defaults to EOS); wrapped with `peft_config` when given; dropout off unless `dropout`."""
+    if isinstance(model, str):
+        model = load_causal_lm(model, model_init_kwargs)
+    elif model_init_kwargs is not None:
+        raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
+    if tokenizer is None:
+        path = model.config._name_or_path
+        if not path:
+            raise ValueError(
+                "The model was built in code and has no path to load a tokenizer from; pass it as `processing_class=`."
+            )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    eos_token_ids = eos_token_ids_of(model, tokenizer)
+    if peft_config is not None:
+        model = apply_peft(model, peft_config)
+    if not dropout:
+        disable_dropout(model)
+    return model, tokenizer, eos_token_ids
+
+
+def eos_token_ids_of(model: PreTrainedModel, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and those of the model's generation config."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    ids.discard(None)
+    if not ids:
+        raise ValueError(
+            "Neither the tokenizer nor the model's generation config defines an EOS token; set `tokenizer.eos_token`."
+        )
+    return sorted(ids)
 
 
 def looks_local(name: str) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import TrainerCallback
 
 from grpo.loss import group_reward_stats
 
@@ -112,3 +113,39 @@ def gradient_message(step: int, terms: list[str]) -> str:
         f"the last checkpoint are unchanged. Likely cause: {likely}. To skip such steps instead of stopping, set "
         "nonfinite='skip'."
     )
+
+
+class GradientGuard(TrainerCallback):
+    """Check 3, between gradient clipping and the optimizer step: all processes agree whether every gradient is
+    finite; if not, stop with the loss terms that went non-finite (`record`ed by the loss each micro-step), or with
+    `policy="skip"` drop the gradients so the step changes nothing, counted in `metrics`."""
+
+    def __init__(self, accelerator, policy: str, metrics):
+        self.accelerator, self.policy, self.metrics = accelerator, policy, metrics
+        self.terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's loss terms, read only on a problem
+
+    def record(self, terms: dict[str, torch.Tensor]) -> None:
+        self.terms.append(terms)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        terms, self.terms = self.terms, []
+        local = gradients_finite(model.parameters()).to(self.accelerator.device)
+        if self.accelerator.reduce(local.float(), reduction="sum") == self.accelerator.num_processes:
+            return
+        if self.policy == "error":
+            raise NonFiniteError(gradient_message(state.global_step, nonfinite_terms(terms)))
+        for parameter in model.parameters():
+            parameter.grad = None  # torch optimizers skip parameters without a gradient: no update, no moment change
+        self.metrics.add_sum("nonfinite/skipped_steps", 1)
+
+
+def finite_rewards(rewards: torch.Tensor, names: list[str], policy: str, step: int, rows: int):
+    """Check 1 on gathered rewards (the same tensor on every process, so all stop together): raise at a +-inf
+    reward, or with `policy="skip"` turn it into NaN (unscored). Returns the rewards and how many rows had one.
+    `rows`: rows per process, for the message."""
+    found = infinite_rewards(rewards)
+    if not found:
+        return rewards, 0
+    if policy == "error":
+        raise NonFiniteError(infinite_reward_message(found, names, step, rows))
+    return torch.where(torch.isinf(rewards), torch.nan, rewards), len({row for row, _, _ in found})

@@ -163,33 +163,3 @@ def lay_out_steps(
             # Two character ends inside one token land on the same token: their rewards add up.
             dense[i, end] = reward if math.isnan(dense[i, end]) else dense[i, end] + reward
     return dense
-
-
-def score_process(
-    funcs: Sequence[Callable],
-    tokenizer,
-    *,
-    prompts: list,
-    completions: list,
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
-    trainer_state: Any = None,
-    width: int,
-) -> torch.Tensor:
-    """Kept for the trainer until it scores through `grpo.scoring.RewardSet`: the step rewards of every row under
-    every process function, (B, K, width) float32, NaN where no step ends, computed by that same path with
-    reward_errors="raise" and no timeout."""
-    from grpo.scoring import score_rewards  # here, not at the top: grpo.scoring imports this module
-
-    return score_rewards(
-        [],
-        [],
-        funcs,
-        prompts=prompts,
-        completions=completions,
-        completion_ids=completion_ids,
-        columns=columns,
-        trainer_state=trainer_state,
-        tokenizer=tokenizer,
-        width=width,
-    ).step_rewards

@@ -16,6 +16,23 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from grpo.models import frozen_copy, is_peft_model
+
+
+def make_reference(model: nn.Module, args) -> tuple[nn.Module | None, bool]:
+    """The reference policy for `args`, and whether it moves. None when there is no KL term (beta == 0) or when
+    `model` is a PEFT model: then pi_ref is the same network with its adapter disabled, which costs no memory but
+    cannot move, so a moving reference with PEFT is refused here, before any training."""
+    reference = frozen_copy(model) if args.beta != 0 and not is_peft_model(model) else None
+    moves = bool(args.sync_ref_model or args.ref_model_reset_steps is not None)
+    if moves and reference is None:
+        raise ValueError(
+            "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
+            "the base model with the adapter disabled, which cannot move. Train without them, or merge the "
+            "adapter (model.merge_and_unload()) and train the full model."
+        )
+    return reference, moves
+
 
 @torch.no_grad()
 def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:

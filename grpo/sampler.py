@@ -66,3 +66,32 @@ class RepeatSampler(Sampler[int]):
             for _ in range(self.repeat_count):
                 for index in round_prompts:
                     yield from [index] * self.num_generations
+
+
+def train_sampler(args, num_samples: int) -> RepeatSampler:
+    """The training order for a `GRPOConfig`: rounds of `generation_batch_size / G` prompts, each repeated for the
+    `steps_per_generation x num_iterations` micro-steps it feeds."""
+    return RepeatSampler(
+        num_samples=num_samples,
+        num_generations=args.num_generations,
+        prompts_per_round=args.generation_batch_size // args.num_generations,
+        repeat_count=args.steps_per_generation * args.num_iterations,
+        shuffle=args.shuffle_dataset,
+        seed=args.seed,
+    )
+
+
+def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
+    """The evaluation order: every prompt once, in order, G times; a batch of all processes holds whole groups."""
+    rows = args.per_device_eval_batch_size * num_processes
+    if rows % args.num_generations != 0:
+        raise ValueError(
+            f"per_device_eval_batch_size x processes = {rows} is not a multiple of num_generations="
+            f"{args.num_generations}: each evaluation batch must hold whole groups."
+        )
+    return RepeatSampler(
+        num_samples=num_samples,
+        num_generations=args.num_generations,
+        prompts_per_round=rows // args.num_generations,
+        shuffle=False,
+    )

@@ -14,91 +14,70 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object, set_seed
 from transformers import (
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Trainer,
     TrainerCallback,
 )
-from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
 from grpo.checkpoints import (
     ROUND_SETTINGS,
     STATE_FILE,
-    CheckpointError,
-    check_fresh_output_dir,
-    describe_write_failure,
+    ResumableTrainer,
     load_reference,
     load_state,
-    publish,
-    remove_stale_staging,
-    resolve_resume,
     save_reference,
     save_state,
-    staging_dir,
 )
 from grpo.config import GRPOConfig
-from grpo.data import check_prompt_dataset, decode_completions, pad, render_prompt, tokenize_prompts
-from grpo.dynamic_sampling import gather_round, refill_indices, select_rows, zero_advantage_groups
+from grpo.data import check_prompt_dataset, decode_completions, render_prompt, tokenize_prompts
+from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import cut_at_eos, make_generation_backend
 from grpo.logprobs import completion_logprobs
-from grpo.loss import entropy_threshold, group_reward_stats, mixed_advantages, policy_loss, sampling_correction
-from grpo.metrics import MetricsWindow, format_completions, write_completions
-from grpo.models import apply_peft, disable_dropout, frozen_copy, is_peft_model, load_causal_lm
-from grpo.nonfinite import (
-    NonFiniteError,
-    gradient_message,
-    gradients_finite,
-    infinite_reward_message,
-    infinite_rewards,
-    nonfinite_terms,
-    reward_overflow_message,
+from grpo.loss import (
+    combine_rewards,
+    entropy_threshold,
+    loss_settings,
+    mixed_advantages,
+    policy_loss,
+    sampling_correction,
+    step_reward_sums,
+    window_token_totals,
 )
-from grpo.process import is_process_reward, score_process
-from grpo.reference import ReferenceUpdate
-from grpo.sampler import RepeatSampler
-from grpo.scoring import load_reward_funcs, reward_name, score_completions
+from grpo.metrics import (
+    MetricsWindow,
+    add_round_metrics,
+    add_sampling_metrics,
+    add_token_metrics,
+    format_completions,
+    sampling_summary,
+    token_metric_totals,
+    write_completions,
+)
+from grpo.models import load_policy
+from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
+from grpo.reference import ReferenceUpdate, make_reference
+from grpo.rollout import Rollout
+from grpo.sampler import RepeatSampler, eval_sampler, train_sampler
+from grpo.scoring import RewardSet
 
 logger = logging.get_logger(__name__)
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
-
-# Entries of a batch with one column per completion token (trimmed to each micro-batch's longest completion).
-# Advantages are per token only with process rewards (B, T); per row (B,) they are not trimmed.
-_COMPLETION_KEYS = (
-    "completion_ids",
-    "completion_mask",
-    "loss_mask",
-    "old_logps",
-    "ref_logps",
-    "sampling_logps",
-    "advantages",
-)
 
 
 def _identity(features):
     return features
 
 
-class _GradientGuard(TrainerCallback):
-    """Runs `GRPOTrainer._guard_gradients` between gradient clipping and the optimizer step."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._guard_gradients()
-
-
-class GRPOTrainer(Trainer):
+class GRPOTrainer(ResumableTrainer):
     """Trains a causal LM with GRPO (DeepSeekMath, arXiv:2402.03300) and its variants (see `GRPOConfig.loss_type`).
 
     One optimizer step, as data flows (docs/method.md, "What one step computes"):
@@ -156,59 +135,15 @@ class GRPOTrainer(Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
 
-        # The policy and its tokenizer.
-        if isinstance(model, str):
-            model = load_causal_lm(model, args.model_init_kwargs)
-        elif args.model_init_kwargs is not None:
-            raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
-        if processing_class is None:
-            path = model.config._name_or_path
-            if not path:
-                raise ValueError(
-                    "The model was built in code and has no path to load a tokenizer from; pass it as "
-                    "`processing_class=`."
-                )
-            processing_class = AutoTokenizer.from_pretrained(path)
-        if processing_class.pad_token_id is None:
-            processing_class.pad_token = processing_class.eos_token
-        self.eos_token_ids = self._eos_token_ids(model, processing_class)
-        if peft_config is not None:
-            model = apply_peft(model, peft_config)
-        if args.disable_dropout:
-            disable_dropout(model)
+        model, processing_class, self.eos_token_ids = load_policy(
+            model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
+        )
 
-        # Reward functions (reward models loaded from paths), their tokenizers, names and weights.
-        self.reward_funcs, self.reward_tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes)
-        reward_funcs = self.reward_funcs
-        self.reward_names = [reward_name(f) for f in reward_funcs]
-        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
-        if len(weights) != len(reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {len(reward_funcs)} reward functions "
-                f"({self.reward_names}); give one weight per function."
-            )
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        # Process reward functions (@process_reward, grpo/process.py) score steps and are kept apart: from here on
-        # reward_funcs, reward_tokenizers and reward_weights are the outcome functions', and reward_names lists the
-        # outcome functions first, then the process functions (the order of the reward columns in metrics).
-        is_process = [is_process_reward(f) for f in reward_funcs]
-        self.process_funcs = [f for f, p in zip(reward_funcs, is_process) if p]
-        self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
-        self.reward_funcs = [f for f, p in zip(reward_funcs, is_process) if not p]
-        self.reward_tokenizers = [t for t, p in zip(self.reward_tokenizers, is_process) if not p]
-        self.reward_weights = self.reward_weights[[not p for p in is_process]]
-        self.reward_names = [reward_name(f) for f in self.reward_funcs] + [reward_name(f) for f in self.process_funcs]
+        # Reward functions (reward models loaded from paths, names, weights), split into outcome and process ones.
+        self.rewards = RewardSet(reward_funcs, reward_processing_classes, args.reward_weights)
 
-        # The reference policy exists only when the KL term does: a frozen copy of the policy, or for a PEFT model
-        # the same network with its adapter disabled (`_reference`), which costs no memory.
-        self.ref_model = frozen_copy(model) if args.beta != 0 and not is_peft_model(model) else None
-        self._reference_moves = args.sync_ref_model or args.ref_model_reset_steps is not None
-        if self._reference_moves and self.ref_model is None:
-            raise ValueError(
-                "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
-                "the base model with the adapter disabled, which cannot move. Train without them, or merge the "
-                "adapter (model.merge_and_unload()) and train the full model."
-            )
+        # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
+        self.ref_model, self._reference_moves = make_reference(model, args)
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
@@ -218,9 +153,7 @@ class GRPOTrainer(Trainer):
         self._step = 0  # training micro-steps taken (resumes from global_step)
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
-        self._refill_prompts = None  # extra prompts for dynamic sampling (an iterator, made at first use)
-        self._refill_position = 0  # indices taken from it so far (saved in checkpoints)
-        self._loss_terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's loss terms, for NonFiniteError
+        self._refill = RefillPrompts(args)  # extra prompts for dynamic sampling
         self._staging_run_dir: str | None = None  # set while a checkpoint is written (see _save_checkpoint)
 
         # Reserved column names and bad prompts stop here, not when a bad row is drawn hours into the run.
@@ -237,14 +170,15 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.add_callback(_GradientGuard(self))
+        self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self._metrics["train"])
+        self.add_callback(self.gradient_guard)
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-        self.reward_funcs = [
+        self.rewards.outcome_funcs = [
             self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
-            for f in self.reward_funcs
+            for f in self.rewards.outcome_funcs
         ]
         self.generation = make_generation_backend(
             args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids
@@ -252,31 +186,24 @@ class GRPOTrainer(Trainer):
         # Each process samples with its own seed: rows of one group on two processes must not share random draws.
         set_seed(args.seed, device_specific=True)
 
-    @staticmethod
-    def _eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
-        ids = {tokenizer.eos_token_id}
-        config_eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
-        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-        ids.discard(None)
-        if not ids:
-            raise ValueError(
-                "Neither the tokenizer nor the model's generation config defines an EOS token; set "
-                "`tokenizer.eos_token`."
-            )
-        return sorted(ids)
+    @property
+    def reward_names(self) -> list[str]:
+        """The reward functions' names: outcome functions first, then process functions (the metric columns)."""
+        return self.rewards.names
+
+    @property
+    def reward_funcs(self) -> list:
+        """The outcome reward functions and reward models (process functions: `self.rewards.process_funcs`)."""
+        return self.rewards.outcome_funcs
+
+    @reward_funcs.setter
+    def reward_funcs(self, funcs: list) -> None:
+        self.rewards.outcome_funcs = list(funcs)
 
     # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/sampler.py) ----
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return RepeatSampler(
-            num_samples=len(dataset),
-            num_generations=self.args.num_generations,
-            prompts_per_round=self.args.generation_batch_size // self.args.num_generations,
-            repeat_count=self.args.steps_per_generation * self.args.num_iterations,
-            shuffle=self.args.shuffle_dataset,
-            seed=self.args.seed,
-        )
+        return train_sampler(self.args, len(train_dataset if train_dataset is not None else self.train_dataset))
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -290,18 +217,7 @@ class GRPOTrainer(Trainer):
         )
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
-        rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes
-        if rows % self.args.num_generations != 0:
-            raise ValueError(
-                f"per_device_eval_batch_size x processes = {rows} is not a multiple of num_generations="
-                f"{self.args.num_generations}: each evaluation batch must hold whole groups."
-            )
-        return RepeatSampler(
-            num_samples=len(eval_dataset),
-            num_generations=self.args.num_generations,
-            prompts_per_round=rows // self.args.num_generations,
-            shuffle=False,
-        )
+        return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
 
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
 
@@ -315,319 +231,211 @@ class GRPOTrainer(Trainer):
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not self.model.training:  # evaluation: every batch is generated and scored afresh
-            return self._split(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
+            return self._micro_batches(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
         args = self.args
         if not self._buffer:  # first call, also after resuming from a checkpoint
             self._step = self.state.global_step * args.gradient_accumulation_steps
         if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
-            batch = self._generate_and_score(inputs, "train")
+            rollout = self._generate_and_score(inputs, "train")
             window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
-            self._buffer = self._split(batch, num=args.steps_per_generation, window=window)
+            self._buffer = self._micro_batches(rollout, num=args.steps_per_generation, window=window)
         micro_batch = self._buffer[self._step % args.steps_per_generation]
         self._step += 1
         return micro_batch
 
-    def _split(self, batch: dict[str, torch.Tensor], num: int, window: int | None) -> list[dict[str, torch.Tensor]]:
-        """Cut a generation round into `num` micro-batches, each padded only to its own longest prompt and
-        completion. With `window`, each micro-batch also carries `window_loss_tokens`: the loss tokens of the
-        `window` consecutive micro-batches of its optimizer step, summed over all processes (dapo's normaliser)."""
-        rows = batch["prompt_ids"].shape[0] // num
-        micro_batches = [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(num)]
+    def _micro_batches(self, rollout: Rollout, num: int, window: int | None) -> list[dict[str, torch.Tensor]]:
+        """This process's rows in `num` micro-batches. With `window`, each also carries `window_loss_tokens`: the
+        loss tokens of the `window` micro-batches of its optimizer step on all processes (dapo's normaliser)."""
+        micro_batches = rollout.micro_batches(num)
         if window is not None:
             local = torch.stack([mb["loss_mask"].sum() for mb in micro_batches]).float()  # (num,)
-            per_micro = self.accelerator.reduce(local, reduction="sum")
-            per_window = per_micro.view(-1, window).sum(dim=1).repeat_interleave(window)  # (num,)
-            for mb, tokens in zip(micro_batches, per_window):
+            totals = window_token_totals(self.accelerator.reduce(local, reduction="sum"), window)
+            for mb, tokens in zip(micro_batches, totals):
                 mb["window_loss_tokens"] = tokens
-        for mb in micro_batches:
-            prompt_width = max(int(mb["prompt_mask"].sum(dim=1).max()), 1)
-            completion_width = max(int(mb["completion_mask"].sum(dim=1).max()), 1)
-            mb["prompt_ids"] = mb["prompt_ids"][:, -prompt_width:]
-            mb["prompt_mask"] = mb["prompt_mask"][:, -prompt_width:]
-            for key in _COMPLETION_KEYS:
-                if key in mb and mb[key].dim() == 2:
-                    mb[key] = mb[key][:, :completion_width]
         return micro_batches
 
-    def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, torch.Tensor]:
-        """Steps 2-7 for one generation batch: this process's rows, ready for `_split`."""
-        round_ = self._generate_round(inputs, mode)
+    def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> Rollout:
+        """Steps 2-7 for one generation batch."""
+        rollout = self._generate_round(inputs, mode)
         if mode == "train" and self.args.dynamic_sampling:
-            round_ = self._dynamic_sampling(round_)
-        return self._make_batch(round_, mode)
+            rollout = self._dynamic_sampling(rollout)
+        return self._prepare_rollout(rollout, mode)
 
-    def _generate_round(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    def _generate_round(self, inputs: list[dict[str, Any]], mode: str) -> Rollout:
         """Steps 2-4: generate, cut and score this process's rows; rewards are gathered from all processes."""
+        # A sampler with weights of its own (vLLM) first gets those of the latest optimizer step.
+        self.generation.sync_weights(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+        rollout, columns = self._sample(inputs, self.generation)
+        rollout = self._score(rollout, columns, mode)
+        # Metrics cover every generated round, also those dynamic sampling drops.
+        self._record_round_metrics(mode, rollout)
+        return rollout
+
+    def _sample(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
+        """Steps 2-3: render and tokenize the prompts, sample one completion per row with `backend`, cut each after
+        its first EOS (kept; a completion without one is truncated) and decode. Rewards are left empty. Also returns
+        the dataset's other columns, for the reward functions."""
         args, device, tokenizer = self.args, self.accelerator.device, self.processing_class
         if "prompt" not in inputs[0]:
             raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
         prompts = [example["prompt"] for example in inputs]
         columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
-
-        # 2. Generate one completion per row.
         prompt_ids_list = tokenize_prompts(
             [render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length
         )
-        # A sampler with weights of its own (vLLM) first gets those of the latest optimizer step.
-        policy = self.accelerator.unwrap_model(self.model)
-        self.generation.sync_weights(policy, version=self.state.global_step)
-        raw = self.generation.generate(policy, prompt_ids_list)
-
-        # 3. Cut after the first EOS (kept); a completion without one is truncated.
-        completion_ids_list, truncated = cut_at_eos(raw.ids, self.eos_token_ids, args.max_completion_length)
-        prompt_ids, prompt_mask = pad(prompt_ids_list, tokenizer.pad_token_id, side="left")
-        completion_ids, completion_mask = pad(completion_ids_list, tokenizer.pad_token_id, side="right")
-        is_truncated = torch.tensor(truncated)
-        loss_mask = (
-            completion_mask * (~is_truncated).long().unsqueeze(1)
-            if args.mask_truncated_completions
-            else completion_mask
-        )
-
+        raw = backend.generate(self.accelerator.unwrap_model(self.model), prompt_ids_list)
+        completion_ids, truncated = cut_at_eos(raw.ids, self.eos_token_ids, args.max_completion_length)
         sampling_logps = None
         if raw.logprobs is not None:
-            cut = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids_list)]
-            width = completion_ids.shape[1]
-            sampling_logps = torch.tensor([row + [0.0] * (width - len(row)) for row in cut], device=device)
+            sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
+        rollout = Rollout.from_tokens(
+            prompts,
+            decode_completions(completion_ids, prompts, tokenizer),
+            prompt_ids_list,
+            completion_ids,
+            truncated,
+            tokenizer.pad_token_id,
+            mask_truncated=args.mask_truncated_completions,
+            sampling_logps=sampling_logps,
+        )
+        return rollout.to(device), columns
 
-        # 4. Score, then gather: a group may span processes.
-        completions = decode_completions(completion_ids_list, prompts, tokenizer)
-        scores = score_completions(
-            self.reward_funcs,
-            self.reward_tokenizers,
-            prompts=prompts,
-            completions=completions,
-            completion_ids=completion_ids_list,
+    def _score(self, rollout: Rollout, columns: dict[str, list], mode: str | None) -> Rollout:
+        """Step 4: every reward function on this process's rows, then the rewards of all processes (a group may
+        span processes). `mode` None: no metrics recorded."""
+        args, device = self.args, self.accelerator.device
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        scores = self.rewards.score(
+            prompts=rollout.prompts,
+            completions=rollout.completions,
+            completion_ids=ids,
             columns=columns,
             trainer_state=self.state,
+            tokenizer=self.processing_class,
+            width=rollout.completion_ids.shape[1],
             errors=args.reward_errors,
             timeout=args.reward_timeout,
             num_workers=args.reward_num_workers,
             worker_type=args.reward_worker_type,
             model_batch_size=args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
         )
-        self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
-        rewards_per_func = self._finite_rewards(gather(scores.rewards.to(device)), self.reward_names, len(prompts))
-        # Process rewards: (B, K_process, T), each step's reward at its last token, NaN elsewhere; padded to the
-        # longest completion of all processes before gathering.
-        step_rewards = score_process(
-            self.process_funcs,
-            tokenizer,
-            prompts=prompts,
-            completions=completions,
-            completion_ids=completion_ids_list,
-            columns=columns,
-            trainer_state=self.state,
-            width=completion_ids.shape[1],
-        ).to(device)
-        step_rewards = gather(self.accelerator.pad_across_processes(step_rewards, dim=2, pad_index=torch.nan))
-        step_rewards = self._finite_rewards(step_rewards, self.reward_names[len(self.reward_funcs) :], len(prompts))
-
-        round_ = {
-            "prompts": prompts,
-            "completions": completions,
-            "prompt_ids": prompt_ids.to(device),
-            "prompt_mask": prompt_mask.to(device),
-            "completion_ids": completion_ids.to(device),
-            "completion_mask": completion_mask.to(device),
-            "loss_mask": loss_mask.to(device),
-            "is_truncated": is_truncated.to(device),
-            "sampling_logps": sampling_logps,  # (B, T) the sampler's own log-probs (vLLM), or None
-            "rewards_per_func": rewards_per_func,  # (B_global, K_outcome), gathered
-            "step_rewards": step_rewards,  # (B_global, K_process, T_global), gathered
-        }
-        # Metrics cover every generated round, also those dynamic sampling drops.
-        self._record_round_metrics(
-            mode,
-            *self._metric_rewards(round_),
-            prompt_mask.to(device),
-            completion_mask.to(device),
-            round_["is_truncated"],
-        )
-        return round_
+        if mode is not None:
+            self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
+        num_outcome = len(self.rewards.outcome_funcs)
+        rewards = self._finite_rewards(gather(scores.rewards.to(device)), self.rewards.names, rollout.num_rows)
+        # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
+        steps = self.accelerator.pad_across_processes(scores.step_rewards.to(device), dim=2, pad_index=torch.nan)
+        steps = self._finite_rewards(gather(steps), self.rewards.names[num_outcome:], rollout.num_rows)
+        return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
 
     def _finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int) -> torch.Tensor:
-        """Stop at a +-inf reward (the same gathered tensor on every process, so all stop together), or with
-        `nonfinite="skip"` turn it into NaN (unscored) and count it. `rows`: rows per process, for the message."""
-        found = infinite_rewards(rewards)
-        if not found:
-            return rewards
-        if self.args.nonfinite == "error":
-            raise NonFiniteError(infinite_reward_message(found, names, self.state.global_step, rows))
-        self._metrics["train"].add_sum("nonfinite/reward_rows", len({row for row, _, _ in found}))
-        return torch.where(torch.isinf(rewards), torch.nan, rewards)
+        """`finite_rewards` (grpo/nonfinite.py), counting the rows it unscored."""
+        rewards, count = finite_rewards(rewards, names, self.args.nonfinite, self.state.global_step, rows)
+        if count:
+            self._metrics["train"].add_sum("nonfinite/reward_rows", count)
+        return rewards
 
-    def _metric_rewards(self, round_: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B_global, K) reward columns for metrics (a process function's column: the sum of its step rewards, NaN
-        without steps) and the combined reward: the weighted sum over every function that scored the row."""
-        steps = round_["step_rewards"]
-        step_sums = torch.where(torch.isnan(steps).all(dim=2), torch.nan, steps.nansum(dim=2))  # (B_global, K_p)
-        columns = torch.cat([round_["rewards_per_func"], step_sums], dim=1)
-        weights = torch.cat([self.reward_weights, self.process_weights]).to(columns.device)
-        scored = ~torch.isnan(columns).all(dim=1)
-        return columns, torch.where(scored, (columns * weights).nansum(dim=1), torch.nan)
+    def _reward_columns(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B_global, K) reward columns for metrics (a process function's column: the sum of its step rewards) and
+        the combined reward over every function that scored the row."""
+        columns = torch.cat([rollout.rewards_per_func, step_reward_sums(rollout.step_rewards)], dim=1)
+        weights = torch.cat([self.rewards.outcome_weights, self.rewards.process_weights])
+        return columns, combine_rewards(columns, weights)
 
-    def _advantages(self, round_: dict[str, Any]) -> torch.Tensor:
+    def _advantages(self, rollout: Rollout) -> torch.Tensor:
         """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
-        rewards_per_func = round_["rewards_per_func"]
-        weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
-        scored = ~torch.isnan(rewards_per_func).all(dim=1)  # rows at least one outcome function scored
-        rewards = torch.where(scored, weighted.nansum(dim=1), torch.nan)  # (B_global,)
+        rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
         problem = reward_overflow_message(rewards, self.args.num_generations, self.state.global_step)
         if problem is not None:
             raise NonFiniteError(problem)
-        weights = self.process_weights.to(rewards.device)
+        weights = self.rewards.process_weights.to(rewards.device)
         return mixed_advantages(
-            rewards, round_["step_rewards"], weights, self.args.num_generations, self.args.scale_rewards
+            rewards, rollout.step_rewards, weights, self.args.num_generations, self.args.scale_rewards
         )
 
-    def _dynamic_sampling(self, round_: dict[str, Any]) -> dict[str, Any]:
-        """Step 4b (DAPO dynamic sampling): replace the groups whose advantages are all zero (equal rewards, so no
-        gradient) by groups with a spread, generated from further prompts, at most `max_dynamic_sampling_rounds`
-        extra rounds. Slots still empty then keep zero-advantage groups, so the batch size never changes. Works on
-        all processes' rows (a kept group may come from another process) and returns this process's share."""
-        args, G, pad_id = self.args, self.args.num_generations, self.processing_class.pad_token_id
-        rows_per_process, num_groups = round_["prompt_ids"].shape[0], args.generation_batch_size // G
-        rounds, kept, flat = [], [], []  # gathered rounds; (round, group) pairs with and without a spread
-        while True:
-            rounds.append(gather_round(self.accelerator, pad_id, round_))
-            for g, is_zero in enumerate(zero_advantage_groups(self._advantages(rounds[-1]), G)):
-                (flat if is_zero else kept).append((len(rounds) - 1, g))
-            if len(kept) >= num_groups or len(rounds) > args.max_dynamic_sampling_rounds:
-                break
-            round_ = self._generate_round(self._next_refill_inputs(rows_per_process), "train")
-        chosen = (kept + flat)[:num_groups]
-        zero_kept = max(num_groups - len(kept), 0)  # slots the extra rounds could not fill
-        metrics = self._metrics["train"]
-        metrics.add_mean("dynamic_sampling/dropped_groups", len(flat) - zero_kept, 1)
-        metrics.add_mean("dynamic_sampling/zero_std_groups_kept", zero_kept, 1)
-        metrics.add_mean("dynamic_sampling/extra_rounds", len(rounds) - 1, 1)
-        # Whole batch in the chosen order, then this process's contiguous share.
-        rows = [(r, g * G + k) for r, g in chosen for k in range(G)]
-        start = self.accelerator.process_index * rows_per_process
-        return select_rows(rounds, rows, slice(start, start + rows_per_process), pad_id)
+    def _dynamic_sampling(self, rollout: Rollout) -> Rollout:
+        """Step 4b (DAPO dynamic sampling, grpo/dynamic_sampling.py): zero-advantage groups replaced by groups
+        with a spread from extra rounds; this process's share of the chosen groups."""
+        args, pad_id, rows = self.args, self.processing_class.pad_token_id, rollout.num_rows
+        index = self.accelerator.process_index
+        rounds, chosen, counts = fill_groups(
+            rollout,
+            gather=lambda r: r.gather(self.accelerator, pad_id),
+            advantages=self._advantages,
+            next_rollout=lambda: self._generate_round(self._refill.take(self.train_dataset, index, rows), "train"),
+            num_groups=args.generation_batch_size // args.num_generations,
+            num_generations=args.num_generations,
+            max_extra_rounds=args.max_dynamic_sampling_rounds,
+        )
+        for name, count in counts.items():
+            self._metrics["train"].add_mean(name, count, 1)
+        return Rollout.select(rounds, chosen, rollout.local_slice(self.accelerator.process_index), pad_id)
 
-    def _next_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
-        """This process's share of a fresh round of prompts for dynamic sampling (see `refill_indices`)."""
-        if self._refill_prompts is None:
-            sampler = self._get_train_sampler()
-            sampler.repeat_count, sampler.seed = 1, self.args.seed + 1  # a stream apart from the training order
-            self._refill_prompts = refill_indices(sampler)
-            for _ in range(self._refill_position):  # resumed: continue the stream where the checkpoint left it
-                next(self._refill_prompts)
-        indices = [next(self._refill_prompts) for _ in range(self.args.generation_batch_size)]
-        self._refill_position += len(indices)
-        start = self.accelerator.process_index * num_rows
-        return [self.train_dataset[i] for i in indices[start : start + num_rows]]
-
-    def _make_batch(self, round_: dict[str, Any], mode: str) -> dict[str, torch.Tensor]:
-        """Steps 5-7 on a generated (and maybe resampled) round."""
+    def _prepare_rollout(self, rollout: Rollout, mode: str) -> Rollout:
+        """Steps 5-7 on a generated (and maybe resampled) rollout: this process's advantages, then the old and
+        reference log-probs, recorded once, before any update."""
         args = self.args
-        prompts, completions = round_["prompts"], round_["completions"]
-
-        # 5. Advantages over all processes' rows, then this process's share (per token: up to its longest row).
-        advantages = self._advantages(round_)
-        local = slice(
-            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
+        advantages = self._advantages(rollout)
+        local = advantages[rollout.local_slice(self.accelerator.process_index)]
+        rollout = replace(
+            rollout,
+            advantages=local if local.dim() == 1 else local[:, : rollout.completion_ids.shape[1]],
+            sampling_logps=rollout.sampling_logps if args.vllm_importance_sampling_correction else None,
         )
-        width = round_["completion_ids"].shape[1]
-        local_advantages = advantages[local] if advantages.dim() == 1 else advantages[local, :width]
-
-        batch = {key: round_[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        batch["loss_mask"] = round_["loss_mask"]
-        batch["advantages"] = local_advantages
-        if round_.get("sampling_logps") is not None and args.vllm_importance_sampling_correction:
-            batch["sampling_logps"] = round_["sampling_logps"]
-        # 6-7. Old and reference log-probs, recorded once, before any update.
+        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         with torch.no_grad():
-            chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
             if mode == "train" and self._reuses_batches:
-                batch["old_logps"], _ = self._logprobs(self.model, batch, batch_size=chunk)
+                rollout.old_logps, _ = self._logprobs(self.model, rollout.token_inputs(), batch_size=chunk)
             if args.beta != 0:
                 with self._reference() as reference:
-                    batch["ref_logps"], _ = self._logprobs(reference, batch, batch_size=chunk)
-
+                    rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
         if args.log_completions and mode == "train":
-            metric_columns, _ = self._metric_rewards(round_)
-            self._samples = [
-                {"prompt": p, "completion": c, "rewards": r, "advantage": a}
-                for p, c, r, a in zip(
-                    gather_object(prompts),
-                    gather_object(completions),
-                    metric_columns.tolist(),
-                    # Per-token advantages are shown by their value at the first token.
-                    (advantages if advantages.dim() == 1 else advantages[:, 0]).tolist(),
-                )
-            ]
-        return batch
+            self._keep_samples(rollout, advantages)
+        return rollout
+
+    def _keep_samples(self, rollout: Rollout, advantages: torch.Tensor) -> None:
+        """All processes' completions of this round with their rewards, for `log_completions`; per-token
+        advantages are shown by their value at the first token."""
+        columns, _ = self._reward_columns(rollout)
+        first = advantages if advantages.dim() == 1 else advantages[:, 0]
+        self._samples = [
+            {"prompt": p, "completion": c, "rewards": r, "advantage": a}
+            for p, c, r, a in zip(
+                gather_object(rollout.prompts), gather_object(rollout.completions), columns.tolist(), first.tolist()
+            )
+        ]
 
     def _record_reward_call_metrics(self, mode: str, errors: list[int], seconds: float) -> None:
         """Failed reward rows (summed over processes) and scoring time (the slowest process) of one round."""
         device = self.accelerator.device
         totals = self.accelerator.reduce(torch.tensor(errors, dtype=torch.float32, device=device), reduction="sum")
         if self.args.reward_errors == "skip":
-            for name, count in zip(self.reward_names, totals.tolist()):
+            for name, count in zip(self.rewards.names, totals.tolist()):
                 self._metrics[mode].add_sum(f"rewards/{name}/errors", count)
         slowest = gather(torch.tensor([seconds], device=device)).max()
         self._metrics[mode].add_mean("timing/rewards", slowest, 1)
 
-    def _record_round_metrics(self, mode, rewards_per_func, rewards, prompt_mask, completion_mask, is_truncated):
-        """Metrics of one generation round, over the rows of all processes."""
-        device = rewards.device
-        metrics = self._metrics[mode]
-        lengths = gather(completion_mask.sum(dim=1).to(device)).float()  # (B_global,)
-        truncated = gather(is_truncated).float()
-        metrics.add_mean("completions/mean_length", lengths.sum(), lengths.numel())
-        metrics.add_min("completions/min_length", lengths.min())
-        metrics.add_max("completions/max_length", lengths.max())
-        metrics.add_mean("completions/clipped_ratio", truncated.sum(), truncated.numel())
-        terminated = lengths[truncated == 0]
-        metrics.add_mean("completions/mean_terminated_length", terminated.sum(), terminated.numel())
-        for j, name in enumerate(self.reward_names):
-            column = rewards_per_func[:, j]
-            valid = column[~torch.isnan(column)]
-            metrics.add_mean(f"rewards/{name}/mean", valid.sum(), valid.numel())
-            if valid.numel() > 1:
-                metrics.add_mean(f"rewards/{name}/std", valid.std(), 1)
-        valid = rewards[~torch.isnan(rewards)]
-        metrics.add_mean("reward", valid.sum(), valid.numel())
-        for key, value in group_reward_stats(rewards, self.args.num_generations).items():
-            metrics.add_mean(key, value, 1)
+    def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
+        """Metrics of one generation round, over the rows of all processes (grpo/metrics.py)."""
+        columns, rewards = self._reward_columns(rollout)
+        lengths = gather(rollout.completion_mask.sum(dim=1))  # (B_global,)
+        truncated = gather(rollout.is_truncated)
+        window = self._metrics[mode]
+        add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, self.args.num_generations)
         if mode == "train":
-            tokens = self.accelerator.reduce((prompt_mask.sum() + completion_mask.sum()).to(device), reduction="sum")
-            self._num_tokens += int(tokens)
-            metrics.set_last("num_tokens", self._num_tokens)
+            tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
+            self._num_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
+            window.set_last("num_tokens", self._num_tokens)
 
     # ---- Step 8: the loss ----
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
-        args = self.args
         mode = "train" if model.training else "eval"
         logps, entropy = self._logprobs(model, inputs, with_entropy=True)
-        policy_mask = None
-        if args.top_entropy_quantile < 1.0:
-            # Train the policy term only on the highest-entropy tokens; the threshold is over the loss tokens of this
-            # micro-step on every process (ragged widths are padded with NaN, which the quantile ignores).
-            local = torch.where(inputs["loss_mask"].bool(), entropy, torch.nan).reshape(-1)
-            everyone = gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
-            policy_mask = entropy >= entropy_threshold(everyone, args.top_entropy_quantile)
-        sampling_weights = None
-        if "sampling_logps" in inputs:
-            # The engine sampled from its own numerics, not exactly pi_old: truncated importance sampling. On-policy,
-            # pi_old is the current policy (logps.detach()), so no extra forward pass is needed.
-            old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
-            sampling_weights, sampling_stats = sampling_correction(
-                old,
-                inputs["sampling_logps"],
-                inputs["loss_mask"],
-                mode=args.vllm_importance_sampling_mode,
-                cap=args.vllm_importance_sampling_cap,
-            )
-            self._record_sampling_metrics(mode, sampling_stats, inputs["loss_mask"])
         normalizer = None
-        if args.loss_type == "dapo":
+        if self.args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
             # data parallelism averages the gradients of the processes.
             normalizer = inputs["window_loss_tokens"] / self.accelerator.num_processes
@@ -637,65 +445,47 @@ class GRPOTrainer(Trainer):
             inputs.get("ref_logps"),
             inputs["advantages"],
             inputs["loss_mask"],
-            loss_type=args.loss_type,
-            beta=args.beta,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
-            importance_sampling_level=args.importance_sampling_level,
-            policy_mask=policy_mask,
-            max_completion_length=args.max_completion_length,
+            policy_mask=self._policy_mask(entropy, inputs["loss_mask"]),
+            sampling_weights=self._sampling_weights(logps, inputs, mode),
             normalizer=normalizer,
-            sampling_weights=sampling_weights,
+            **loss_settings(self.args),
         )
-        if mode == "train" and args.loss_type != "dapo":
-            # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
-            # (dapo's normaliser already spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
-            loss = loss / self.current_gradient_accumulation_steps
-
-        if mode == "train":  # read only if the gradients turn out non-finite (_GradientGuard)
-            self._loss_terms.append(
-                {"loss": loss.detach(), "logps": torch.where(inputs["loss_mask"].bool(), logps.detach(), 0.0), **stats}
-            )
-
+        if mode == "train":
+            if self.args.loss_type != "dapo":
+                # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
+                # (dapo's normaliser spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
+                loss = loss / self.current_gradient_accumulation_steps
+            masked_logps = torch.where(inputs["loss_mask"].bool(), logps.detach(), 0.0)
+            self.gradient_guard.record({"loss": loss.detach(), "logps": masked_logps, **stats})
         # Token-weighted metrics, summed over processes.
-        mask = inputs["loss_mask"].bool()
-        tokens = mask.sum().float()
-        stats["entropy"] = torch.where(mask, entropy, 0.0).sum() / tokens.clamp(min=1)
-        names = sorted(stats)
-        totals = self.accelerator.reduce(torch.stack([tokens] + [stats[n].float() * tokens for n in names]), "sum")
-        for name, total in zip(names, totals[1:]):
-            self._metrics[mode].add_mean(name, total, totals[0])
+        totals, names = token_metric_totals(stats, entropy, inputs["loss_mask"])
+        add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
 
-    def _record_sampling_metrics(self, mode: str, stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> None:
-        """`sampling/*`: how far the engine's log-probs are from the trainer's, and the importance ratios, over the
-        loss tokens of all processes (sequence modes: over the rows with a loss token)."""
-        mask = loss_mask.bool()
-        ratio = stats["ratio"]  # (B, T), or (B, 1) per sequence
-        ratio = ratio[mask] if ratio.shape == mask.shape else ratio[mask.any(dim=1)].reshape(-1)
-        difference = stats["logp_difference"][mask]
-        floor = torch.full((1,), -torch.inf, device=mask.device)  # max() of nothing
-        local = torch.stack(
-            [
-                difference.sum(),
-                torch.tensor(float(difference.numel()), device=mask.device),
-                ratio.sum(),
-                torch.tensor(float(ratio.numel()), device=mask.device),
-                torch.cat([difference, floor]).max(),
-                torch.cat([ratio, floor]).max(),
-                torch.cat([-ratio, floor]).max(),
-            ]
+    def _policy_mask(self, entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
+        """With `top_entropy_quantile` < 1, train the policy term only on the highest-entropy tokens; the threshold
+        is over the loss tokens of this micro-step on every process (ragged widths padded with NaN, ignored)."""
+        if self.args.top_entropy_quantile >= 1.0:
+            return None
+        local = torch.where(loss_mask.bool(), entropy, torch.nan).reshape(-1)
+        everyone = gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
+        return entropy >= entropy_threshold(everyone, self.args.top_entropy_quantile)
+
+    def _sampling_weights(self, logps: torch.Tensor, inputs: dict, mode: str) -> torch.Tensor | None:
+        """The engine sampled from its own numerics, not exactly pi_old: truncated importance sampling weights
+        (`sampling_correction`). On-policy, pi_old is the current policy (logps.detach()): no extra forward."""
+        if "sampling_logps" not in inputs:
+            return None
+        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
+        weights, stats = sampling_correction(
+            old,
+            inputs["sampling_logps"],
+            inputs["loss_mask"],
+            mode=self.args.vllm_importance_sampling_mode,
+            cap=self.args.vllm_importance_sampling_cap,
         )
-        everyone = gather(local.unsqueeze(0))  # (P, 7)
-        sums, peaks = everyone[:, :4].sum(dim=0), everyone[:, 4:].amax(dim=0)
-        metrics = self._metrics[mode]
-        metrics.add_mean("sampling/sampling_logp_difference/mean", sums[0], sums[1])
-        metrics.add_mean("sampling/importance_sampling_ratio/mean", sums[2], sums[3])
-        if sums[1] > 0:
-            metrics.add_max("sampling/sampling_logp_difference/max", peaks[0])
-            metrics.add_max("sampling/importance_sampling_ratio/max", peaks[1])
-            metrics.add_min("sampling/importance_sampling_ratio/min", -peaks[2])
+        add_sampling_metrics(self._metrics[mode], gather(sampling_summary(stats, inputs["loss_mask"])[None]))
+        return weights
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
@@ -727,33 +517,7 @@ class GRPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    # ---- Non-finite gradients (grpo/nonfinite.py) ----
-
-    def _guard_gradients(self) -> None:
-        """Before each optimizer step: all processes agree whether every gradient is finite; if not, stop with the
-        loss terms that went non-finite, or with `nonfinite="skip"` drop the gradients so the step changes
-        nothing."""
-        terms, self._loss_terms = self._loss_terms, []
-        local = gradients_finite(self.model.parameters()).to(self.accelerator.device)
-        if self.accelerator.reduce(local.float(), reduction="sum") == self.accelerator.num_processes:
-            return
-        if self.args.nonfinite == "error":
-            raise NonFiniteError(gradient_message(self.state.global_step, nonfinite_terms(terms)))
-        for parameter in self.model.parameters():
-            parameter.grad = None  # torch optimizers skip parameters without a gradient: no update, no moment change
-        self._metrics["train"].add_sum("nonfinite/skipped_steps", 1)
-
-    # ---- Checkpoints and exact resume (grpo/checkpoints.py) ----
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
-        """`Trainer.train`, with `resume_from_checkpoint=True` meaning the newest *complete* checkpoint, this
-        trainer's own state restored from it, and a new run refused over an earlier run's checkpoints."""
-        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if checkpoint is None:
-            check_fresh_output_dir(self.args.output_dir)
-        else:
-            self._restore_state(checkpoint)
-        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+    # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/checkpoints.py, `ResumableTrainer`) ----
 
     def _round_settings(self) -> dict[str, Any]:
         settings = {name: getattr(self.args, name) for name in ROUND_SETTINGS}
@@ -767,7 +531,7 @@ class GRPOTrainer(Trainer):
             "step": self._step,
             "buffer": self._buffer,
             "num_tokens": self._num_tokens,
-            "refill_position": self._refill_position,
+            "refill_position": self._refill.position,
             "samples": self._samples,
             "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
         }
@@ -784,50 +548,16 @@ class GRPOTrainer(Trainer):
             )
             return
         self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
-        self._refill_position, self._samples = state["refill_position"], state["samples"]
+        self._refill.position, self._samples = state["refill_position"], state["samples"]
         for mode, window in state["metrics"].items():
             self._metrics[mode].load_state_dict(window)
 
-    def _get_output_dir(self, trial) -> str:
-        # While a checkpoint is written, Trainer's files go to the staging directory (see _save_checkpoint).
-        return self._staging_run_dir or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Trainer's checkpoint plus this trainer's state, written under a temporary name, fsynced and renamed:
-        a `checkpoint-N` directory only ever exists complete. A failed write (a full disk) removes what it wrote
-        and raises `CheckpointError` on every process."""
-        run_dir, step = self._get_output_dir(trial), self.state.global_step
-        staged = staging_dir(run_dir, step)
-        name = f"checkpoint-{step}"
-        if self.args.should_save:
-            remove_stale_staging(run_dir)
-        self.accelerator.wait_for_everyone()
-        failure = None
-        self._staging_run_dir = staged
-        try:
-            super()._save_checkpoint(model, trial)
-            path = os.path.join(staged, name, STATE_FILE.format(self.accelerator.process_index))
-            save_state(path, self._resume_state())
-            if self._reference_moves and self.args.should_save:  # the same on every process
-                save_reference(os.path.join(staged, name), self.ref_model)
-        except Exception as e:  # noqa: BLE001 - reported on every process below
-            failure = e
-        finally:
-            self._staging_run_dir = None
-        failed = gather_object([failure is not None])
-        if any(failed):
-            if self.args.should_save:
-                shutil.rmtree(staged, ignore_errors=True)
-            message = describe_write_failure(failure or OSError("another process failed"), step, run_dir)
-            raise CheckpointError(message) from failure
-        if self.args.should_save:
-            if self.state.best_model_checkpoint == os.path.join(staged, name):
-                self.state.best_model_checkpoint = os.path.join(run_dir, name)
-                self.state.save_to_json(os.path.join(staged, name, "trainer_state.json"))
-            publish(os.path.join(staged, name), os.path.join(run_dir, name))
-            os.rmdir(staged)
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
+    def _save_state(self, checkpoint_dir: str) -> None:
+        save_state(
+            os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), self._resume_state()
+        )
+        if self._reference_moves and self.args.should_save:  # the same on every process
+            save_reference(checkpoint_dir, self.ref_model)
 
     # ---- Logging ----
 

@@ -67,7 +67,7 @@ def test_outcome_reward_as_a_single_final_step_gives_the_same_update(tmp_path, l
     process, trainer = sgd_step_update(
         tmp_path / "process", reward_funcs=len_as_final_step, loss_type=loss_type, gradient_accumulation_steps=2
     )
-    assert trainer.process_funcs and not trainer.reward_funcs
+    assert trainer.rewards.process_funcs and not trainer.reward_funcs
     assert sum(d.abs().sum() for d in outcome.values()) > 0
     for n in outcome:
         torch.testing.assert_close(process[n], outcome[n], rtol=1e-4, atol=1e-7, msg=n)

@@ -1,0 +1,186 @@
+"""`Rollout`: one generation round, typed, from sampling to the micro-batches the loss reads.
+
+A rollout is built by `GRPOTrainer._generate_round` (generation, EOS cut, scoring) and, for offline training, can
+be built from already scored data the same way: it needs token ids, masks and rewards, nothing of the sampler.
+Its rows come in two scopes:
+
+- *local* fields hold this process's rows (B_local): the texts, the token tensors and, once computed, the
+  advantages and log-probs the loss needs;
+- *gathered* fields hold every process's rows (B_global = B_local x processes, in process order): the rewards,
+  because a group of G completions may span processes and its advantages need all of them.
+
+Token tensors are padded: prompts on the left, completions on the right. `trim` drops the columns that are padding
+in every row; `gather` makes every field global (dynamic sampling chooses groups across processes); `select` builds
+a rollout from chosen rows of several gathered ones; `micro_batches` cuts the local rows into the dicts
+`GRPOTrainer.compute_loss` takes (and checkpoints store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object
+
+from grpo.data import content_widths, pad
+
+LOCAL, GATHERED = "local", "gathered"
+
+
+def _tensor(scope: str, padded: str | None = None, default_none: bool = False):
+    """A tensor field: its row scope and the side its last dimension is padded on (None: not a token dimension)."""
+    metadata = {"scope": scope, "padded": padded}
+    return field(default=None, metadata=metadata) if default_none else field(metadata=metadata)
+
+
+@dataclass
+class Rollout:
+    """One generation round. Shapes: B local rows, B_g gathered rows, P prompt and T completion columns,
+    K outcome and K_p process reward functions."""
+
+    prompts: list  # (B,) the prompts as the dataset gave them: strings or chat messages
+    completions: list  # (B,) decoded completions: strings, or one assistant message for chat prompts
+    prompt_ids: torch.Tensor = _tensor(LOCAL, "left")  # (B, P) long
+    prompt_mask: torch.Tensor = _tensor(LOCAL, "left")  # (B, P) 1 on prompt tokens
+    completion_ids: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) long, cut after the first EOS
+    completion_mask: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) 1 on completion tokens
+    loss_mask: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) completion_mask, 0 on masked truncated rows
+    is_truncated: torch.Tensor = _tensor(LOCAL)  # (B,) bool: no EOS within max_completion_length
+    rewards_per_func: torch.Tensor = _tensor(GATHERED)  # (B_g, K) float32, NaN where a function gave none
+    step_rewards: torch.Tensor = _tensor(GATHERED, "right")  # (B_g, K_p, T_g) at each step's last token, else NaN
+    sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
+    # Filled after scoring (steps 5-7), local rows only:
+    advantages: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,), or (B, T) with process rewards
+    old_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_old, when batches are reused
+    ref_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_ref, when beta != 0
+
+    @classmethod
+    def from_tokens(
+        cls,
+        prompts: list,
+        completions: list,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        is_truncated: Sequence[bool],
+        pad_token_id: int,
+        mask_truncated: bool = False,
+        sampling_logps: Sequence[Sequence[float]] | None = None,
+    ) -> Rollout:
+        """A rollout of unpadded token lists (completions already cut after their EOS), not yet scored: prompts
+        padded on the left, completions on the right; with `mask_truncated`, truncated rows get no loss tokens."""
+        prompt_ids, prompt_mask = pad(prompt_ids, pad_token_id, side="left")
+        completion_ids, completion_mask = pad(completion_ids, pad_token_id, side="right")
+        truncated = torch.tensor(list(is_truncated), dtype=torch.bool)
+        loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if mask_truncated else completion_mask
+        if sampling_logps is not None:
+            width = completion_ids.shape[1]
+            sampling_logps = torch.tensor([list(row) + [0.0] * (width - len(row)) for row in sampling_logps])
+        return cls(
+            prompts=list(prompts),
+            completions=list(completions),
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            loss_mask=loss_mask,
+            is_truncated=truncated,
+            rewards_per_func=torch.empty(0, 0),
+            step_rewards=torch.empty(0, 0, 0),
+            sampling_logps=sampling_logps,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompts)
+
+    def _tensors(self, scope: str | None = None) -> list[tuple[str, str | None]]:
+        """(name, padded side) of the tensor fields that are set, of `scope` or all."""
+        return [
+            (f.name, f.metadata["padded"])
+            for f in fields(self)
+            if "scope" in f.metadata
+            and getattr(self, f.name) is not None
+            and (scope is None or f.metadata["scope"] == scope)
+        ]
+
+    def token_inputs(self) -> dict[str, torch.Tensor]:
+        """The four tensors a forward pass needs (`GRPOTrainer._logprobs`)."""
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        return {name: getattr(self, name) for name in names}
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return replace(self, **{name: getattr(self, name).to(device) for name, _ in self._tensors()})
+
+    def trim(self) -> Rollout:
+        """The local token tensors cut to this rollout's longest prompt (on the left) and completion (on the right);
+        per-token advantages too. Gathered fields keep their width."""
+        prompt_width, completion_width = content_widths(self.prompt_mask, self.completion_mask)
+        cut = {}
+        for name, side in self._tensors(LOCAL):
+            value = getattr(self, name)
+            if side == "left":
+                cut[name] = value[:, -prompt_width:]
+            elif side == "right" or (name == "advantages" and value.dim() == 2):
+                cut[name] = value[:, :completion_width]
+        return replace(self, **cut)
+
+    def local_slice(self, process_index: int) -> slice:
+        """This process's rows within the gathered fields."""
+        return slice(process_index * self.num_rows, (process_index + 1) * self.num_rows)
+
+    def gather(self, accelerator, pad_token_id: int) -> Rollout:
+        """Every process's rows, in process order: local tensors padded to a common width across processes, texts
+        by `gather_object`. The gathered fields are already global."""
+        out = {"prompts": gather_object(self.prompts), "completions": gather_object(self.completions)}
+        for name, side in self._tensors(LOCAL):
+            value = getattr(self, name)
+            if side is not None:
+                fill = pad_token_id if name.endswith("_ids") else 0
+                value = accelerator.pad_across_processes(value, dim=1, pad_index=fill, pad_first=side == "left")
+            out[name] = gather(value)
+        return replace(self, **out)
+
+    @classmethod
+    def select(cls, rollouts: Sequence[Rollout], rows: Sequence[tuple[int, int]], local: slice, pad_token_id: int):
+        """The rollout made of `rows` ((index into `rollouts`, row) pairs, in batch order) of gathered rollouts:
+        local fields from `rows[local]` (this process's share, trimmed), gathered fields from every row."""
+        picked = rows[local]
+        out: dict[str, Any] = {
+            "prompts": [rollouts[r].prompts[i] for r, i in picked],
+            "completions": [rollouts[r].completions[i] for r, i in picked],
+        }
+        for name, side in rollouts[0]._tensors():
+            scope = rollouts[0].__dataclass_fields__[name].metadata["scope"]
+            chosen = picked if scope == LOCAL else rows
+            fill = {"step_rewards": torch.nan, "prompt_ids": pad_token_id, "completion_ids": pad_token_id}.get(name, 0)
+            out[name] = stack_rows([getattr(rollouts[r], name)[i] for r, i in chosen], fill, side)
+        return cls(**out).trim()
+
+    def micro_batches(self, num: int) -> list[dict[str, torch.Tensor]]:
+        """The local rows cut into `num` consecutive micro-batches, each trimmed to its own longest prompt and
+        completion: dicts of the local tensors (what `compute_loss` reads and checkpoints store)."""
+        rows = self.num_rows // num
+        out = []
+        for i in range(num):
+            part = self._rows(slice(i * rows, (i + 1) * rows)).trim()
+            out.append({name: getattr(part, name) for name, _ in part._tensors(LOCAL) if name != "is_truncated"})
+        return out
+
+    def _rows(self, rows: slice) -> Rollout:
+        """Local rows `rows` (gathered fields unchanged)."""
+        cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
+        return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], **cut)
+
+
+def stack_rows(values: Sequence[torch.Tensor], fill: float, side: str | None) -> torch.Tensor:
+    """Stack tensors whose last dimension may differ, padding it with `fill` on `side` to the widest."""
+    if side is None:
+        return torch.stack(list(values))
+    width = max(v.shape[-1] for v in values)
+    padded = []
+    for v in values:
+        padding = v.new_full((*v.shape[:-1], width - v.shape[-1]), fill)
+        padded.append(torch.cat([padding, v], -1) if side == "left" else torch.cat([v, padding], -1))
+    return torch.stack(padded)
