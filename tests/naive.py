@@ -127,3 +127,14 @@ def naive_policy_loss(
     if loss_type == "dapo":
         return total / (normalizer if normalizer is not None else max(len(all_tokens), 1))
     raise ValueError(loss_type)
+
+
+def naive_mixed_advantages(rewards, rows_per_func, weights, width, num_generations, scale_rewards="group", eps=1e-4):
+    """A_{i,t} = A_i + sum_k w_k * A^(k)_{i,t}: the outcome advantage of each row on every token plus each process
+    function's token advantages, weighted (docs/method.md, "Process supervision")."""
+    outcome = naive_group_advantages(rewards, num_generations, scale_rewards, eps)
+    out = [[a] * width for a in outcome]
+    for rows, weight in zip(rows_per_func, weights):
+        per_token = naive_process_advantages(rows, width, num_generations, scale_rewards, eps)
+        out = [[a + weight * p for a, p in zip(row, prow)] for row, prow in zip(out, per_token)]
+    return out

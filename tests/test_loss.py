@@ -8,15 +8,25 @@ import torch
 
 from grpo.loss import (
     aggregate,
+    combine_rewards,
     entropy_threshold,
     group_advantages,
     group_reward_stats,
     kl_k3,
     masked_mean,
+    mixed_advantages,
     policy_loss,
     process_advantages,
+    sampling_correction,
+    step_reward_sums,
+    window_token_totals,
 )
-from tests.naive import naive_group_advantages, naive_policy_loss, naive_process_advantages
+from tests.naive import (
+    naive_group_advantages,
+    naive_mixed_advantages,
+    naive_policy_loss,
+    naive_process_advantages,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -455,3 +465,71 @@ def test_aggregate_and_masked_mean_edge_cases():
         aggregate(torch.ones(2, 2), torch.ones(2, 2), "dr_grpo")
     with pytest.raises(ValueError, match="ref_logps"):
         policy_loss(torch.zeros(1, 1), None, None, torch.ones(1), torch.ones(1, 1), beta=0.1)
+
+
+# ---- Reward combination, dapo's window, the sampler's correction ----
+
+
+def test_combine_rewards_skips_unscored_entries():
+    rewards = torch.tensor([[1.0, 2.0], [math.nan, 3.0], [math.nan, math.nan], [-1.0, math.nan]])
+    combined = combine_rewards(rewards, torch.tensor([2.0, 0.5]))
+    # 2*1 + 0.5*2 = 3; only the second scored: 1.5; nobody scored: NaN; only the first: -2.
+    assert combined[[0, 1, 3]].tolist() == [3.0, 1.5, -2.0] and math.isnan(combined[2])
+
+
+def test_step_reward_sums():
+    steps = torch.full((2, 1, 4), math.nan)
+    steps[0, 0, 1], steps[0, 0, 3] = 1.0, 0.5
+    sums = step_reward_sums(steps)
+    assert sums.shape == (2, 1) and sums[0, 0] == 1.5 and math.isnan(sums[1, 0])
+
+
+def test_window_token_totals():
+    assert window_token_totals(torch.tensor([3.0, 1.0, 2.0, 2.0]), 2).tolist() == [4.0, 4.0, 4.0, 4.0]
+    assert window_token_totals(torch.tensor([3.0, 1.0, 2.0, 5.0]), 1).tolist() == [3.0, 1.0, 2.0, 5.0]
+    assert window_token_totals(torch.tensor([3.0, 1.0, 2.0, 5.0]), 4).tolist() == [11.0] * 4
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_mixed_advantages_match_naive(scale):
+    generator = torch.Generator().manual_seed(3)
+    B, K, T, G = 8, 2, 5, 4
+    rewards = torch.randn(B, generator=generator)
+    rows_per_func = []
+    steps = torch.full((B, K, T), math.nan)
+    for k in range(K):
+        rows = []
+        for i in range(B):
+            ends = sorted(torch.randperm(T, generator=generator)[: 1 + i % 3].tolist())
+            row = [(float(torch.randn(1, generator=generator)), end) for end in ends]
+            for r, end in row:
+                steps[i, k, end] = r
+            rows.append(row)
+        rows_per_func.append(rows)
+    weights = torch.tensor([0.5, 2.0])
+    got = mixed_advantages(rewards, steps, weights, G, scale)
+    expected = naive_mixed_advantages(rewards.tolist(), rows_per_func, weights.tolist(), T, G, scale)
+    assert got.shape == (B, T)
+    assert got.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
+    # Without process functions the advantages are per row.
+    assert mixed_advantages(rewards, steps[:, :0], weights[:0], G, scale).shape == (B,)
+
+
+def test_sampling_correction_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    sampled = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # rho = exp(old - sampled): row 0: e^0.5 = 1.649, e^-1 = 0.368, 1; row 1: 1, e^1 = 2.718, (masked)
+    weights, stats = sampling_correction(old, sampled, mask, "token_truncate", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(stats["logp_difference"], torch.tensor([[0.5, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    weights, _ = sampling_correction(old, sampled, mask, "token_mask", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
+    # Sequence ratios: row 0 exp(0.5 - 1 + 0) = 0.607; row 1 exp(0 + 1) = 2.718 -> capped at 2, or masked to 0.
+    weights, stats = sampling_correction(old, sampled, mask, "sequence_truncate", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [2.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
+    assert stats["ratio"].shape == (2, 1)
+    weights, _ = sampling_correction(old, sampled, mask, "sequence_mask", cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [0.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        sampling_correction(old, sampled, mask, "tokens", cap=2.0)

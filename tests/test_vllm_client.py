@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from grpo.loss import policy_loss, sampling_correction
+from grpo.loss import policy_loss
 from grpo.testing import tiny_model
 from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
 from grpo.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
@@ -233,26 +233,6 @@ def test_checkpoint_names_and_merged_lora_weights():
         torch.testing.assert_close(tensor, merged[name])
     # The adapters are not merged into the model itself.
     assert any("lora_A" in name for name, _ in wrapped.named_parameters())
-
-
-def test_sampling_correction_by_hand():
-    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
-    sampled = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    # rho = exp(old - sampled): row 0: e^0.5 = 1.649, e^-1 = 0.368, 1; row 1: 1, e^1 = 2.718, (masked)
-    weights, stats = sampling_correction(old, sampled, mask, "token_truncate", cap=2.0)
-    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(stats["logp_difference"], torch.tensor([[0.5, 1.0, 0.0], [0.0, 1.0, 0.0]]))
-    weights, _ = sampling_correction(old, sampled, mask, "token_mask", cap=2.0)
-    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.3679, 1.0], [1.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
-    # Sequence ratios: row 0 exp(0.5 - 1 + 0) = 0.607; row 1 exp(0 + 1) = 2.718 -> capped at 2, or masked to 0.
-    weights, stats = sampling_correction(old, sampled, mask, "sequence_truncate", cap=2.0)
-    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [2.0, 2.0, 1.0]]), atol=1e-4, rtol=0)
-    assert stats["ratio"].shape == (2, 1)
-    weights, _ = sampling_correction(old, sampled, mask, "sequence_mask", cap=2.0)
-    torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [0.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
-        sampling_correction(old, sampled, mask, "tokens", cap=2.0)
 
 
 def test_sampling_weights_scale_each_tokens_loss_and_gradient():

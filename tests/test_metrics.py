@@ -1,0 +1,66 @@
+"""The metric reductions of grpo/metrics.py on hand-made numbers."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.metrics import (
+    MetricsWindow,
+    add_round_metrics,
+    add_sampling_metrics,
+    add_token_metrics,
+    sampling_summary,
+    token_metric_totals,
+)
+
+
+def test_round_metrics_by_hand():
+    window = MetricsWindow()
+    lengths = torch.tensor([2, 4, 6, 8])
+    truncated = torch.tensor([0, 0, 1, 0])
+    columns = torch.tensor([[1.0, math.nan], [0.0, 2.0], [1.0, 2.0], [math.nan, math.nan]])
+    rewards = torch.tensor([1.0, 2.0, 3.0, math.nan])
+    add_round_metrics(window, lengths, truncated, columns, rewards, ["acc", "fmt"], num_generations=2)
+    logged = window.pop()
+    assert logged["completions/mean_length"] == 5.0
+    assert logged["completions/min_length"] == 2.0 and logged["completions/max_length"] == 8.0
+    assert logged["completions/clipped_ratio"] == 0.25
+    assert logged["completions/mean_terminated_length"] == pytest.approx(14 / 3)
+    assert logged["rewards/acc/mean"] == pytest.approx(2 / 3)
+    assert logged["rewards/fmt/mean"] == 2.0 and logged["rewards/fmt/std"] == 0.0
+    assert logged["reward"] == 2.0  # the unscored row is left out
+    # Groups [1, 2] (std 0.707) and [3, NaN] (one value: std 0, flat).
+    assert logged["frac_reward_zero_std"] == 0.5
+
+
+def test_sampling_summary_and_its_reduction_over_processes():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    stats = {
+        "ratio": torch.tensor([[1.0, 2.0, 9.0], [0.5, 9.0, 9.0]]),
+        "logp_difference": torch.tensor([[0.1, 0.3, 9.0], [0.2, 9.0, 9.0]]),
+    }
+    local = sampling_summary(stats, mask)
+    assert local[:4].tolist() == pytest.approx([0.6, 3.0, 3.5, 3.0])
+    empty = sampling_summary(stats, torch.zeros_like(mask))  # a process with no loss tokens
+    window = MetricsWindow()
+    add_sampling_metrics(window, torch.stack([local, empty]))
+    logged = window.pop()
+    assert logged["sampling/sampling_logp_difference/mean"] == pytest.approx(0.2)
+    assert logged["sampling/importance_sampling_ratio/mean"] == pytest.approx(3.5 / 3)
+    assert logged["sampling/sampling_logp_difference/max"] == pytest.approx(0.3)
+    assert logged["sampling/importance_sampling_ratio/max"] == 2.0
+    assert logged["sampling/importance_sampling_ratio/min"] == 0.5
+
+
+def test_token_metrics_weight_by_loss_tokens():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    entropy = torch.tensor([[1.0, 2.0, 7.0], [3.0, 7.0, 7.0]])
+    totals, names = token_metric_totals({"kl": torch.tensor(0.5)}, entropy, mask)
+    assert names == ["entropy", "kl"]
+    assert totals.tolist() == [3.0, 6.0, 1.5]
+    other, _ = token_metric_totals({"kl": torch.tensor(1.0)}, torch.zeros(1, 1), torch.ones(1, 1))
+    window = MetricsWindow()
+    add_token_metrics(window, totals + other, names)  # as summed over two processes
+    logged = window.pop()
+    assert logged["kl"] == pytest.approx((1.5 + 1.0) / 4) and logged["entropy"] == pytest.approx(6 / 4)
