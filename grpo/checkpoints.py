@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -243,11 +244,21 @@ def load_reference(checkpoint: str, reference) -> None:
     load_model(reference, path, device=str(next(reference.parameters()).device))
 
 
+def round_settings(args, num_processes: int) -> dict:
+    """The values of `ROUND_SETTINGS` in `args`, and the process count: what a saved buffer depends on."""
+    return {**{name: getattr(args, name) for name in ROUND_SETTINGS}, "num_processes": num_processes}
+
+
 def load_state(checkpoint: str, process_index: int, settings: dict, device) -> dict | None:
-    """This process's trainer state from `checkpoint` (None for checkpoints written without one), checked against
-    the current run's round settings."""
+    """This process's trainer state from `checkpoint`, checked against the current run's round settings; None,
+    with a warning, for a checkpoint written without one (by another trainer)."""
     path = os.path.join(checkpoint, STATE_FILE.format(process_index))
     if not os.path.isfile(path):
+        warnings.warn(
+            f"{checkpoint} has no {os.path.basename(path)} (written by another trainer): a generation round in "
+            "progress is generated again, so the run will not match one that was never stopped.",
+            stacklevel=2,
+        )
         return None
     state = _moved(torch.load(path, map_location="cpu", weights_only=True), device)
     changed = {k: (v, settings[k]) for k, v in state["settings"].items() if k in settings and settings[k] != v}

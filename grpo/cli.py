@@ -39,7 +39,7 @@ def greedy_samples(trainer, dataset, count: int) -> list[dict]:
     )
     rollout, columns = trainer._sample(rows, greedy)
     rollout = trainer._score(rollout, columns, mode=None)
-    rewards, _ = trainer._reward_columns(rollout)  # all processes' rows
+    rewards, _ = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)  # all processes' rows
     rewards = rewards[rollout.local_slice(trainer.accelerator.process_index)]
     return [
         {"prompt": p, "completion": c, "rewards": r}

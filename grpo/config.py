@@ -499,6 +499,13 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Rows of that table (None = all rows of the generation batch)."},
     )
 
+    @classmethod
+    def for_model(cls, model) -> GRPOConfig:
+        """The default config for `model` (a path, hub id or loaded model): every default, output in
+        `<model name>-GRPO`."""
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return cls(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16

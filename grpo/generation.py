@@ -11,13 +11,14 @@ is *truncated*. The vLLM backends are `grpo.vllm_client.VLLMGeneration` (a `grpo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from grpo.data import pad
+from grpo.data import decode_completions, pad, render_prompt, tokenize_prompts
+from grpo.rollout import Rollout
 
 
 class Completions(NamedTuple):
@@ -155,3 +156,32 @@ def cut_at_eos(
         cut.append(ids if end is None else ids[: end + 1])
         truncated.append(end is None)
     return cut, truncated
+
+
+def sample_rollout(
+    inputs: list[dict[str, Any]], backend: GenerationBackend, model: nn.Module, tokenizer, eos_token_ids, args
+) -> tuple[Rollout, dict[str, list]]:
+    """Steps 2-3 of a round: render and tokenize the prompts of `inputs` (dataset rows), sample one completion per
+    row with `backend`, cut each after its first EOS (kept; a completion without one is truncated) and decode. The
+    rollout is not scored yet. Also returns the rows' other columns, for the reward functions."""
+    if "prompt" not in inputs[0]:
+        raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
+    prompts = [example["prompt"] for example in inputs]
+    columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
+    prompt_ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length)
+    raw = backend.generate(model, prompt_ids)
+    completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
+    sampling_logps = None
+    if raw.logprobs is not None:
+        sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
+    rollout = Rollout.from_tokens(
+        prompts,
+        decode_completions(completion_ids, prompts, tokenizer),
+        prompt_ids,
+        completion_ids,
+        truncated,
+        tokenizer.pad_token_id,
+        mask_truncated=args.mask_truncated_completions,
+        sampling_logps=sampling_logps,
+    )
+    return rollout, columns

@@ -148,6 +148,33 @@ def add_token_metrics(window: MetricsWindow, totals: torch.Tensor, names: list[s
         window.add_mean(name, total, totals[0])
 
 
+def add_reward_call_metrics(
+    window: MetricsWindow, errors: torch.Tensor, slowest: torch.Tensor, names: list[str], count_errors: bool
+) -> None:
+    """One round's reward calls: failed rows per function (`errors`, summed over processes, logged as
+    `rewards/<name>/errors` when failures are skipped rather than raised) and the slowest process's seconds."""
+    if count_errors:
+        for name, count in zip(names, errors.tolist()):
+            window.add_sum(f"rewards/{name}/errors", count)
+    window.add_mean("timing/rewards", slowest, 1)
+
+
+def sample_records(prompts: list, completions: list, rewards: torch.Tensor, advantages: torch.Tensor) -> list[dict]:
+    """One record per completion for `log_completions`: prompt, completion, each function's reward (B, K) and the
+    advantage (B,), or per token (B, T) shown by its value at the first token."""
+    first = advantages if advantages.dim() == 1 else advantages[:, 0]
+    return [
+        {"prompt": p, "completion": c, "rewards": r, "advantage": a}
+        for p, c, r, a in zip(prompts, completions, rewards.tolist(), first.tolist())
+    ]
+
+
+def report_samples(samples: list[dict], reward_names: list[str], path: str, step: int, max_rows: int | None) -> None:
+    """`log_completions`: print a table of a round's completions and append them all to `path` (JSON lines)."""
+    print(format_completions(samples, reward_names, max_rows))
+    write_completions(path, step, samples, reward_names)
+
+
 def format_completions(samples: list[dict], reward_names: list[str], max_rows: int | None = None) -> str:
     """A plain-text table of sampled completions: prompt, completion, each reward and the advantage."""
     from grpo.rewards import completion_text

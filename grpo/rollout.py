@@ -105,6 +105,10 @@ class Rollout:
             and (scope is None or f.metadata["scope"] == scope)
         ]
 
+    def completion_lists(self) -> list[list[int]]:
+        """The local completions' token ids without padding, one list per row (what reward functions receive)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
+
     def token_inputs(self) -> dict[str, torch.Tensor]:
         """The four tensors a forward pass needs (`GRPOTrainer._logprobs`)."""
         names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")

@@ -53,6 +53,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from grpo.data import InputError, is_conversational
+from grpo.loss import combine_rewards, step_reward_sums
 from grpo.models import check_reward_model, load_reward_model, looks_local
 from grpo.process import check_step_rewards, is_process_reward, lay_out_steps
 
@@ -689,6 +690,23 @@ class RewardSet:
             worker_type=worker_type,
             model_batch_size=model_batch_size,
         )
+
+    def columns(self, rewards_per_func: torch.Tensor, step_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, K) one reward column per function in `names` order (a process function's: the sum of its step
+        rewards, NaN without steps) and the combined reward of each row over every function that scored it."""
+        columns = torch.cat([rewards_per_func, step_reward_sums(step_rewards)], dim=1)
+        return columns, combine_rewards(columns, torch.cat([self.outcome_weights, self.process_weights]))
+
+
+def call_settings(args, mode: str) -> dict[str, Any]:
+    """How a `GRPOConfig` has reward functions called (`RewardSet.score` keywords) in `mode` ("train"/"eval")."""
+    return {
+        "errors": args.reward_errors,
+        "timeout": args.reward_timeout,
+        "num_workers": args.reward_num_workers,
+        "worker_type": args.reward_worker_type,
+        "model_batch_size": args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
+    }
 
 
 def _is_process_function(func: Callable | PreTrainedModel) -> bool:

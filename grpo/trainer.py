@@ -1,13 +1,6 @@
-"""`GRPOTrainer`: Group Relative Policy Optimization as a `transformers.Trainer`.
-
-Run it like any Trainer:
-
-    trainer = GRPOTrainer(model="path/or/hub-id", reward_funcs=my_reward, args=GRPOConfig(...), train_dataset=ds)
-    trainer.train()
-
-The trainer orchestrates; the arithmetic lives in `grpo.loss` (advantages, KL, clipped loss, aggregation) and
-`grpo.logprobs` (log-probs), sampling in `grpo.generation` and reward calls in `grpo.scoring`. It overrides
-`_prepare_inputs` (steps 1-7 below) and `compute_loss` (step 8) plus the data loaders and `log`.
+"""`GRPOTrainer`: Group Relative Policy Optimization as a `transformers.Trainer`. It sequences one step (see the
+class docstring); generation, rewards, the `Rollout`, the loss and the checkpoints live in their own modules
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -25,21 +18,21 @@ from transformers import (
     PreTrainedTokenizerBase,
     TrainerCallback,
 )
-from transformers.utils import logging
 
+from grpo import metrics
 from grpo.checkpoints import (
-    ROUND_SETTINGS,
     STATE_FILE,
     ResumableTrainer,
     load_reference,
     load_state,
+    round_settings,
     save_reference,
     save_state,
 )
 from grpo.config import GRPOConfig
-from grpo.data import check_prompt_dataset, decode_completions, render_prompt, tokenize_prompts
+from grpo.data import check_prompt_dataset
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
-from grpo.generation import cut_at_eos, make_generation_backend
+from grpo.generation import make_generation_backend, sample_rollout
 from grpo.logprobs import completion_logprobs
 from grpo.loss import (
     combine_rewards,
@@ -48,27 +41,15 @@ from grpo.loss import (
     mixed_advantages,
     policy_loss,
     sampling_correction,
-    step_reward_sums,
     window_token_totals,
 )
-from grpo.metrics import (
-    MetricsWindow,
-    add_round_metrics,
-    add_sampling_metrics,
-    add_token_metrics,
-    format_completions,
-    sampling_summary,
-    token_metric_totals,
-    write_completions,
-)
+from grpo.metrics import MetricsWindow
 from grpo.models import load_policy
 from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
 from grpo.reference import ReferenceUpdate, make_reference
 from grpo.rollout import Rollout
 from grpo.sampler import RepeatSampler, eval_sampler, train_sampler
-from grpo.scoring import RewardSet
-
-logger = logging.get_logger(__name__)
+from grpo.scoring import RewardSet, call_settings
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -127,11 +108,8 @@ class GRPOTrainer(ResumableTrainer):
         optimizers: tuple = (None, None),
         peft_config=None,
     ):
-        if isinstance(model, os.PathLike):
-            model = os.fspath(model)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+        model = os.fspath(model) if isinstance(model, os.PathLike) else model
+        args = GRPOConfig.for_model(model) if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
 
@@ -195,10 +173,6 @@ class GRPOTrainer(ResumableTrainer):
     def reward_funcs(self) -> list:
         """The outcome reward functions and reward models (process functions: `self.rewards.process_funcs`)."""
         return self.rewards.outcome_funcs
-
-    @reward_funcs.setter
-    def reward_funcs(self, funcs: list) -> None:
-        self.rewards.outcome_funcs = list(funcs)
 
     # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/sampler.py) ----
 
@@ -272,55 +246,34 @@ class GRPOTrainer(ResumableTrainer):
         return rollout
 
     def _sample(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
-        """Steps 2-3: render and tokenize the prompts, sample one completion per row with `backend`, cut each after
-        its first EOS (kept; a completion without one is truncated) and decode. Rewards are left empty. Also returns
-        the dataset's other columns, for the reward functions."""
-        args, device, tokenizer = self.args, self.accelerator.device, self.processing_class
-        if "prompt" not in inputs[0]:
-            raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
-        prompts = [example["prompt"] for example in inputs]
-        columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
-        prompt_ids_list = tokenize_prompts(
-            [render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length
+        """Steps 2-3 with `backend` (`sample_rollout`), on this process's device."""
+        policy = self.accelerator.unwrap_model(self.model)
+        rollout, columns = sample_rollout(
+            inputs, backend, policy, self.processing_class, self.eos_token_ids, self.args
         )
-        raw = backend.generate(self.accelerator.unwrap_model(self.model), prompt_ids_list)
-        completion_ids, truncated = cut_at_eos(raw.ids, self.eos_token_ids, args.max_completion_length)
-        sampling_logps = None
-        if raw.logprobs is not None:
-            sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
-        rollout = Rollout.from_tokens(
-            prompts,
-            decode_completions(completion_ids, prompts, tokenizer),
-            prompt_ids_list,
-            completion_ids,
-            truncated,
-            tokenizer.pad_token_id,
-            mask_truncated=args.mask_truncated_completions,
-            sampling_logps=sampling_logps,
-        )
-        return rollout.to(device), columns
+        return rollout.to(self.accelerator.device), columns
 
     def _score(self, rollout: Rollout, columns: dict[str, list], mode: str | None) -> Rollout:
         """Step 4: every reward function on this process's rows, then the rewards of all processes (a group may
         span processes). `mode` None: no metrics recorded."""
         args, device = self.args, self.accelerator.device
-        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         scores = self.rewards.score(
             prompts=rollout.prompts,
             completions=rollout.completions,
-            completion_ids=ids,
+            completion_ids=rollout.completion_lists(),
             columns=columns,
             trainer_state=self.state,
             tokenizer=self.processing_class,
             width=rollout.completion_ids.shape[1],
-            errors=args.reward_errors,
-            timeout=args.reward_timeout,
-            num_workers=args.reward_num_workers,
-            worker_type=args.reward_worker_type,
-            model_batch_size=args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
+            **call_settings(args, mode),
         )
-        if mode is not None:
-            self._record_reward_call_metrics(mode, scores.errors, scores.seconds)
+        if mode is not None:  # failed rows summed over processes, the slowest process's time
+            errors = self.accelerator.reduce(torch.tensor(scores.errors, dtype=torch.float32, device=device), "sum")
+            slowest = gather(torch.tensor([scores.seconds], device=device)).max()
+            skip = args.reward_errors == "skip"
+            metrics.add_reward_call_metrics(
+                self._metrics[mode], errors, slowest, self.rewards.names, count_errors=skip
+            )
         num_outcome = len(self.rewards.outcome_funcs)
         rewards = self._finite_rewards(gather(scores.rewards.to(device)), self.rewards.names, rollout.num_rows)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
@@ -334,13 +287,6 @@ class GRPOTrainer(ResumableTrainer):
         if count:
             self._metrics["train"].add_sum("nonfinite/reward_rows", count)
         return rewards
-
-    def _reward_columns(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B_global, K) reward columns for metrics (a process function's column: the sum of its step rewards) and
-        the combined reward over every function that scored the row."""
-        columns = torch.cat([rollout.rewards_per_func, step_reward_sums(rollout.step_rewards)], dim=1)
-        weights = torch.cat([self.rewards.outcome_weights, self.rewards.process_weights])
-        return columns, combine_rewards(columns, weights)
 
     def _advantages(self, rollout: Rollout) -> torch.Tensor:
         """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
@@ -390,38 +336,20 @@ class GRPOTrainer(ResumableTrainer):
                 with self._reference() as reference:
                     rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
         if args.log_completions and mode == "train":
-            self._keep_samples(rollout, advantages)
+            columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+            prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
+            self._samples = metrics.sample_records(prompts, completions, columns, advantages)
         return rollout
-
-    def _keep_samples(self, rollout: Rollout, advantages: torch.Tensor) -> None:
-        """All processes' completions of this round with their rewards, for `log_completions`; per-token
-        advantages are shown by their value at the first token."""
-        columns, _ = self._reward_columns(rollout)
-        first = advantages if advantages.dim() == 1 else advantages[:, 0]
-        self._samples = [
-            {"prompt": p, "completion": c, "rewards": r, "advantage": a}
-            for p, c, r, a in zip(
-                gather_object(rollout.prompts), gather_object(rollout.completions), columns.tolist(), first.tolist()
-            )
-        ]
-
-    def _record_reward_call_metrics(self, mode: str, errors: list[int], seconds: float) -> None:
-        """Failed reward rows (summed over processes) and scoring time (the slowest process) of one round."""
-        device = self.accelerator.device
-        totals = self.accelerator.reduce(torch.tensor(errors, dtype=torch.float32, device=device), reduction="sum")
-        if self.args.reward_errors == "skip":
-            for name, count in zip(self.rewards.names, totals.tolist()):
-                self._metrics[mode].add_sum(f"rewards/{name}/errors", count)
-        slowest = gather(torch.tensor([seconds], device=device)).max()
-        self._metrics[mode].add_mean("timing/rewards", slowest, 1)
 
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (grpo/metrics.py)."""
-        columns, rewards = self._reward_columns(rollout)
+        columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         lengths = gather(rollout.completion_mask.sum(dim=1))  # (B_global,)
         truncated = gather(rollout.is_truncated)
         window = self._metrics[mode]
-        add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, self.args.num_generations)
+        metrics.add_round_metrics(
+            window, lengths, truncated, columns, rewards, self.rewards.names, self.args.num_generations
+        )
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
             self._num_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
@@ -458,8 +386,8 @@ class GRPOTrainer(ResumableTrainer):
             masked_logps = torch.where(inputs["loss_mask"].bool(), logps.detach(), 0.0)
             self.gradient_guard.record({"loss": loss.detach(), "logps": masked_logps, **stats})
         # Token-weighted metrics, summed over processes.
-        totals, names = token_metric_totals(stats, entropy, inputs["loss_mask"])
-        add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
+        totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
+        metrics.add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
 
     def _policy_mask(self, entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
@@ -484,7 +412,9 @@ class GRPOTrainer(ResumableTrainer):
             mode=self.args.vllm_importance_sampling_mode,
             cap=self.args.vllm_importance_sampling_cap,
         )
-        add_sampling_metrics(self._metrics[mode], gather(sampling_summary(stats, inputs["loss_mask"])[None]))
+        metrics.add_sampling_metrics(
+            self._metrics[mode], gather(metrics.sampling_summary(stats, inputs["loss_mask"])[None])
+        )
         return weights
 
     @contextlib.contextmanager
@@ -519,15 +449,10 @@ class GRPOTrainer(ResumableTrainer):
 
     # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/checkpoints.py, `ResumableTrainer`) ----
 
-    def _round_settings(self) -> dict[str, Any]:
-        settings = {name: getattr(self.args, name) for name in ROUND_SETTINGS}
-        settings["num_processes"] = self.accelerator.num_processes
-        return settings
-
-    def _resume_state(self) -> dict[str, Any]:
+    def _save_state(self, checkpoint_dir: str) -> None:
         """What this process needs beyond Trainer's checkpoint to continue exactly (see grpo/checkpoints.py)."""
-        return {
-            "settings": self._round_settings(),
+        state = {
+            "settings": round_settings(self.args, self.accelerator.num_processes),
             "step": self._step,
             "buffer": self._buffer,
             "num_tokens": self._num_tokens,
@@ -535,45 +460,31 @@ class GRPOTrainer(ResumableTrainer):
             "samples": self._samples,
             "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
         }
+        save_state(os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), state)
+        if self._reference_moves and self.args.should_save:  # the same on every process
+            save_reference(checkpoint_dir, self.ref_model)
 
     def _restore_state(self, checkpoint: str) -> None:
         if self._reference_moves:
             load_reference(checkpoint, self.ref_model)
-        state = load_state(checkpoint, self.accelerator.process_index, self._round_settings(), self.accelerator.device)
-        if state is None:
-            logger.warning(
-                f"{checkpoint} has no {STATE_FILE.format(self.accelerator.process_index)} (written by another "
-                "trainer): a generation round in progress is generated again, so the run will not match one that "
-                "was never stopped."
-            )
-            return
-        self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
-        self._refill.position, self._samples = state["refill_position"], state["samples"]
-        for mode, window in state["metrics"].items():
-            self._metrics[mode].load_state_dict(window)
-
-    def _save_state(self, checkpoint_dir: str) -> None:
-        save_state(
-            os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), self._resume_state()
-        )
-        if self._reference_moves and self.args.should_save:  # the same on every process
-            save_reference(checkpoint_dir, self.ref_model)
+        settings = round_settings(self.args, self.accelerator.num_processes)
+        state = load_state(checkpoint, self.accelerator.process_index, settings, self.accelerator.device)
+        if state is not None:
+            self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
+            self._refill.position, self._samples = state["refill_position"], state["samples"]
+            for mode, window in state["metrics"].items():
+                self._metrics[mode].load_state_dict(window)
 
     # ---- Logging ----
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode].pop()
+        logged = self._metrics[mode].pop()
         if mode == "eval":
-            metrics = {f"eval_{k}": v for k, v in metrics.items()}
-        logs.update(metrics)  # in place: `evaluate()` returns this dict to the caller
+            logged = {f"eval_{k}": v for k, v in logged.items()}
+        logs.update(logged)  # in place: `evaluate()` returns this dict to the caller
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
-            print(format_completions(self._samples, self.reward_names, self.args.num_completions_to_print))
-            write_completions(
-                os.path.join(self.args.output_dir, "completions.jsonl"),
-                self.state.global_step,
-                self._samples,
-                self.reward_names,
-            )
+            path, step = os.path.join(self.args.output_dir, "completions.jsonl"), self.state.global_step
+            metrics.report_samples(self._samples, self.reward_names, path, step, self.args.num_completions_to_print)
             self._samples = []

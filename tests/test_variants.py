@@ -113,7 +113,7 @@ def test_dynamic_sampling_no_zero_variance_group_reaches_the_loss(tmp_path, toke
         seen_flat.extend(flat)
         return half_flat_reward(completions, flat)
 
-    trainer.reward_funcs = [spy]
+    trainer.rewards.outcome_funcs = [spy]
     captured = capture_batches(trainer)
     trainer.train()
     assert True in seen_flat  # flat groups were generated ...
