@@ -323,27 +323,17 @@ def policy_loss(
     (ratio < 1 - eps_low with A < 0), `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0) and
     `clip_ratio/region_mean` (either, or ratio > delta with A < 0).
     """
-    if epsilon_high is None:
-        epsilon_high = epsilon_low
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     if beta != 0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level={importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}"
-        )
     if delta is not None and delta <= 1 + epsilon_high:
         raise ValueError(f"delta={delta} must be > 1 + epsilon_high = {1 + epsilon_high}, or None")
     mask = mask.bool()
-    if old_logps is None:
-        old_logps = logps.detach()
+    old_logps = logps.detach() if old_logps is None else old_logps
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
 
-    log_ratio = torch.where(mask, logps - old_logps, 0.0)  # (B, T)
-    if importance_sampling_level == "sequence":
-        # One ratio per row from the mean log-ratio of its loss tokens (GSPO); a row without loss tokens gets 1.
-        log_ratio = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
-    ratio = torch.exp(log_ratio)  # (B, T) or (B, 1)
+    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     surrogate = torch.min(capped * advantages, clipped * advantages)  # (B, T)
@@ -363,16 +353,36 @@ def policy_loss(
         per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer
     )
 
-    with torch.no_grad():
-        # Where the min() took the clipped (constant) term: those tokens get no gradient from the policy term.
-        low = (ratio < 1 - epsilon_low) & (advantages < 0)  # (B, T)
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        region = low | high
-        if delta is not None:
-            region = region | ((ratio > delta) & (advantages < 0))
-        if policy_mask is not None:
-            low, high, region = (x & policy_mask.bool() for x in (low, high, region))
-        stats["clip_ratio/low_mean"] = masked_mean(low.float().expand_as(mask), mask)
-        stats["clip_ratio/high_mean"] = masked_mean(high.float().expand_as(mask), mask)
-        stats["clip_ratio/region_mean"] = masked_mean(region.float().expand_as(mask), mask)
+    stats.update(clip_fractions(ratio.detach(), advantages, mask, epsilon_low, epsilon_high, delta, policy_mask))
     return loss, stats
+
+
+def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """pi_theta / pi_old per loss token, (B, T) (`level="token"`), or one per row from the mean log-ratio of its
+    loss tokens, (B, 1) (`"sequence"`, GSPO; a row without loss tokens gets 1). Masked positions are set to log-ratio
+    0 before exp, so nothing non-finite leaks from them."""
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}")
+    log_ratio = torch.where(mask, logps - old_logps, 0.0)  # (B, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return torch.exp(log_ratio)
+
+
+def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high, delta=None, policy_mask=None):
+    """The fraction of loss tokens where the objective's min() took a clipped (constant) term, so that the token
+    gets no gradient from the policy term: `clip_ratio/low_mean` (ratio < 1 - eps_low with A < 0),
+    `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0), `clip_ratio/region_mean` (either, or ratio > delta
+    with A < 0). Tokens outside `policy_mask` never count as clipped."""
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)  # (B, T)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    region = low | high
+    if delta is not None:
+        region = region | ((ratio > delta) & (advantages < 0))
+    if policy_mask is not None:
+        low, high, region = (x & policy_mask.bool() for x in (low, high, region))
+    return {
+        "clip_ratio/low_mean": masked_mean(low.float().expand_as(mask), mask),
+        "clip_ratio/high_mean": masked_mean(high.float().expand_as(mask), mask),
+        "clip_ratio/region_mean": masked_mean(region.float().expand_as(mask), mask),
+    }

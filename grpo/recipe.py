@@ -261,31 +261,52 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> di
     return raw
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Parse and validate a recipe file plus command-line overrides. Builds no model and loads no data."""
+def _read_yaml(source: Path) -> dict[str, Any]:
+    """The top-level mapping of a recipe file; a missing file or a YAML error names the line and the usual fix."""
     import yaml
 
-    raw: dict[str, Any] = {}
-    source = None
-    if path is not None:
-        source = Path(path)
-        if not source.is_file():
-            raise RecipeError(f"Recipe file {str(source)!r} not found.")
-        text = source.read_text()
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = mark.line + 1 if mark is not None else None
-            at = f" at line {line}, column {mark.column + 1}" if mark is not None else ""
-            quoted = f" ({text.splitlines()[line - 1].strip()!r})" if line and line <= len(text.splitlines()) else ""
-            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+    if not source.is_file():
+        raise RecipeError(f"Recipe file {str(source)!r} not found.")
+    text = source.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        at = f" at line {line}, column {mark.column + 1}" if mark is not None else ""
+        quoted = f" ({text.splitlines()[line - 1].strip()!r})" if line and line <= len(text.splitlines()) else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise RecipeError(
+            f"{source}: YAML syntax error{at}{quoted}: {problem}. Fix that line: each key is followed by a colon "
+            "and a space, nesting is by consistent spaces (no tabs), and quotes and brackets must close."
+        ) from e
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source} must hold a mapping of keys to values at the top level.")
+    return raw
+
+
+def _dataset_section(raw: Any) -> DatasetSection:
+    """The `dataset:` section, with exactly one source; a local path that does not exist fails now."""
+    dataset = _section(DatasetSection, raw, "dataset")
+    if (dataset.path is None) == (dataset.reasoning_gym is None):
+        raise RecipeError(
+            "The dataset section needs exactly one source: `path` (a local file or a hub data set name) or "
+            "`reasoning_gym` (an offline task name such as basic_arithmetic)."
+        )
+    if dataset.path is not None:
+        path = Path(dataset.path).expanduser()
+        if (path.suffix.lower() in LOCAL_SUFFIXES or looks_local(dataset.path)) and not path.exists():
             raise RecipeError(
-                f"{source}: YAML syntax error{at}{quoted}: {problem}. Fix that line: each key is followed by a colon "
-                "and a space, nesting is by consistent spaces (no tabs), and quotes and brackets must close."
-            ) from e
-        if not isinstance(raw, dict):
-            raise RecipeError(f"{source} must hold a mapping of keys to values at the top level.")
+                f"dataset.path: {dataset.path!r} not found (relative paths start from the working directory "
+                f"{Path.cwd()}). Fix the path, or give a hub data set name such as 'openai/gsm8k'."
+            )
+    return dataset
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Parse and validate a recipe file plus command-line overrides. Builds no model and loads no data."""
+    source = Path(path) if path is not None else None
+    raw = _read_yaml(source) if source is not None else {}
     raw = apply_overrides(raw, parse_overrides(overrides or []))
 
     fields = config_fields()
@@ -311,19 +332,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         rewards = [rewards]
     if not rewards:
         raise RecipeError("A recipe needs at least one reward under `rewards:` (e.g. `rewards: [accuracy]`).")
-    dataset = _section(DatasetSection, raw.get("dataset"), "dataset")
-    if (dataset.path is None) == (dataset.reasoning_gym is None):
-        raise RecipeError(
-            "The dataset section needs exactly one source: `path` (a local file or a hub data set name) or "
-            "`reasoning_gym` (an offline task name such as basic_arithmetic)."
-        )
-    if dataset.path is not None:
-        path = Path(dataset.path).expanduser()
-        if (path.suffix.lower() in LOCAL_SUFFIXES or looks_local(dataset.path)) and not path.exists():
-            raise RecipeError(
-                f"dataset.path: {dataset.path!r} not found (relative paths start from the working directory "
-                f"{Path.cwd()}). Fix the path, or give a hub data set name such as 'openai/gsm8k'."
-            )
+    dataset = _dataset_section(raw.get("dataset"))
     if "output_dir" not in config:
         stem = source.stem if source else "grpo"
         config["output_dir"] = os.path.join("outputs", stem)
