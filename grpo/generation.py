@@ -3,7 +3,7 @@
 A backend takes prompt token ids (one list per row; each prompt's G copies are consecutive) and returns raw
 completion token ids per row, and the log-probs the sampler gave those tokens when it has them (a vLLM engine does;
 `model.generate` here does not, as they would equal the trainer's own). `cut_at_eos` then applies the one rule the
-spec fixes: a completion ends at its first end-of-sequence token, which stays in the loss; one that never emits it
+method fixes (docs/method.md): a completion ends at its first end-of-sequence token, which stays in the loss; one that never emits it
 is *truncated*. The vLLM backends are `grpo.vllm_client.VLLMGeneration` (a `grpo vllm-serve` server) and
 `grpo.vllm_colocate.VLLMColocateGeneration` (an engine inside each training process); docs/vllm.md.
 """

@@ -37,7 +37,7 @@ def naive_group_advantages(rewards, num_generations, scale_rewards="group", eps=
 
 def naive_process_advantages(rows, width, num_generations, scale_rewards="group", eps=1e-4):
     """rows: one list per row of (reward, index of the step's last token) pairs. Returns B lists of `width` token
-    advantages, spec section 4, one step at a time."""
+    advantages (docs/method.md, "Process supervision"), one step at a time."""
     all_rewards = [r for row in rows for r, _ in row]
     if len(all_rewards) > 1:
         m = sum(all_rewards) / len(all_rewards)

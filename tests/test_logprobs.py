@@ -69,7 +69,7 @@ def test_completion_logprobs_backpropagate(tokenizer):
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
 
 
-# --- chunked projection (spec section 8) -------------------------------------------------------------------------
+# --- chunked projection (docs/method.md, "Log-probs") -----------------------------------------------------------------
 
 
 def _naive_chunk_reference(hidden, weight, targets, bias=None, temperature=1.0, scale=1.0, softcap=None):
