@@ -655,41 +655,12 @@ class RewardSet:
         self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
         self.names = [reward_name(f) for f in self.outcome_funcs] + [reward_name(f) for f in self.process_funcs]
 
-    def score(
-        self,
-        *,
-        prompts: list,
-        completions: list,
-        completion_ids: list[list[int]],
-        columns: dict[str, list],
-        trainer_state: Any = None,
-        tokenizer: Any = None,
-        width: int | None = None,
-        errors: str = "raise",
-        timeout: float | None = None,
-        num_workers: int = 0,
-        worker_type: str = "thread",
-        model_batch_size: int | None = None,
-    ) -> RewardScores:
-        """Every function of the set on this batch, in one pass (`score_rewards`): `rewards` (B, K_outcome),
-        `step_rewards` (B, K_process, width) and `errors` per function in `names` order."""
-        return score_rewards(
-            self.outcome_funcs,
-            self.outcome_tokenizers,
-            self.process_funcs,
-            prompts=prompts,
-            completions=completions,
-            completion_ids=completion_ids,
-            columns=columns,
-            trainer_state=trainer_state,
-            tokenizer=tokenizer,
-            width=width,
-            errors=errors,
-            timeout=timeout,
-            num_workers=num_workers,
-            worker_type=worker_type,
-            model_batch_size=model_batch_size,
-        )
+    def score(self, **keywords) -> RewardScores:
+        """Every function of the set on one batch, in one pass: `score_rewards` with this set's functions and the
+        same keywords (prompts, completions, completion_ids, columns, trainer_state, tokenizer, width, errors,
+        timeout, num_workers, worker_type, model_batch_size). `rewards` is (B, K_outcome), `step_rewards`
+        (B, K_process, width) and `errors` has one count per function in `names` order."""
+        return score_rewards(self.outcome_funcs, self.outcome_tokenizers, self.process_funcs, **keywords)
 
     def columns(self, rewards_per_func: torch.Tensor, step_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, K) one reward column per function in `names` order (a process function's: the sum of its step
