@@ -6,12 +6,12 @@
     python benchmarks/logprobs_memory.py --plot logprobs_memory.png    # also a bar chart (needs matplotlib)
 
 What is measured: from the final hidden states (B x T x H, here 8 x 512 x 896) and the output projection (V x H) to
-a GRPO loss (grpo.loss.policy_loss, dapo, beta 0.04, with old and reference log-probs), forward and backward, the
+a GRPO loss (grpo.objective.loss.policy_loss, dapo, beta 0.04, with old and reference log-probs), forward and backward, the
 gradients of the hidden states and the projection included. The backbone is left out: it is the same for both.
 
 - naive: logits = hidden @ W^T as one (B, T, V) tensor, / temperature, then grpo's row-wise selective log-softmax
   (what the trainer did before chunking, and what most GRPO trainers do).
-- chunked: grpo.logprobs.chunked_logprobs on the completion rows, chunk size from the vocabulary (auto_chunk_size).
+- chunked: grpo.objective.logprobs.chunked_logprobs on the completion rows, chunk size from the vocabulary (auto_chunk_size).
 
 On CPU each measurement runs in a fresh subprocess and peak memory is the rise of the peak resident set size over
 the resident size once the inputs exist (ru_maxrss); the two run back to back for each vocabulary. Times are medians of `--repeats` forward+backward passes after one warm-up pass.
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from grpo.logprobs import auto_chunk_size, chunked_logprobs, selective_log_softmax
-from grpo.loss import policy_loss
+from grpo.objective.logprobs import auto_chunk_size, chunked_logprobs, selective_log_softmax
+from grpo.objective.loss import policy_loss
 
 BATCH, LENGTH, HIDDEN = 8, 512, 896
 TEMPERATURE = 0.9

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from grpo.data.sampler import RepeatSampler, train_sampler
 from grpo.rollout import Rollout
-from grpo.sampler import RepeatSampler, train_sampler
 
 
 def refill_indices(sampler: RepeatSampler) -> Iterator[int]:

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from grpo.loss import group_reward_stats
+from grpo.objective.loss import group_reward_stats
 
 
 class MetricsWindow:

@@ -23,7 +23,7 @@ import math
 import torch
 from transformers import TrainerCallback
 
-from grpo.loss import group_reward_stats
+from grpo.objective.loss import group_reward_stats
 
 
 class NonFiniteError(RuntimeError):

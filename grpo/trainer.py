@@ -31,10 +31,14 @@ from grpo.checkpoints import (
 )
 from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset
+from grpo.data.sampler import RepeatSampler, eval_sampler, train_sampler
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import make_generation_backend, sample_rollout
-from grpo.logprobs import completion_logprobs
-from grpo.loss import (
+from grpo.metrics import MetricsWindow
+from grpo.models import load_policy
+from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
+from grpo.objective.logprobs import completion_logprobs
+from grpo.objective.loss import (
     combine_rewards,
     entropy_threshold,
     loss_settings,
@@ -43,13 +47,9 @@ from grpo.loss import (
     sampling_correction,
     window_token_totals,
 )
-from grpo.metrics import MetricsWindow
-from grpo.models import load_policy
-from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
-from grpo.reference import ReferenceUpdate, make_reference
+from grpo.objective.reference import ReferenceUpdate, make_reference
+from grpo.rewards.scoring import RewardSet, call_settings
 from grpo.rollout import Rollout
-from grpo.sampler import RepeatSampler, eval_sampler, train_sampler
-from grpo.scoring import RewardSet, call_settings
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -174,7 +174,7 @@ class GRPOTrainer(ResumableTrainer):
         """The outcome reward functions and reward models (process functions: `self.rewards.process_funcs`)."""
         return self.rewards.outcome_funcs
 
-    # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/sampler.py) ----
+    # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/data/sampler.py) ----
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         return train_sampler(self.args, len(train_dataset if train_dataset is not None else self.train_dataset))

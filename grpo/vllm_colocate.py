@@ -8,7 +8,7 @@ group), and loads the policy's weights into it directly whenever an optimizer st
 
 Where this departs from the server backend (grpo/vllm_client.py):
 - Each process generates only its own rows, so nothing is gathered or broadcast. A group of G equal rows may span two
-  processes (grpo/sampler.py): each process sends every run of equal consecutive rows once, with n = the run's
+  processes (grpo/data/sampler.py): each process sends every run of equal consecutive rows once, with n = the run's
   length. A split group is then sampled as two requests with different seeds, which are still G independent samples
   of one prompt: the group statistics, computed after rewards are gathered, do not care where a sample was drawn.
 - The engine is built from the policy's config alone (written to a temporary folder) with dummy weights; the real

@@ -1,5 +1,5 @@
 """Deliberately naive loop implementations of the GRPO math, one scalar at a time, written straight from
-docs/method.md. grpo/loss.py must agree with them on random inputs (tests/test_loss.py)."""
+docs/method.md. grpo/objective/loss.py must agree with them on random inputs (tests/test_loss.py)."""
 
 import math
 

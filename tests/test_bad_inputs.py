@@ -17,7 +17,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main
 from grpo.config import FIELD_RANGES
 from grpo.data import RESERVED_COLUMNS, InputError, check_prompt_dataset
-from grpo.scoring import load_reward_funcs, score_completions
+from grpo.rewards.scoring import load_reward_funcs, score_completions
 from grpo.testing import save_tiny_model, tiny_config, tiny_model
 
 NAN, INF = math.nan, math.inf

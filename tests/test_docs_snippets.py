@@ -175,7 +175,7 @@ def grpo_train_calls(code: str) -> list[tuple[str, list[str]]]:
 )
 def test_grpo_train_commands_are_valid(snippet: Snippet, monkeypatch):
     # What `grpo train` checks before it loads a model: the recipe, each override's key and value, GRPOConfig.
-    from grpo.recipe import load_recipe
+    from grpo.cli.recipe import load_recipe
 
     monkeypatch.chdir(ROOT)
     for recipe, overrides in grpo_train_calls(snippet.code):

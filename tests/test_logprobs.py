@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grpo.data import pad
-from grpo.logprobs import (
+from grpo.objective.logprobs import (
     auto_chunk_size,
     chunked_logprobs,
     completion_logprobs,
@@ -222,12 +222,12 @@ def test_extra_padding_columns_change_nothing(tokenizer):
 
 
 def test_sharded_projection_falls_back_to_the_models_logits(tokenizer, monkeypatch):
-    import grpo.logprobs
+    import grpo.objective.logprobs
 
     model = tiny_model(tokenizer).eval()
     _, _, batch = _batch()
     chunked, chunked_entropy = completion_logprobs(model, *batch, with_entropy=True)
-    monkeypatch.setattr(grpo.logprobs, "_is_sharded", lambda weight: True)
+    monkeypatch.setattr(grpo.objective.logprobs, "_is_sharded", lambda weight: True)
     full, full_entropy = completion_logprobs(model, *batch, with_entropy=True)
     torch.testing.assert_close(full, chunked, rtol=0, atol=1e-5)
     torch.testing.assert_close(full_entropy, chunked_entropy, rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""The GRPO math (grpo/loss.py): hand-worked numbers, equality with the naive loops in tests/naive.py, and the
+"""The GRPO math (grpo/objective/loss.py): hand-worked numbers, equality with the naive loops in tests/naive.py, and the
 properties docs/method.md requires."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import (
+from grpo.objective.loss import (
     aggregate,
     combine_rewards,
     entropy_threshold,

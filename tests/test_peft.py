@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.cli.recipe import RecipeError, load_recipe
 from grpo.data import InputError
-from grpo.logprobs import completion_logprobs
-from grpo.recipe import RecipeError, load_recipe
+from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import tiny_model
 from tests.distributed_update import lora_config, lora_step_update
 from tests.scripted import TINY, capture_batches, reward_len

@@ -1,5 +1,5 @@
-"""Process reward functions (grpo/process.py): the StepRewards contract, how step ends become token positions, and
-that they are called like outcome functions (grpo/scoring.py: async, reward_timeout, reward_errors)."""
+"""Process reward functions (grpo/rewards/process.py): the StepRewards contract, how step ends become token positions, and
+that they are called like outcome functions (grpo/rewards/scoring.py: async, reward_timeout, reward_errors)."""
 
 import math
 import re
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo import StepRewards, process_reward
-from grpo.process import is_process_reward
-from grpo.scoring import RewardSet
+from grpo.rewards.process import is_process_reward
+from grpo.rewards.scoring import RewardSet
 
 
 def _scores(funcs, completions, completion_ids, tokenizer, width, **options):

@@ -1,4 +1,4 @@
-"""The built-in rewards of grpo/rewards.py: their docstring examples, and the cases each must get right."""
+"""The built-in rewards of grpo/rewards/__init__.py: their docstring examples, and the cases each must get right."""
 
 import doctest
 

@@ -1,7 +1,7 @@
 import pytest
 from torch.utils.data import BatchSampler
 
-from grpo.sampler import RepeatSampler
+from grpo.data.sampler import RepeatSampler
 
 
 def test_repeat_sampler_layout():

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import grpo.sandbox as sandbox
+import grpo.rewards.sandbox as sandbox
 from grpo.rewards import code_execution
-from grpo.sandbox import Limits, SandboxUnavailable, run_python
+from grpo.rewards.sandbox import Limits, SandboxUnavailable, run_python
 
 LIMITS = dict(wall_seconds=2.0, cpu_seconds=1, memory_mb=256)
 PASSES = ["assert True"]  # a test any completion that runs to the end passes

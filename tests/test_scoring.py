@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.scoring import call_reward_function, reward_name, score_completions
+from grpo.rewards.scoring import call_reward_function, reward_name, score_completions
 
 
 def _scores(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), options=None, **columns):
@@ -250,7 +250,7 @@ def _reward_model(tokenizer, seed=0):
 
 
 def test_reward_model_from_a_path_scores_like_the_loaded_one(tmp_path, tokenizer):
-    from grpo.scoring import load_reward_funcs
+    from grpo.rewards.scoring import load_reward_funcs
 
     model = _reward_model(tokenizer)
     model.save_pretrained(tmp_path / "rm")
@@ -282,7 +282,7 @@ def test_reward_model_uses_the_chat_template_for_conversations(tokenizer):
 def test_reward_model_checks(tokenizer):
     from transformers import LlamaForSequenceClassification
 
-    from grpo.scoring import load_reward_funcs
+    from grpo.rewards.scoring import load_reward_funcs
     from grpo.testing import tiny_config
 
     two_labels = LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=2))
@@ -296,7 +296,7 @@ def test_reward_model_checks(tokenizer):
 
 def test_reward_set_splits_functions_by_kind_and_scores_both_in_one_pass(tokenizer):
     from grpo import StepRewards, process_reward
-    from grpo.scoring import RewardSet
+    from grpo.rewards.scoring import RewardSet
 
     def length(completions):
         return [float(len(c)) for c in completions]
@@ -326,7 +326,7 @@ def test_reward_set_splits_functions_by_kind_and_scores_both_in_one_pass(tokeniz
 
 def test_reward_set_checks_weights_and_refuses_a_process_reward_model(tokenizer):
     from grpo import process_reward
-    from grpo.scoring import RewardSet
+    from grpo.rewards.scoring import RewardSet
 
     def length(completions):
         return [float(len(c)) for c in completions]

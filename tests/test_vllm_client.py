@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from grpo.loss import policy_loss
+from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
 from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
 from grpo.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key

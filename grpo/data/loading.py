@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo.recipe import LOCAL_SUFFIXES, DatasetSection, RecipeError
+from grpo.cli.recipe import LOCAL_SUFFIXES, DatasetSection, RecipeError
 
 
 def _load_source(section: DatasetSection, split: str, size: int | None, seed: int):

@@ -19,9 +19,9 @@ arguments, and returns, per completion, a `StepRewards` (or `None` when it does 
 Step positions are given either as `token_ends` (the index, in the completion's tokens, of each step's last
 token) or as `char_ends` (the number of characters of the completion text up to and including each step, i.e. the
 exclusive end offset; the text is the one the function received: for a conversational prompt, the message content,
-which starts with any prefilled text). `grpo.loss.process_advantages` turns the step rewards into token advantages.
+which starts with any prefilled text). `grpo.objective.loss.process_advantages` turns the step rewards into token advantages.
 
-Process functions are called exactly like outcome ones, by `grpo.scoring.RewardSet.score` (async functions,
+Process functions are called exactly like outcome ones, by `grpo.rewards.scoring.RewardSet.score` (async functions,
 `reward_timeout`, `reward_num_workers`, `reward_errors`); this module only checks what they return
 (`check_step_rewards`) and lays it out per token (`lay_out_steps`), as pure functions of the returned values.
 """

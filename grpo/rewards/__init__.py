@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
-from grpo.sandbox import Limits, run_python
+from grpo.rewards.sandbox import Limits, run_python
 
 
 def completion_text(completion) -> str:
@@ -280,7 +280,7 @@ def code_execution(
     isolation: str = "bwrap",
 ) -> Callable:
     """A reward named `code_execution`: the fraction of the row's tests that pass when the completion's code (its
-    last fenced block, or the whole text) runs in `grpo.sandbox`: by default under bubblewrap, in its own user,
+    last fenced block, or the whole text) runs in `grpo.rewards.sandbox`: by default under bubblewrap, in its own user,
     PID, mount, network and IPC namespaces, with a read-only view of the interpreter, a private temporary directory,
     no network, none of the trainer's processes, files or environment variables, and the given wall-clock, CPU and
     memory limits. The `tests` column holds, per row, a list of snippets (each typically an `assert`) or one
@@ -299,7 +299,7 @@ def code_execution(
     ...        tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"]] * 3)
     [1.0, 0.5, 0.0]
     """
-    from grpo.sandbox import check_isolation
+    from grpo.rewards.sandbox import check_isolation
 
     check_isolation(isolation)  # fail when the reward is built, not at the first training step
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)

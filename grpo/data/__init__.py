@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-# Names the trainer passes to reward functions itself (grpo/scoring.py, grpo/process.py); a data set column with one
+# Names the trainer passes to reward functions itself (grpo/rewards/scoring.py, grpo/rewards/process.py); a data set column with one
 # of them would be silently replaced by the generated values.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 

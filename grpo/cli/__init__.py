@@ -18,9 +18,9 @@ import argparse
 import sys
 
 from grpo.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
+from grpo.cli.recipe import load_recipe, resolve_reward
 from grpo.data import InputError
 from grpo.nonfinite import NonFiniteError
-from grpo.recipe import load_recipe, resolve_reward
 
 
 def greedy_samples(trainer, dataset, count: int) -> list[dict]:
@@ -94,7 +94,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         check_fresh_output_dir(args.output_dir)
 
     # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
-    from grpo.dataset_loading import load_prompt_datasets
+    from grpo.data.loading import load_prompt_datasets
     from grpo.trainer import GRPOTrainer
 
     train_data, held_out = load_prompt_datasets(recipe.dataset)
@@ -139,7 +139,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         if run.save_model:
             print(f"\nmodel saved to {args.output_dir}")
         if run.plot:
-            from grpo.plot import plot_run
+            from grpo.cli.plot import plot_run
 
             try:
                 print(f"plot written to {plot_run(args.output_dir)}")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if cli.command == "train":
             train(cli.recipe, cli.overrides)
         elif cli.command == "plot":
-            from grpo.plot import plot_run
+            from grpo.cli.plot import plot_run
 
             print(plot_run(cli.output_dir, cli.out))
         elif cli.command == "vllm-serve":

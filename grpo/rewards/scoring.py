@@ -13,7 +13,7 @@ A reward given as a string means the same in Python as in a recipe (`resolve_rew
 built-in one is refused with a suggestion, and a local-looking path that does not exist is refused, before any
 import or download.
 
-A process reward function (`@process_reward`, grpo/process.py) is called the same way and returns a
+A process reward function (`@process_reward`, grpo/rewards/process.py) is called the same way and returns a
 `StepRewards` (or None) per row instead of a number; `RewardSet` keeps the two kinds apart for the trainer and
 scores both in one pass (`RewardSet.score`, or `score_rewards` for the functions given as lists).
 
@@ -53,14 +53,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from grpo.data import InputError, is_conversational
-from grpo.loss import combine_rewards, step_reward_sums
 from grpo.models import check_reward_model, load_reward_model, looks_local
-from grpo.process import check_step_rewards, is_process_reward, lay_out_steps
+from grpo.objective.loss import combine_rewards, step_reward_sums
+from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps
 
 REWARD_ERRORS = ("raise", "skip")
 REWARD_WORKER_TYPES = ("thread", "process")
 
-# Built-in rewards by name (in grpo/rewards.py): (attribute, whether it is a factory called with the settings).
+# Built-in rewards by name (in grpo/rewards/__init__.py): (attribute, whether it is a factory called with the settings).
 BUILTIN_REWARDS = {
     "accuracy": ("accuracy", False),
     "reasoning_gym": ("reasoning_gym", False),
@@ -632,7 +632,7 @@ def score_completions(
 class RewardSet:
     """The trainer's reward functions, built once: rewards given as strings resolved and reward-model tokenizers
     loaded (`load_reward_funcs`), weights checked, and the functions split by kind, since outcome and process
-    functions give different advantages (grpo/loss.py `mixed_advantages`) but are called the same way (`score`).
+    functions give different advantages (grpo/objective/loss.py `mixed_advantages`) but are called the same way (`score`).
 
     Attributes: `names` (outcome functions first, then process functions: the order of the reward columns in
     metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward functions and reward
