@@ -95,6 +95,7 @@ FIELD_RANGES = {
     "vllm_tensor_parallel_size": Interval(1, 1, why="one engine per process is built; server mode for more"),
     "vllm_max_model_length": Interval(1, why="prompt + completion tokens, or None for the model's own limit"),
     "num_completions_to_print": Interval(0, why="None prints every row"),
+    "offline_baseline": Interval(why="the reward a lone stored completion is compared with; None refuses such groups"),
 }
 
 # Keyword arguments of `model.generate` itself: generation_kwargs become a `GenerationConfig`, which would keep
@@ -487,6 +488,48 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_cap: float = field(
         default=2.0,
         metadata={"help": "The cap C of the importance-sampling ratio (truncation or masking threshold)."},
+    )
+
+    # ---- Training on stored, scored completions (docs/offline.md) ----
+    offline_completion_column: str = field(
+        default="completion",
+        metadata={
+            "help": "A train_dataset with this column (one row per completion), or with this name plus 's' (one row "
+            "per prompt, lists of completions), is trained on as it is, without generation: rows are grouped by "
+            "prompt and scored by the stored reward (and the reward functions, if any). docs/offline.md."
+        },
+    )
+    offline_reward_column: str = field(
+        default="reward",
+        metadata={
+            "help": "The stored reward's column in offline data: a number per completion (a list per prompt in the "
+            "per-prompt form). It counts as the first reward (weight 1, or reward_weights' first entry when that "
+            "list has one more entry than there are reward functions)."
+        },
+    )
+    offline_logprobs_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Offline data: a column of behaviour log-probs, one per completion token (the appended EOS "
+            "included), from the policy that produced the data. They become pi_old, so the ratio is clipped against "
+            "that policy. None: pi_old is the current policy (the ratio is 1, the update the plain policy gradient)."
+        },
+    )
+    offline_baseline: float | None = field(
+        default=None,
+        metadata={
+            "help": "Offline data: a prompt with a single stored completion gets advantage reward - offline_baseline "
+            "(unscaled). None makes such prompts an error, since alone in its group a completion's advantage is 0. "
+            "Groups of two or more never use it."
+        },
+    )
+    save_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Append every training round's completions with their rewards to output_dir/rollouts.jsonl, in "
+            "the form offline training reads back (prompt, completion, reward = the combined reward, rewards per "
+            "function, truncated, step)."
+        },
     )
 
     # ---- Logging ----

@@ -55,6 +55,11 @@ class Rollout:
     advantages: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,), or (B, T) with process rewards
     old_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_old, when batches are reused
     ref_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_ref, when beta != 0
+    # Offline data (grpo/data/offline.py): groups of different sizes that never span processes, so processes hold
+    # different row counts. `group_sizes`: every process's groups, in gathered order (None: groups of G rows);
+    # `first_row`: this process's first row in the gathered fields (None: process index x B).
+    group_sizes: list[int] | None = None
+    first_row: int | None = None
 
     @classmethod
     def from_tokens(
@@ -132,7 +137,12 @@ class Rollout:
 
     def local_slice(self, process_index: int) -> slice:
         """This process's rows within the gathered fields."""
-        return slice(process_index * self.num_rows, (process_index + 1) * self.num_rows)
+        start = process_index * self.num_rows if self.first_row is None else self.first_row
+        return slice(start, start + self.num_rows)
+
+    def groups(self, num_generations: int) -> int | list[int]:
+        """What the group statistics take: G when every group has `num_generations` rows, else each group's size."""
+        return num_generations if self.group_sizes is None else self.group_sizes
 
     def gather(self, accelerator, pad_token_id: int) -> Rollout:
         """Every process's rows, in process order: local tensors padded to a common width across processes, texts
@@ -164,11 +174,18 @@ class Rollout:
 
     def micro_batches(self, num: int) -> list[dict[str, torch.Tensor]]:
         """The local rows cut into `num` consecutive micro-batches, each trimmed to its own longest prompt and
-        completion: dicts of the local tensors (what `compute_loss` reads and checkpoints store)."""
-        rows = self.num_rows // num
+        completion: dicts of the local tensors (what `compute_loss` reads and checkpoints store). Rows that do not
+        divide evenly (offline groups of different sizes) go one more to each of the first micro-batches."""
+        if self.num_rows < num:
+            raise ValueError(
+                f"This process holds {self.num_rows} rows for {num} micro-batches (steps_per_generation): each needs "
+                "a row. With offline data, use larger groups, more groups per round (generation_batch_size) or fewer "
+                "steps_per_generation."
+            )
+        bounds = [i * self.num_rows // num for i in range(num + 1)]
         out = []
         for i in range(num):
-            part = self._rows(slice(i * rows, (i + 1) * rows)).trim()
+            part = self._rows(slice(bounds[i], bounds[i + 1])).trim()
             out.append({name: getattr(part, name) for name, _ in part._tensors(LOCAL) if name != "is_truncated"})
         return out
 
@@ -176,6 +193,20 @@ class Rollout:
         """Local rows `rows` (gathered fields unchanged)."""
         cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
         return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], **cut)
+
+
+def gather_rows(accelerator, value: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """`gather` along the first dimension when processes hold different row counts (offline groups): each process's
+    rows padded to the most rows with `fill`, gathered, and the padding dropped. Equal counts: plain `gather`."""
+    if accelerator.num_processes == 1:
+        return value
+    counts = gather(torch.tensor([value.shape[0]], device=value.device)).tolist()
+    if len(set(counts)) == 1:
+        return gather(value)
+    # .to: accelerate pads a bool tensor into an int64 one (zeros + fill), which would not gather with the others.
+    padded = accelerator.pad_across_processes(value, dim=0, pad_index=fill).to(value.dtype)
+    everyone, width = gather(padded), padded.shape[0]
+    return torch.cat([everyone[p * width : p * width + count] for p, count in enumerate(counts)])
 
 
 def stack_rows(values: Sequence[torch.Tensor], fill: float, side: str | None) -> torch.Tensor:

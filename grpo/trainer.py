@@ -30,8 +30,8 @@ from grpo.checkpoints import (
     save_state,
 )
 from grpo.config import GRPOConfig
-from grpo.data import check_prompt_dataset
-from grpo.data.sampler import RepeatSampler, eval_sampler, train_sampler
+from grpo.data import check_prompt_dataset, offline
+from grpo.data.sampler import RepeatSampler, eval_sampler, train_batch_size, train_sampler
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import make_generation_backend, sample_rollout
 from grpo.metrics import MetricsWindow
@@ -49,7 +49,7 @@ from grpo.objective.loss import (
 )
 from grpo.objective.reference import ReferenceUpdate, make_reference
 from grpo.rewards.scoring import RewardSet, call_settings
-from grpo.rollout import Rollout
+from grpo.rollout import Rollout, gather_rows
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -82,7 +82,8 @@ class GRPOTrainer(ResumableTrainer):
             `reward_timeout`, `reward_num_workers` and `reward_worker_type` (docs/rewards.md).
         args: a `GRPOConfig`; default `GRPOConfig(output_dir="<model name>-GRPO")`.
         train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
-            column is passed to the reward functions.
+            column is passed to the reward functions. A train_dataset of scored completions (a `completion` column)
+            is trained on without generation, and then reward_funcs may be None (grpo/data/offline.py).
         processing_class: the policy's tokenizer; loaded from the model's path when omitted.
         reward_processing_classes: tokenizers of the reward models, aligned with `reward_funcs` (None entries are
             loaded from each reward model's path).
@@ -98,7 +99,7 @@ class GRPOTrainer(ResumableTrainer):
     def __init__(
         self,
         model: str | os.PathLike | PreTrainedModel,
-        reward_funcs: RewardFunc | list[RewardFunc],
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -113,12 +114,15 @@ class GRPOTrainer(ResumableTrainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
 
+        # Stored, scored completions to train on (grpo/data/offline.py) as a data set of groups; None: prompts.
+        self._offline = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
+        train_dataset = self._offline if self._offline is not None else train_dataset
+        rewards = offline.offline_rewards(self._offline, reward_funcs, reward_processing_classes, args)
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
         )
-
         # Reward functions (reward models loaded from paths, names, weights), split into outcome and process ones.
-        self.rewards = RewardSet(reward_funcs, reward_processing_classes, args.reward_weights)
+        self.rewards = RewardSet(*rewards)
 
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args)
@@ -177,7 +181,8 @@ class GRPOTrainer(ResumableTrainer):
     # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/data/sampler.py) ----
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        return train_sampler(self.args, len(train_dataset if train_dataset is not None else self.train_dataset))
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return train_sampler(self.args, len(dataset), groups=self._offline is not None)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -185,7 +190,7 @@ class GRPOTrainer(ResumableTrainer):
         return self._get_dataloader(
             dataset=self.train_dataset,
             description="Training",
-            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            batch_size=train_batch_size(self.args, self.accelerator.num_processes, groups=self._offline is not None),
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
@@ -246,7 +251,9 @@ class GRPOTrainer(ResumableTrainer):
         return rollout
 
     def _sample(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
-        """Steps 2-3 with `backend` (`sample_rollout`), on this process's device."""
+        """Steps 2-3 with `backend` (`sample_rollout`), on this process's device; offline, the stored completions."""
+        if self._offline is not None and self.model.training:
+            return self._offline.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
         policy = self.accelerator.unwrap_model(self.model)
         rollout, columns = sample_rollout(
             inputs, backend, policy, self.processing_class, self.eos_token_ids, self.args
@@ -275,14 +282,15 @@ class GRPOTrainer(ResumableTrainer):
                 self._metrics[mode], errors, slowest, self.rewards.names, count_errors=skip
             )
         num_outcome = len(self.rewards.outcome_funcs)
-        rewards = self._finite_rewards(gather(scores.rewards.to(device)), self.rewards.names, rollout.num_rows)
+        rewards = self._finite_rewards(scores.rewards.to(device), self.rewards.names, rollout.num_rows)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
         steps = self.accelerator.pad_across_processes(scores.step_rewards.to(device), dim=2, pad_index=torch.nan)
-        steps = self._finite_rewards(gather(steps), self.rewards.names[num_outcome:], rollout.num_rows)
+        steps = self._finite_rewards(steps, self.rewards.names[num_outcome:], rollout.num_rows)
         return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
 
     def _finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int) -> torch.Tensor:
-        """`finite_rewards` (grpo/nonfinite.py), counting the rows it unscored."""
+        """All processes' `rewards` (gathered) through `finite_rewards` (grpo/nonfinite.py), counting rows it unscored."""
+        rewards = gather_rows(self.accelerator, rewards, torch.nan)
         rewards, count = finite_rewards(rewards, names, self.args.nonfinite, self.state.global_step, rows)
         if count:
             self._metrics["train"].add_sum("nonfinite/reward_rows", count)
@@ -291,12 +299,13 @@ class GRPOTrainer(ResumableTrainer):
     def _advantages(self, rollout: Rollout) -> torch.Tensor:
         """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
-        problem = reward_overflow_message(rewards, self.args.num_generations, self.state.global_step)
+        groups = rollout.groups(self.args.num_generations)  # G, or each group's size (offline)
+        problem = reward_overflow_message(rewards, groups, self.state.global_step)
         if problem is not None:
             raise NonFiniteError(problem)
-        weights = self.rewards.process_weights.to(rewards.device)
+        weights, scale = self.rewards.process_weights.to(rewards.device), self.args.scale_rewards
         return mixed_advantages(
-            rewards, rollout.step_rewards, weights, self.args.num_generations, self.args.scale_rewards
+            rewards, rollout.step_rewards, weights, groups, scale, baseline=self.args.offline_baseline
         )
 
     def _dynamic_sampling(self, rollout: Rollout) -> Rollout:
@@ -330,7 +339,7 @@ class GRPOTrainer(ResumableTrainer):
         )
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         with torch.no_grad():
-            if mode == "train" and self._reuses_batches:
+            if mode == "train" and self._reuses_batches and rollout.old_logps is None:  # None: no behaviour log-probs
                 rollout.old_logps, _ = self._logprobs(self.model, rollout.token_inputs(), batch_size=chunk)
             if args.beta != 0:
                 with self._reference() as reference:
@@ -339,17 +348,17 @@ class GRPOTrainer(ResumableTrainer):
             columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
             prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
             self._samples = metrics.sample_records(prompts, completions, columns, advantages)
+        if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
+            offline.save_round(args.output_dir, self.accelerator, rollout, self.rewards, self.state.global_step)
         return rollout
 
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (grpo/metrics.py)."""
         columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
-        lengths = gather(rollout.completion_mask.sum(dim=1))  # (B_global,)
-        truncated = gather(rollout.is_truncated)
-        window = self._metrics[mode]
-        metrics.add_round_metrics(
-            window, lengths, truncated, columns, rewards, self.rewards.names, self.args.num_generations
-        )
+        lengths = gather_rows(self.accelerator, rollout.completion_mask.sum(dim=1))  # (B_global,)
+        truncated = gather_rows(self.accelerator, rollout.is_truncated)
+        window, groups = self._metrics[mode], rollout.groups(self.args.num_generations)
+        metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
             self._num_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))

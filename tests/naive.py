@@ -138,3 +138,31 @@ def naive_mixed_advantages(rewards, rows_per_func, weights, width, num_generatio
         per_token = naive_process_advantages(rows, width, num_generations, scale_rewards, eps)
         out = [[a + weight * p for a, p in zip(row, prow)] for row, prow in zip(out, per_token)]
     return out
+
+
+def naive_grouped_advantages(rewards, group_sizes, scale_rewards="group", eps=1e-4, baseline=None):
+    """Advantages of consecutive groups of different sizes, one group at a time (docs/offline.md): the GRPO formula
+    in each group; a group of one row gets r - baseline (unscaled) when a baseline is given, else 0."""
+    rewards = [float(r) for r in rewards]
+    valid_all = [r for r in rewards if not math.isnan(r)]
+    if len(valid_all) > 1:
+        m = sum(valid_all) / len(valid_all)
+        batch_std = math.sqrt(sum((r - m) ** 2 for r in valid_all) / (len(valid_all) - 1))
+    else:
+        batch_std = 0.0
+    out, start = [], 0
+    for size in group_sizes:
+        group = rewards[start : start + size]
+        start += size
+        if size == 1 and baseline is not None:
+            out.append(0.0 if math.isnan(group[0]) else group[0] - baseline)
+            continue
+        valid = [r for r in group if not math.isnan(r)]
+        if len(valid) <= 1 or max(valid) == min(valid):
+            out += [0.0] * size
+            continue
+        mean = sum(valid) / len(valid)
+        std = math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
+        divisor = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale_rewards]
+        out += [0.0 if math.isnan(r) else (r - mean) / divisor for r in group]
+    return out

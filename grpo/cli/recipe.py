@@ -6,7 +6,8 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
 
     model:    {name_or_path: ...}       or just `model: some/path` (a folder, a hub id, or "smollm2-135m-instruct")
     dataset:  where the prompts come from (a local file, a hub data set or a reasoning-gym task) and how to shape them
-    rewards:  a list of built-in names or `module:function` paths, each optionally with a weight and settings
+    rewards:  a list of built-in names or `module:function` paths, each optionally with a weight and settings (may be
+              empty when the data set holds scored completions: docs/offline.md)
     run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
     peft:     optional LoRA settings ({r: 16, lora_alpha: 32, target_modules: all-linear}): train an adapter only
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
@@ -330,8 +331,8 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
     rewards = raw.get("rewards") or []
     if isinstance(rewards, str | dict):
         rewards = [rewards]
-    if not rewards:
-        raise RecipeError("A recipe needs at least one reward under `rewards:` (e.g. `rewards: [accuracy]`).")
+    # No rewards is valid for a data set of scored completions (offline training, docs/offline.md); for prompts the
+    # trainer refuses it before it loads the model.
     dataset = _dataset_section(raw.get("dataset"))
     if "output_dir" not in config:
         stem = source.stem if source else "grpo"

@@ -68,17 +68,33 @@ class RepeatSampler(Sampler[int]):
                     yield from [index] * self.num_generations
 
 
-def train_sampler(args, num_samples: int) -> RepeatSampler:
+def train_sampler(args, num_samples: int, groups: bool = False) -> RepeatSampler:
     """The training order for a `GRPOConfig`: rounds of `generation_batch_size / G` prompts, each repeated for the
-    `steps_per_generation x num_iterations` micro-steps it feeds."""
+    `steps_per_generation x num_iterations` micro-steps it feeds. With `groups` the samples are stored groups of
+    completions (offline data, grpo/data/offline.py), drawn once each per round instead of G times."""
     return RepeatSampler(
         num_samples=num_samples,
-        num_generations=args.num_generations,
+        num_generations=1 if groups else args.num_generations,
         prompts_per_round=args.generation_batch_size // args.num_generations,
         repeat_count=args.steps_per_generation * args.num_iterations,
         shuffle=args.shuffle_dataset,
         seed=args.seed,
     )
+
+
+def train_batch_size(args, num_processes: int, groups: bool = False) -> int:
+    """One process's loader batch: its rows of a round, or with `groups` (offline data) its whole groups of a round,
+    the round's `generation_batch_size / G` groups split evenly so that no group spans two processes."""
+    if not groups:
+        return args.per_device_train_batch_size * args.steps_per_generation
+    count = args.generation_batch_size // args.num_generations
+    if count % num_processes != 0:
+        raise ValueError(
+            f"Training on stored completions gives each process whole groups, but a round has {count} groups "
+            f"(generation_batch_size / num_generations) for {num_processes} processes. Make it a multiple, e.g. by "
+            "raising per_device_train_batch_size or gradient_accumulation_steps."
+        )
+    return count // num_processes
 
 
 def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:

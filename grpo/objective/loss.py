@@ -10,6 +10,7 @@ each one with a naive loop over the same inputs (tests/naive.py) and with number
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,9 +75,60 @@ def group_advantages(
     return advantages.reshape(-1)
 
 
-def group_reward_stats(rewards: torch.Tensor, num_generations: int) -> dict[str, torch.Tensor]:
+def pad_groups(values: torch.Tensor, group_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive groups of different sizes laid out as equal ones: `values` (B, ...) whose groups are
+    `group_sizes` consecutive rows, padded with NaN rows to the largest group. Returns the padded (N * G_max, ...)
+    tensor and the (N * G_max,) bool mask of the real rows. The group statistics ignore NaN rows, so a function of
+    equal groups applied to the padded tensor and read back at the mask is the same function of the ragged groups."""
+    sizes = [int(s) for s in group_sizes]
+    if sum(sizes) != values.shape[0] or any(s < 1 for s in sizes):
+        raise ValueError(f"group_sizes {sizes} (each >= 1) must add up to the {values.shape[0]} rows of the values")
+    width = max(sizes, default=1)
+    padded = values.new_full((len(sizes) * width, *values.shape[1:]), torch.nan)
+    mask = torch.zeros(len(sizes) * width, dtype=torch.bool, device=values.device)
+    for g, size in enumerate(sizes):
+        mask[g * width : g * width + size] = True
+    padded[mask] = values
+    return padded, mask
+
+
+def _by_groups(group_sizes: Sequence[int], values: torch.Tensor, fn) -> torch.Tensor:
+    """`fn(values, G)`, a function of equal groups of G consecutive rows, for ragged groups: applied to the
+    NaN-padded layout of `pad_groups` and read back at the real rows."""
+    padded, mask = pad_groups(values, group_sizes)
+    return fn(padded, max(int(s) for s in group_sizes))[mask]
+
+
+def grouped_advantages(
+    rewards: torch.Tensor,
+    group_sizes: Sequence[int],
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+    baseline: float | None = None,
+) -> torch.Tensor:
+    """`group_advantages` for consecutive groups of different sizes (offline data: any number of stored completions
+    per prompt). `rewards` (B,), `group_sizes` (N,) adding up to B; the same formula and rules in every group:
+
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
+
+    with "batch" the std of every reward in `rewards`. A group of one row gets A = 0 (its mean is its own reward),
+    or with a fixed `baseline` b, A = r - b, unscaled (a row alone has no spread to divide by); groups of two or more
+    rows never use b. Equal sizes give exactly `group_advantages(rewards, G)`. Returns (B,)."""
+    advantages = _by_groups(group_sizes, rewards, lambda r, g: group_advantages(r, g, scale_rewards, eps))
+    if baseline is None:
+        return advantages
+    sizes = torch.tensor([int(s) for s in group_sizes], device=rewards.device)
+    alone = torch.repeat_interleave(sizes == 1, sizes) & ~torch.isnan(rewards)  # (B,)
+    return torch.where(alone, rewards - baseline, advantages)
+
+
+def group_reward_stats(rewards: torch.Tensor, num_generations: int | Sequence[int]) -> dict[str, torch.Tensor]:
     """Metrics of the reward spread: `reward_std` (mean over groups of the group std) and `frac_reward_zero_std`
-    (fraction of groups whose rewards are all equal, so that they contribute no gradient)."""
+    (fraction of groups whose rewards are all equal, so that they contribute no gradient). `num_generations`: G,
+    or each group's size when they differ (NaN-padded groups give the same statistics)."""
+    if not isinstance(num_generations, int):
+        rewards, _ = pad_groups(rewards, num_generations)
+        num_generations = max(int(s) for s in num_generations)
     _, _, _, std, flat = _group_moments(rewards, num_generations)
     return {"reward_std": std.mean(), "frac_reward_zero_std": flat.float().mean()}
 
@@ -163,7 +215,7 @@ def aggregate(
 
 
 def process_advantages(
-    step_rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+    step_rewards: torch.Tensor, num_generations: int | Sequence[int], scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
     """Token advantages from process (step) rewards (DeepSeekMath, arXiv:2402.03300, section 4.1.3;
     docs/method.md, "Process supervision").
@@ -181,6 +233,8 @@ def process_advantages(
     """
     if step_rewards.dim() != 2:
         raise ValueError(f"step_rewards must be (B, T), got shape {tuple(step_rewards.shape)}")
+    if not isinstance(num_generations, int):  # ragged groups (offline data): NaN rows pad them and count nowhere
+        return _by_groups(num_generations, step_rewards, lambda s, g: process_advantages(s, g, scale_rewards, eps))
     rows, width = step_rewards.shape
     # A group's G rows are G * width consecutive entries of the flattened tensor, so the outcome formula applies to
     # the group's step rewards as they are (NaN entries are ignored and come back as 0).
@@ -193,9 +247,10 @@ def mixed_advantages(
     rewards: torch.Tensor,
     step_rewards: torch.Tensor,
     step_weights: torch.Tensor,
-    num_generations: int,
+    num_generations: int | Sequence[int],
     scale_rewards: str = "group",
     eps: float = 1e-4,
+    baseline: float | None = None,
 ) -> torch.Tensor:
     """Advantages of outcome and process rewards together.
 
@@ -205,8 +260,13 @@ def mixed_advantages(
     row: A_i = 0). A^(k) is `process_advantages` of process function k's step rewards, `step_rewards[:, k]` of
     (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the normalised advantage, not the raw step
     rewards, since group normalisation would cancel a positive scale. Returns (B,) when K = 0, else (B, T).
+    `num_generations` is G, or each group's size when they differ (`grouped_advantages` and its `baseline` for
+    groups of one row, offline data).
     """
-    advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    if isinstance(num_generations, int):
+        advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    else:
+        advantages = grouped_advantages(rewards, num_generations, scale_rewards, eps, baseline)
     if step_rewards.shape[1] == 0:
         return advantages
     advantages = advantages.unsqueeze(1).expand(-1, step_rewards.shape[2])  # (B, T)
