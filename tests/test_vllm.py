@@ -258,10 +258,11 @@ def test_lora_weights_are_merged_before_the_sync(server, model_path, tokenizer, 
     assert _server_greedy(client) == _trainer_greedy(merged)
 
 
-@pytest.fixture(scope="module")
-def lora_server(model_path, tmp_path_factory):
+@pytest.fixture
+def lora_server(model_path, tmp_path):
+    # Stopped after its test: a third engine kept alive beside the later tests' own servers starves them on CPU.
     port = free_port()
-    log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
+    log_path = tmp_path / "lora-server.log"
     process, client = _start_server(model_path, port, log_path, "--enable-lora", "--max-lora-rank", "8")
     yield port, client
     _stop(process)
@@ -325,7 +326,9 @@ def test_a_lora_server_gets_the_adapter_alone_and_generates_with_it(
 
     # Merged weights (a policy that is not a PEFT model) replace the base weights and drop the adapter.
     merged = copy.deepcopy(policy).merge_and_unload()
-    client.update_weights(checkpoint_tensors(merged), version=99, bucket_bytes=1 << 20)
+    pusher = VLLMClient(port=port, group_port=free_port(), timeout=60)
+    pusher.wait_until_ready()
+    pusher.update_weights(checkpoint_tensors(merged), version=99, bucket_bytes=1 << 20)
     assert _server_greedy(client) == _trainer_greedy(merged) == _trainer_greedy(policy)
 
     # A server started without --enable-lora refuses an adapter before any weights move.
@@ -349,6 +352,7 @@ def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, 
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.05)
+        client.group_port = free_port()  # not the default port, which another process may hold
         client.update_weights(checkpoint_tensors(model), version=1, bucket_bytes=1 << 16)
         # Three copies of the prompt: engine 0 gets two, engine 1 one; all answer with the new weights.
         reply = client.generate([PROMPT] * 3, n=1, max_tokens=10, temperature=0.0, logprobs=False)
