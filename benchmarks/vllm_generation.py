@@ -29,8 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.data import render_prompt, tokenize_prompts
 from grpo.generation import TransformersGeneration
+from grpo.generation.vllm_client import VLLMClient
+from grpo.generation.weights import checkpoint_tensors
 from grpo.models import smollm2_path
-from grpo.vllm_client import VLLMClient, checkpoint_tensors
 
 PROMPTS, G, TOKENS = 8, 8, 64
 QUESTIONS = [f"What is {a} + {b}? Answer with the number." for a, b in zip(range(2, 10), range(9, 1, -1))]

@@ -73,7 +73,6 @@ def main():
             publish(staged, final)
 
         grpo.checkpoints.publish = publish_or_die
-        sys.modules["grpo.trainer"].publish = publish_or_die
 
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(24)]})

@@ -13,11 +13,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from grpo.generation.vllm_client import VLLMClient, VLLMServerError
+from grpo.generation.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
+from grpo.generation.vllm_server_mode import VLLMGeneration
+from grpo.generation.weight_sync import check_token, open_group, open_store, receive_weights, send_token, send_weights
+from grpo.generation.weights import checkpoint_tensors
 from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
-from grpo.vllm_client import VLLMClient, VLLMGeneration, VLLMServerError, checkpoint_tensors
-from grpo.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
-from grpo.weight_sync import check_token, open_group, open_store, receive_weights, send_token, send_weights
 from tests.net import free_port, stand_in_server
 
 TOKEN = bytes(range(32))

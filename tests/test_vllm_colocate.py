@@ -22,8 +22,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
+from grpo.generation.vllm_colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from grpo.vllm_colocate import VLLMColocateGeneration  # noqa: E402
 from tests.net import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm

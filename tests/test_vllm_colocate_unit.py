@@ -15,8 +15,8 @@ import torch
 
 from grpo import GRPOConfig
 from grpo.generation import make_generation_backend
+from grpo.generation.vllm_colocate import VLLMColocateGeneration, equal_runs
 from grpo.testing import tiny_model
-from grpo.vllm_colocate import VLLMColocateGeneration, equal_runs
 
 ONE_PROCESS = types.SimpleNamespace(process_index=0, local_process_index=0, num_processes=1)
 TWO_PROCESSES = types.SimpleNamespace(process_index=1, local_process_index=1, num_processes=2)

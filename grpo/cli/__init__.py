@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a vLLM engine over HTTP for GRPOTrainer(use_vllm=True): generation with n completions per "
         "prompt and weight updates from the trainer. Needs vLLM installed in this environment.",
     )
-    from grpo.vllm_server import add_arguments
+    from grpo.generation.vllm_server import add_arguments
 
     add_arguments(serve_parser)
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plot_run(cli.output_dir, cli.out))
         elif cli.command == "vllm-serve":
-            from grpo.vllm_server import serve
+            from grpo.generation.vllm_server import serve
 
             serve(cli)
     except (InputError, FileNotFoundError) as e:

@@ -1,0 +1,107 @@
+"""Sampling completions (steps 2-3 of a round): `sample_rollout` turns dataset rows into a `Rollout` with one
+sampled completion per row, through the backend `make_generation_backend` picks for a config.
+
+Backends implement `GenerationBackend` (base.py): `TransformersGeneration` (model_generate.py, the policy's own
+`generate`), `VLLMGeneration` (vllm_server_mode.py, a `grpo vllm-serve` server, whose HTTP client is vllm_client.py and
+whose server is vllm_server.py) and `VLLMColocateGeneration` (vllm_colocate.py, an engine inside each training
+process). The weights a vLLM engine needs come from weights.py and travel by weight_sync.py (all of them) or
+lora_sync.py (the adapter alone); docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from grpo.data import decode_completions, render_prompt, tokenize_prompts
+from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+from grpo.generation.model_generate import TransformersGeneration
+from grpo.rollout import Rollout
+
+__all__ = [
+    "Completions",
+    "GenerationBackend",
+    "TransformersGeneration",
+    "cut_at_eos",
+    "make_generation_backend",
+    "sample_rollout",
+]
+
+
+def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int]) -> GenerationBackend:
+    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or with `use_vllm` a vLLM server
+    (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md."""
+    sampling = dict(
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    if not args.use_vllm:
+        return TransformersGeneration(
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            generation_kwargs=args.generation_kwargs,
+            **sampling,
+        )
+    if args.vllm_mode == "colocate":
+        from grpo.generation.vllm_colocate import VLLMColocateGeneration
+
+        return VLLMColocateGeneration(
+            accelerator,
+            eos_token_ids=eos_token_ids,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            **sampling,
+        )
+    from grpo.generation.vllm_client import VLLMClient
+    from grpo.generation.vllm_server_mode import VLLMGeneration
+
+    client = VLLMClient(
+        base_url=args.vllm_server_base_url,
+        host=args.vllm_server_host,
+        port=args.vllm_server_port,
+        timeout=args.vllm_server_timeout,
+        group_port=args.vllm_group_port,
+    )
+    return VLLMGeneration(
+        accelerator,
+        client=client,
+        num_generations=args.num_generations,
+        bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+        **sampling,
+    )
+
+
+def sample_rollout(
+    inputs: list[dict[str, Any]], backend: GenerationBackend, model: nn.Module, tokenizer, eos_token_ids, args
+) -> tuple[Rollout, dict[str, list]]:
+    """Steps 2-3 of a round: render and tokenize the prompts of `inputs` (dataset rows), sample one completion per
+    row with `backend`, cut each after its first EOS (kept; a completion without one is truncated) and decode. The
+    rollout is not scored yet. Also returns the rows' other columns, for the reward functions."""
+    if "prompt" not in inputs[0]:
+        raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
+    prompts = [example["prompt"] for example in inputs]
+    columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
+    prompt_ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length)
+    raw = backend.generate(model, prompt_ids)
+    completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
+    sampling_logps = None
+    if raw.logprobs is not None:
+        sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
+    rollout = Rollout.from_tokens(
+        prompts,
+        decode_completions(completion_ids, prompts, tokenizer),
+        prompt_ids,
+        completion_ids,
+        truncated,
+        tokenizer.pad_token_id,
+        mask_truncated=args.mask_truncated_completions,
+        sampling_logps=sampling_logps,
+    )
+    return rollout, columns

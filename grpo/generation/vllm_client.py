@@ -1,0 +1,222 @@
+"""`VLLMClient`: the trainer's HTTP client of `grpo vllm-serve` (grpo/generation/vllm_server.py), and the weight-sync
+communicator it opens with the server.
+
+It speaks the server's API with the standard library only: requests retry with backoff while the server cannot be
+reached, up to `timeout` seconds, then fail with the host, the port and the command that starts a server. The backend
+that uses it is `VLLMGeneration` (grpo/generation/vllm_server_mode.py); vLLM itself is never imported here.
+
+A server started with an API key (docs/vllm.md#security) needs `Authorization: Bearer <key>` on every request: the
+client sends it when it is given `api_key`, or else when GRPO_VLLM_API_KEY is set. Answers are parsed as JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+
+import torch
+
+from grpo.generation import weight_sync
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the server (grpo/generation/vllm_server.py) reads the same variable
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be reached, or refused a request."""
+
+
+class VLLMClient:
+    """Talks to one `grpo vllm-serve` server at `base_url` (or http://host:port).
+
+    Args:
+        timeout: seconds to keep retrying, with backoff, a request the server does not answer (not started yet,
+            restarting, or gone); also the weight-sync group's timeout.
+        group_port: the port of the weight-sync group's store, opened by the server's first worker.
+        api_key: the server's API key, sent as `Authorization: Bearer <key>`; None reads GRPO_VLLM_API_KEY, and
+            "" (or the variable unset or empty) sends no key.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        timeout: float = 240.0,
+        group_port: int = 51216,
+        api_key: str | None = None,
+    ):
+        self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
+        self.host = urllib.parse.urlsplit(self.base_url).hostname
+        self.port = urllib.parse.urlsplit(self.base_url).port or 80
+        self.timeout = timeout
+        self.group_port = group_port
+        self.group = None
+        self.info: dict | None = None
+        api_key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:  # never the key
+        return f"VLLMClient({self.base_url!r}, api_key={'set' if 'Authorization' in self.headers else 'unset'})"
+
+    def _unreachable(self, waited: float, error: Exception) -> VLLMServerError:
+        return VLLMServerError(
+            f"No vLLM server answered at {self.base_url} (host {self.host}, port {self.port}) within {waited:.0f} s "
+            f"({error}). Start one with `grpo vllm-serve --model <the policy's model> --host {self.host} "
+            f"--port {self.port}` (docs/vllm.md), or point the trainer at it with vllm_server_base_url, or "
+            f"vllm_server_host and vllm_server_port; vllm_server_timeout sets how long to wait."
+        )
+
+    def _unauthorized(self, path: str, detail: str) -> VLLMServerError:
+        sent = "refused the API key this client sent" if "Authorization" in self.headers else "got no API key"
+        return VLLMServerError(
+            f"The vLLM server at {self.base_url} requires an API key and {sent} ({path} answered 401: {detail}). "
+            f"Set the environment variable {API_KEY_ENV} in the trainer's environment to the key the server was "
+            f"started with (its --api-key or {API_KEY_ENV}); docs/vllm.md#security."
+        )
+
+    def request(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
+        """GET (no payload) or POST `path`; returns the JSON answer. Connection failures are retried with backoff
+        for `timeout` seconds when `retry`; an answer with an error status raises at once with its message."""
+        data = None if payload is None else json.dumps(payload).encode()
+        start, delay = time.monotonic(), 0.25
+        while True:
+            http = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
+            try:
+                # No read timeout: a generation may take long; a dead server closes the connection instead.
+                with urllib.request.urlopen(http) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")
+                if e.code == 401:
+                    raise self._unauthorized(path, detail) from None
+                raise VLLMServerError(f"vLLM server {self.base_url}{path} answered {e.code}: {detail}") from None
+            except (urllib.error.URLError, ConnectionError, OSError) as e:
+                waited = time.monotonic() - start
+                if not retry or waited >= self.timeout:
+                    raise self._unreachable(waited, getattr(e, "reason", e)) from None
+                time.sleep(min(delay, max(self.timeout - waited, 0.0)))
+                delay = min(delay * 2, 5.0)
+
+    def wait_until_ready(self) -> dict:
+        """The server's /health answer, once it answers (at most `timeout` seconds)."""
+        self.info = self.request("/health")
+        return self.info
+
+    def generate(self, prompts: list[list[int]], n: int, **sampling) -> dict:
+        """`n` completions for each token-id prompt, grouped by prompt: {"completion_ids", "logprobs",
+        "weights_version"}. `sampling`: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed."""
+        return self.request("/generate", {"prompts": prompts, "n": n, **sampling})
+
+    def reset_prefix_cache(self) -> None:
+        self.request("/reset_prefix_cache", {})
+
+    def _while_posting(self, path: str, payload: dict, work):
+        """POST `path` in a thread while this thread runs `work()`: the server's side of a collective (opening the
+        group, receiving a broadcast) answers only once the trainer's side has joined it."""
+        reply: dict = {}
+
+        def post():
+            try:
+                reply["value"] = self.request(path, payload, retry=False)
+            except Exception as e:  # re-raised below, in the caller's thread
+                reply["error"] = e
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        try:
+            work()
+        except Exception:
+            thread.join(timeout=5)
+            if "error" in reply:  # the server's reason is the useful one
+                raise reply["error"] from None
+            raise
+        thread.join()
+        if "error" in reply:
+            raise reply["error"]
+        return reply["value"]
+
+    def _device(self) -> torch.device:
+        """Where this process's side of the weight-sync group keeps its tensors: NCCL needs them on the GPU."""
+        cuda = self.info["device"] == "cuda"
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def init_communicator(self) -> None:
+        """Open the weight-sync group: this process is rank 0, the server's workers ranks 1..N. A fresh random
+        token goes in the (authenticated) request and is then broadcast over the group; the workers keep the group
+        only if the two agree, so a stranger who reached the store's port first cannot push weights."""
+        info = self.info or self.wait_until_ready()
+        world_size = info["weight_sync_world_size"]
+        backend = "nccl" if info["device"] == "cuda" else "gloo"
+        token = secrets.token_bytes(weight_sync.TOKEN_BYTES)
+
+        def join():
+            group = weight_sync.open_group(self.host, self.group_port, 0, world_size, backend, self.timeout)
+            weight_sync.send_token(group, token, self._device())
+            self.group = group
+
+        payload = {"port": self.group_port, "timeout": self.timeout, "token": token.hex()}
+        try:
+            self._while_posting("/init_communicator", payload, join)
+        except Exception:
+            self.group = None  # the server refused or dropped the group (a failed handshake, for one)
+            raise
+
+    def update_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int,
+        adapter_config: dict | None = None,
+    ) -> dict:
+        """Send every (checkpoint name, tensor) in buckets of about `bucket_bytes`, cast to the server's dtype; the
+        server loads them and resets its prefix cache. `version` tags the weights (the trainer's step); the
+        server's generations report it. With `adapter_config` (the JSON of a LoraConfig) the tensors are a LoRA
+        adapter under PEFT's names, which the server (started with --enable-lora) serves over its base model from
+        then on. Returns {"buckets", "tensors", "bytes", "seconds"}."""
+        if self.group is None:
+            self.init_communicator()
+        device = self._device()
+        dtype = weight_sync.parse_dtype(self.info["dtype"])
+        start, sent = time.perf_counter(), {"tensors": 0}
+
+        def counted():
+            for item in tensors:
+                sent["tensors"] += 1
+                yield item
+
+        def send():
+            sent["buckets"], sent["bytes"] = weight_sync.send_weights(
+                self.group, counted(), bucket_bytes, device, dtype
+            )
+
+        payload = {"version": version} if adapter_config is None else {"version": version, "adapter": adapter_config}
+        try:
+            self._while_posting("/update_weights", payload, send)
+        except Exception:
+            # A broadcast cut short leaves the group out of step: drop it; the next update opens a new one.
+            self._drop_group()
+            raise
+        return {**sent, "seconds": time.perf_counter() - start}
+
+    def close_communicator(self) -> None:
+        if self.group is not None:
+            self.group = None
+            self.request("/close_communicator", {}, retry=False)
+
+    def _drop_group(self) -> None:
+        try:
+            self.close_communicator()
+        except VLLMServerError:
+            pass  # the server is gone or broken; the caller reports the original error

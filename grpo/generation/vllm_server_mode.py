@@ -1,0 +1,139 @@
+"""`VLLMGeneration`: the trainer's `GenerationBackend` on a `grpo vllm-serve` server (`vllm_mode="server"`).
+
+The main process sends the round's unique prompts once each with n = G, and pushes the policy's weights to the
+server before a generation whenever an optimizer step has changed them: merged weights, or the LoRA adapter alone
+when the server was started with --enable-lora (docs/vllm.md). vLLM itself is never imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from grpo.generation import lora_sync
+from grpo.generation.base import Completions, vllm_sampling
+from grpo.generation.vllm_client import VLLMClient, VLLMServerError
+from grpo.generation.weights import adapter_tensors, checkpoint_tensors
+from grpo.models import is_peft_model
+
+logger = logging.getLogger(__name__)
+
+
+def _mode_note(mode: str, is_peft: bool, info: dict) -> str:
+    """The one log line that says what each sync sends, and why."""
+    if mode == "adapter":
+        return "the LoRA adapter alone (the server was started with --enable-lora)"
+    if is_peft:
+        return "merged weights (the server was started without --enable-lora; with it, the adapter alone is sent)"
+    return "the full weights (the policy is not a PEFT model)"
+
+
+class VLLMGeneration:
+    """`GenerationBackend` on a `grpo vllm-serve` server (`use_vllm=True`).
+
+    Every process hands in its rows; the main process sends each group's prompt once with n = G (the engine shares
+    the prompt's prefill among the G samples), then every process takes its rows of the answer. Weights go to the
+    server in `sync_weights`, from the main process; sharded weights are gathered by all processes together.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        *,
+        client: VLLMClient,
+        num_generations: int,
+        max_completion_length: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float | None,
+        repetition_penalty: float,
+        bucket_bytes: int,
+    ):
+        self.accelerator = accelerator
+        self.client = client
+        self.num_generations = num_generations
+        self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
+        self.bucket_bytes = bucket_bytes
+        self.synced_version: int | None = None  # the trainer step whose weights the server holds
+        self.last_sync: dict | None = None  # {"mode", "buckets", "tensors", "bytes", "seconds"} of the latest sync
+        self.mode: str | None = None  # "merged" or "adapter", chosen at the first sync
+        if accelerator.is_main_process:
+            client.wait_until_ready()
+
+    def _choose_mode(self, model: nn.Module) -> str:
+        """The main process picks the sync mode from the model and the server's /health (`sync_mode`), logs it, and
+        tells the other processes, which gather sharded weights in step with it. An adapter the server cannot take
+        is an error on every process."""
+        from accelerate.utils import broadcast_object_list
+
+        choice = [None]
+        if self.accelerator.is_main_process:
+            info, peft = self.client.info, is_peft_model(model)
+            mode = lora_sync.sync_mode(peft, info)
+            problems = []
+            if mode == "adapter":
+                config = model.peft_config[model.active_adapters[0]]
+                problems = lora_sync.adapter_problems(config, info["max_lora_rank"], model.active_adapters)
+            choice = [(mode, lora_sync.adapter_error(problems, self.client.base_url) if problems else None)]
+            if not problems:
+                logger.info("vLLM weight sync: %s", _mode_note(mode, peft, info))
+        mode, error = broadcast_object_list(choice, from_process=0)[0]
+        if error:
+            raise ValueError(error)
+        return mode
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Push `model`'s weights unless the server already holds those of step `version`: merged, or the LoRA
+        adapter alone when the server serves adapters (`lora_sync.sync_mode`). All processes call it."""
+        if version == self.synced_version:
+            return
+        if self.mode is None:
+            self.mode = self._choose_mode(model)
+        adapter = self.mode == "adapter"
+        tensors = adapter_tensors(model) if adapter else checkpoint_tensors(model)
+        if self.accelerator.is_main_process:
+            config = lora_sync.adapter_config(model.peft_config[model.active_adapters[0]]) if adapter else None
+            try:
+                sync = self.client.update_weights(tensors, version, self.bucket_bytes, adapter_config=config)
+            except VLLMServerError as e:
+                if not adapter:
+                    raise
+                raise VLLMServerError(
+                    f"{e}. The server could not load the LoRA adapter; restart it without --enable-lora to sync "
+                    "merged weights instead (docs/vllm.md#lora-merged-or-adapter-sync)."
+                ) from None
+            self.last_sync = {"mode": self.mode, **sync}
+        else:
+            for _ in tensors:  # take part in gathering sharded weights
+                pass
+        self.accelerator.wait_for_everyone()
+        self.synced_version = version
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        rows = gather_object(prompt_ids)  # every process's rows, in process order
+        G, answer = self.num_generations, [None]
+        if self.accelerator.is_main_process:
+            groups = [rows[i : i + G] for i in range(0, len(rows), G)]
+            if len(rows) % G or any(row != group[0] for group in groups for row in group):
+                raise ValueError(f"prompt rows do not come as groups of {G} equal consecutive rows")
+            # A fresh seed per call from torch's generator, seeded by `args.seed` and saved in checkpoints: runs are
+            # reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share samples.
+            seed = int(torch.randint(2**31 - 1, ()))
+            reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
+            if reply["weights_version"] != self.synced_version:
+                raise VLLMServerError(
+                    f"The vLLM server at {self.client.base_url} holds weights of version {reply['weights_version']} "
+                    f"(None: as loaded from disk), not the trainer's step {self.synced_version}: it was restarted, or "
+                    "another trainer updates it. Give each trainer its own server, and restart training from a "
+                    "checkpoint after a server restart."
+                )
+            answer = [(reply["completion_ids"], reply["logprobs"])]
+        answer = broadcast_object_list(answer, from_process=0)
+        ids, logprobs = answer[0]
+        start = self.accelerator.process_index * len(prompt_ids)
+        return Completions(ids[start : start + len(prompt_ids)], logprobs[start : start + len(prompt_ids)])
