@@ -257,3 +257,25 @@ def test_config_refuses_what_the_server_cannot_do():
         GRPOConfig(output_dir="/tmp/x", use_vllm=True, generation_kwargs={"typical_p": 0.9}, report_to=[])
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
         GRPOConfig(output_dir="/tmp/x", vllm_importance_sampling_mode="token", report_to=[])
+
+
+def test_generate_jobs_keep_each_prompts_seed_wherever_it_runs():
+    from grpo.generation.vllm_server import _generate_jobs
+
+    jobs = _generate_jobs([[1], [2], [3]], seed=10, n=4, num_engines=2, sampling={"n": 4})
+    assert [job["prompts"] for job in jobs] == [[[1], [2]], [[3]]]
+    assert [job["seeds"] for job in jobs] == [[10, 14], [18]]  # prompt i: seed + i * n, on any engine
+    assert all(job["n"] == 4 for job in jobs)
+    # More engines than prompts: the idle engines get no job; no seed: vLLM's own.
+    jobs = _generate_jobs([[1]], seed=None, n=2, num_engines=3, sampling={})
+    assert jobs == [{"prompts": [[1]], "seeds": [None]}]
+
+
+def test_adapter_refusal():
+    from grpo.generation.vllm_server import _adapter_refusal
+
+    assert _adapter_refusal(None, lora_enabled=False) is None
+    assert _adapter_refusal({"peft_type": "LORA"}, lora_enabled=True) is None
+    status, detail = _adapter_refusal({"peft_type": "LORA"}, lora_enabled=False)
+    assert status == 409 and "--enable-lora" in detail
+    assert _adapter_refusal({"peft_type": "IA3"}, lora_enabled=True)[0] == 422

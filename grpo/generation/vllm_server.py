@@ -38,6 +38,8 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -115,29 +117,38 @@ def _resolve_model(name: str) -> str:
     return str(smollm2_path()) if name == SMOLLM2_NAME else name
 
 
-def _engine_main(conn, engine_kwargs: dict, env: dict, adapter_dir: str | None = None) -> None:
-    """Run one `vllm.LLM` and answer (command, kwargs) messages on `conn` until the pipe closes. With LoRA enabled,
-    the adapters it receives are written under `adapter_dir`, one directory per sync, the older one removed."""
-    os.environ.update(env)
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+class _Engine:
+    """One `vllm.LLM` and the LoRA adapter its generations use (None: the base model). With LoRA enabled, the
+    adapters it receives are written under `adapter_dir`, one directory per sync, the older one removed."""
 
-    llm = LLM(
-        model=_resolve_model(engine_kwargs.pop("model")),
-        worker_extension_cls=f"{__name__}.WeightSyncWorker",
-        # Log-probs after temperature (and penalties): the distribution the tokens were drawn from, which is
-        # what the trainer's importance-sampling correction compares with.
-        logprobs_mode="processed_logprobs",
-        enable_prefix_caching=True,
-        **engine_kwargs,
-    )
-    config = llm.llm_engine.vllm_config
-    lora: dict[str, Any] = {"request": None, "next_id": 1}  # the adapter every generation uses (None: base model)
+    def __init__(self, engine_kwargs: dict, adapter_dir: str | None):
+        from vllm import LLM
 
-    def generate(prompts, seeds, n, logprobs, **sampling):
+        self.llm = LLM(
+            model=_resolve_model(engine_kwargs.pop("model")),
+            worker_extension_cls=f"{__name__}.WeightSyncWorker",
+            # Log-probs after temperature (and penalties): the distribution the tokens were drawn from, which is
+            # what the trainer's importance-sampling correction compares with.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **engine_kwargs,
+        )
+        self.adapter_dir, self.lora_request, self.next_lora_id = adapter_dir, None, 1
+
+    def info(self) -> dict:
+        config = self.llm.llm_engine.vllm_config
+        return {
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "device": config.device_config.device_type,
+            "max_model_len": config.model_config.max_model_len,
+        }
+
+    def generate(self, prompts, seeds, n, logprobs, **sampling) -> dict:
+        from vllm import SamplingParams
+
         params = [SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds]
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora["request"]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
         )
         ids, logps = [], []
         for output in outputs:
@@ -147,54 +158,53 @@ def _engine_main(conn, engine_kwargs: dict, env: dict, adapter_dir: str | None =
                     logps.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
         return {"completion_ids": ids, "logprobs": logps if logprobs else None}
 
-    def update_weights(adapter=None):
+    def update_weights(self, adapter: dict | None = None) -> None:
         if adapter is None:
-            llm.collective_rpc("receive_weights")
-            drop_adapter()  # new base weights: an adapter trained on the old ones no longer applies
+            self.llm.collective_rpc("receive_weights")
+            self.drop_adapter()  # new base weights: an adapter trained on the old ones no longer applies
         else:
-            update_adapter(adapter)
-        llm.reset_prefix_cache()
+            self.update_adapter(adapter)
+        self.llm.reset_prefix_cache()
 
-    def update_adapter(adapter: dict):
+    def update_adapter(self, adapter: dict) -> None:
         """Receive the adapter into a new directory and load it under a new id, so that vLLM, which caches
         adapters by id, cannot serve the older one; loading now (not at the next generation) makes a sync that
         vLLM refuses fail here, with vLLM's reason."""
-        lora_id = lora["next_id"]
-        lora["next_id"] += 1
-        path = os.path.join(adapter_dir, f"adapter-{lora_id}")
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self.next_lora_id
+        self.next_lora_id += 1
+        path = os.path.join(self.adapter_dir, f"adapter-{lora_id}")
         try:
-            llm.collective_rpc("receive_adapter", kwargs={"path": path, "config": adapter})
+            self.llm.collective_rpc("receive_adapter", kwargs={"path": path, "config": adapter})
             request = LoRARequest(f"grpo-{lora_id}", lora_id, path)
-            llm.llm_engine.add_lora(request)
+            self.llm.llm_engine.add_lora(request)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        drop_adapter()
-        lora["request"] = request
+        self.drop_adapter()
+        self.lora_request = request
 
-    def drop_adapter():
-        if lora["request"] is not None:
-            llm.llm_engine.remove_lora(lora["request"].lora_int_id)
-            shutil.rmtree(lora["request"].lora_path, ignore_errors=True)
-            lora["request"] = None
+    def drop_adapter(self) -> None:
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+            self.lora_request = None
 
+
+def _engine_main(conn, engine_kwargs: dict, env: dict, adapter_dir: str | None = None) -> None:
+    """Run one engine (`_Engine`) and answer (command, kwargs) messages on `conn` until the pipe closes."""
+    os.environ.update(env)
+    engine = _Engine(engine_kwargs, adapter_dir)
+    llm = engine.llm
     handlers = {
-        "generate": generate,
-        "update_weights": update_weights,
+        "generate": engine.generate,
+        "update_weights": engine.update_weights,
         "reset_prefix_cache": lambda: llm.reset_prefix_cache(),
         "open_weight_group": lambda **kw: llm.collective_rpc("open_weight_group", kwargs=kw),
         "close_weight_group": lambda: llm.collective_rpc("close_weight_group"),
     }
-    conn.send(
-        (
-            "ok",
-            {
-                "dtype": str(config.model_config.dtype).removeprefix("torch."),
-                "device": config.device_config.device_type,
-                "max_model_len": config.model_config.max_model_len,
-            },
-        )
-    )
+    conn.send(("ok", engine.info()))
     while True:
         try:
             command, kwargs = conn.recv()
@@ -346,13 +356,9 @@ def _split(items: list, parts: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
-def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key: str | None = None):
-    """The FastAPI application over `engines`; `settings` is what /health reports besides the engines' info, `host`
-    the address the server (and so the weight-sync store) listens on, `api_key` the key every request must carry
-    (None: no key). (This module has no `from __future__ import annotations`: FastAPI reads the request models from
-    the handlers' annotations, which must be real classes, not strings naming locals.)"""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import JSONResponse
+def _request_models():
+    """The request bodies (`GenerateRequest`, `InitRequest`, `UpdateRequest`), strict: an unknown field is refused.
+    Built on call, since pydantic is a dependency of the server only."""
     from pydantic import BaseModel, ConfigDict, Field
 
     class Strict(BaseModel):
@@ -383,21 +389,60 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
         # A LoraConfig's JSON: the tensors are this LoRA adapter (PEFT's names), not merged weights.
         adapter: dict[str, Any] | None = None
 
+    return GenerateRequest, InitRequest, UpdateRequest
+
+
+def _require_key(app, api_key: str) -> None:
+    """Refuse every request without `Authorization: Bearer <api_key>` (401). A middleware, not a per-route
+    dependency: it also covers /docs, /openapi.json and unknown paths."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if not authorized(request.headers.get("authorization"), api_key):
+            reason = "no API key was sent" if "authorization" not in request.headers else "wrong API key"
+            return JSONResponse(
+                status_code=401,
+                content={"detail": f"{reason}: {UNAUTHORIZED}"},
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await call_next(request)
+
+
+def _generate_jobs(prompts: list, seed: int | None, n: int, num_engines: int, sampling: dict) -> list[dict]:
+    """One /generate request cut into the engines' shares. Seeds are per prompt, from its index in the request, so
+    the split among engines does not change them (vLLM gives the n samples of a prompt seeds seed ... seed + n - 1);
+    engines with no prompt of their own (fewer prompts than engines) get no job."""
+    seeds = [None if seed is None else seed + i * n for i in range(len(prompts))]
+    jobs = zip(_split(prompts, num_engines), _split(seeds, num_engines))
+    return [{"prompts": p, "seeds": s, **sampling} for p, s in jobs if p]
+
+
+def _adapter_refusal(adapter: dict | None, lora_enabled: bool) -> tuple[int, str] | None:
+    """(status, detail) when an /update_weights request's adapter cannot be served, else None."""
+    if adapter is not None and not lora_enabled:
+        return 409, (
+            "this server was started without --enable-lora, so it takes merged weights only: restart it with "
+            "--enable-lora to send a LoRA adapter"
+        )
+    if adapter is not None and adapter.get("peft_type") != "LORA":
+        return 422, "adapter: only LoRA adapters (peft_type 'LORA') are served"
+    return None
+
+
+def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key: str | None = None):
+    """The FastAPI application over `engines`; `settings` is what /health reports besides the engines' info, `host`
+    the address the server (and so the weight-sync store) listens on, `api_key` the key every request must carry
+    (None: no key). (This module has no `from __future__ import annotations`: FastAPI reads the request models from
+    the handlers' annotations, which must be real classes, not strings naming locals.)"""
+    from fastapi import FastAPI, HTTPException
+
+    GenerateRequest, InitRequest, UpdateRequest = _request_models()
     app = FastAPI(title="grpo vllm-serve")
-
     if api_key:
-        # A middleware, not a per-route dependency: it also covers /docs, /openapi.json and unknown paths.
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if not authorized(request.headers.get("authorization"), api_key):
-                reason = "no API key was sent" if "authorization" not in request.headers else "wrong API key"
-                return JSONResponse(
-                    status_code=401,
-                    content={"detail": f"{reason}: {UNAUTHORIZED}"},
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            return await call_next(request)
-
+        _require_key(app, api_key)
+    num_workers = len(engines.conns) * engines.tensor_parallel_size
     # The weight-sync group's size once open; the version of the weights loaded (None: the model's own from disk).
     state: dict[str, Any] = {"world_size": None, "weights_version": None}
 
@@ -413,27 +458,15 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
 
     @app.get("/health")
     def health():
-        return {"status": "ok", **settings, **engines.info, "weight_sync_world_size": 1 + _num_workers()}
-
-    def _num_workers() -> int:
-        return len(engines.conns) * engines.tensor_parallel_size
+        return {"status": "ok", **settings, **engines.info, "weight_sync_world_size": 1 + num_workers}
 
     @app.post("/generate")
     def generate(request: GenerateRequest):
         if any(not prompt for prompt in request.prompts):
             raise HTTPException(status_code=422, detail="every prompt needs at least one token id")
         sampling = request.model_dump(exclude={"prompts", "seed"})
-        # Seeds are per prompt, from its index in the request, so the split among engines does not change them;
-        # vLLM gives the n samples of a prompt seeds seed, seed + 1, ..., seed + n - 1.
-        seeds = [None if request.seed is None else request.seed + i * request.n for i in range(len(request.prompts))]
-        # Engines with no prompt of their own (fewer prompts than engines) get no request.
-        per_engine = [
-            {"prompts": p, "seeds": s, **sampling}
-            for p, s in zip(_split(request.prompts, len(engines.conns)), _split(seeds, len(engines.conns)))
-            if p
-        ]
-        detail = f"{len(request.prompts)} prompts x n={request.n} "
-        results = run("generate", "generate", detail, per_engine=per_engine)
+        jobs = _generate_jobs(request.prompts, request.seed, request.n, len(engines.conns), sampling)
+        results = run("generate", "generate", f"{len(request.prompts)} prompts x n={request.n} ", per_engine=jobs)
         return {
             "weights_version": state["weights_version"],
             "completion_ids": [ids for result in results for ids in result["completion_ids"]],
@@ -442,40 +475,20 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
 
     @app.post("/init_communicator")
     def init_communicator(request: InitRequest):
-        world_size = 1 + _num_workers()
-        backend = "nccl" if engines.info["device"] == "cuda" else "gloo"
-        per_engine = [
-            {
-                # Rank 1 hosts the store on the server's own address; the trainer dials in there.
-                "host": host,
-                "port": request.port,
-                "first_rank": 1 + rank * engines.tensor_parallel_size,
-                "world_size": world_size,
-                "backend": backend,
-                "timeout": request.timeout,
-                "token": request.token,
-            }
-            for rank in range(len(engines.conns))
-        ]
-        run(
-            "init_communicator",
-            "open_weight_group",
-            f"world_size={world_size} backend={backend} ",
-            per_engine=per_engine,
-        )
+        world_size, backend = 1 + num_workers, "nccl" if engines.info["device"] == "cuda" else "gloo"
+        # Rank 1 hosts the store on the server's own address; the trainer dials in there.
+        group = {"host": host, "port": request.port, "world_size": world_size, "backend": backend}
+        group |= {"timeout": request.timeout, "token": request.token}
+        jobs = [{**group, "first_rank": 1 + rank * engines.tensor_parallel_size} for rank in range(len(engines.conns))]
+        run("init_communicator", "open_weight_group", f"world_size={world_size} backend={backend} ", per_engine=jobs)
         state["world_size"] = world_size
         return {"world_size": world_size, "backend": backend}
 
     @app.post("/update_weights")
     def update_weights(request: UpdateRequest):
-        if request.adapter is not None and not settings.get("lora"):
-            raise HTTPException(
-                status_code=409,
-                detail="this server was started without --enable-lora, so it takes merged weights only: restart it "
-                "with --enable-lora to send a LoRA adapter",
-            )
-        if request.adapter is not None and request.adapter.get("peft_type") != "LORA":
-            raise HTTPException(status_code=422, detail="adapter: only LoRA adapters (peft_type 'LORA') are served")
+        refusal = _adapter_refusal(request.adapter, bool(settings.get("lora")))
+        if refusal is not None:
+            raise HTTPException(status_code=refusal[0], detail=refusal[1])
         if state["world_size"] is None:
             raise HTTPException(status_code=409, detail="no weight-sync group is open: POST /init_communicator first")
         state["weights_version"] = None  # a failed update leaves the weights half old, half new
@@ -552,6 +565,9 @@ def serve(args) -> None:
     )
     if warning:
         logger.warning(warning)
+    # uvicorn re-raises a SIGTERM it caught once it has shut down, which would kill the process before the cleanup
+    # below; as SystemExit it runs (engines stopped, the private adapter folder removed).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         app = build_app(engines, settings, host=args.host, api_key=api_key)
         uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="warning")
