@@ -1,0 +1,128 @@
+"""GRPO under FSDP2 (torch `fully_shard`, accelerate's FSDP plugin version 2) on two CPU processes over gloo.
+
+    ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
+        tests/fsdp_update.py OUT
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
+        tests/fsdp_update.py OUT --unpatched       # what accelerate picks by itself: MULTI_CPU (DDP)
+
+Saves, for tests/test_fsdp.py: per loss type the parameters after 3 plain-SGD steps on scripted completions (gathered
+whole), the logged losses and what really ran (distributed type, parameter class); `checkpoint_tensors` of a freshly
+sharded model; and the losses of a short run that samples with the policy's own `model.generate`.
+
+accelerate 1.15 never selects FSDP on CPU: `PartialState._prepare_backend` gives CPU processes
+`DistributedType.MULTI_CPU`, and `AcceleratorState` turns on the FSDP plugin only for the accelerator types
+(MULTI_GPU, MULTI_XPU, ...), so the config's FSDP section is silently dropped and the processes run DDP (with
+ACCELERATE_USE_CPU=1) or train alone (without). `route_fsdp_to_cpu` patches that one routing decision: the processes
+report MULTI_GPU with the gloo backend, and ACCELERATE_TORCH_DEVICE=cpu keeps every tensor on the CPU. Everything after
+it (fully_shard, the trainer, the optimizer, the gathers) is the unpatched code."""
+
+import sys
+
+import torch
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.generation.weights import checkpoint_tensors
+from grpo.testing import tiny_model, tiny_tokenizer
+from tests.scripted import TINY, ScriptedGeneration, reward_len
+
+LOSS_TYPES = ("grpo", "dapo")
+STEPS = 3
+
+
+def route_fsdp_to_cpu():
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        return "gloo", DistributedType.MULTI_GPU
+
+    PartialState._prepare_backend = prepare_backend
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+
+
+def prompts(n=16):
+    return Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(n)]})
+
+
+def trained(output_dir, per_device, scripted=True, **config):
+    """(parameters after training, trainer): plain SGD (no clipping, so a scale error shows), the KL term on (a frozen
+    reference), STEPS optimizer steps; completions scripted unless `scripted` is False (then `model.generate`)."""
+    tokenizer = tiny_tokenizer()
+    settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        **{**TINY, **settings, "beta": 0.04, "per_device_train_batch_size": per_device, **config},
+    )
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=prompts(), processing_class=tokenizer
+    )
+    if scripted:
+        offset = trainer.accelerator.process_index * args.per_device_train_batch_size * args.steps_per_generation
+        trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
+    trainer.train()
+    return {n: whole(p) for n, p in trainer.model.named_parameters()}, trainer
+
+
+def describe(trainer):
+    """What really ran: the distributed type, the classes of the policy's and the reference's parameters, the
+    process count and the logged losses."""
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "param_class": type(next(trainer.model.parameters())).__name__,
+        "ref_param_class": type(next(trainer.ref_model.parameters())).__name__,
+        "world_size": trainer.accelerator.num_processes,
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+    }
+
+
+def sharded_checkpoint_tensors():
+    """(checkpoint_tensors of the tiny model sharded by accelerate's FSDP2 preparation, of the same model unwrapped,
+    the class of the sharded parameters, the local shard's rows of the embedding)."""
+    from accelerate import Accelerator
+
+    tokenizer = tiny_tokenizer()
+    plain = dict(checkpoint_tensors(tiny_model(tokenizer)))
+    accelerator = Accelerator()
+    model = tiny_model(tokenizer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    embedding = model.get_input_embeddings().weight
+    sharded = dict(checkpoint_tensors(model))
+    return {
+        "plain": plain,
+        "sharded": sharded,
+        "class": type(embedding).__name__,
+        "rows": embedding.to_local().shape[0],
+    }
+
+
+def unpatched_distributed_type():
+    """The distributed type accelerate itself picks for the FSDP2 config on CPU (no `route_fsdp_to_cpu`)."""
+    from accelerate import Accelerator
+
+    return str(Accelerator().distributed_type)
+
+
+if __name__ == "__main__":
+    out_file = sys.argv[1]
+    if sys.argv[2:] == ["--unpatched"]:
+        kind = unpatched_distributed_type()
+        if torch.distributed.get_rank() == 0:
+            torch.save(kind, out_file)
+        torch.distributed.destroy_process_group()
+        sys.exit()
+    route_fsdp_to_cpu()
+    results = {}
+    for loss_type in LOSS_TYPES:
+        params, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
+        results[loss_type] = (params, describe(trainer))
+    results["checkpoint_tensors"] = sharded_checkpoint_tensors()
+    _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2)
+    results["generate"] = describe(trainer)
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out_file)
+    torch.distributed.destroy_process_group()
