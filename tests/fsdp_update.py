@@ -7,7 +7,8 @@
 
 Saves, for tests/test_fsdp.py: per loss type the parameters after 3 plain-SGD steps on scripted completions (gathered
 whole), the logged losses and what really ran (distributed type, parameter class); `checkpoint_tensors` of a freshly
-sharded model; and the losses of a short run that samples with the policy's own `model.generate`.
+sharded model; the losses of a short run that samples with the policy's own `model.generate`; and `generate` on
+processes that stop after different numbers of tokens.
 
 accelerate 1.15 never selects FSDP on CPU: `PartialState._prepare_backend` gives CPU processes
 `DistributedType.MULTI_CPU`, and `AcceleratorState` turns on the FSDP plugin only for the accelerator types
@@ -100,6 +101,30 @@ def sharded_checkpoint_tensors():
     }
 
 
+def uneven_generate():
+    """[(new tokens, sum over processes of rank + 1 taken right after)] per process, when process r's `generate`
+    on the sharded model stops after 2 + 4 r tokens (as when one process's rows all reach EOS first). Each decoding
+    step all-gathers the shards, so a process that stops early must keep joining the others' steps (transformers
+    turns `synced_gpus` on for modules `fully_shard` marks); otherwise this hangs or the sum is wrong."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    model = tiny_model(tiny_tokenizer())
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rank = accelerator.process_index
+    ids = torch.tensor([[5, 6, 7]])
+    new = 2 + 4 * rank
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    total = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(total)
+    everyone = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(everyone, (out.shape[1] - ids.shape[1], total.item()))
+    return everyone
+
+
 def unpatched_distributed_type():
     """The distributed type accelerate itself picks for the FSDP2 config on CPU (no `route_fsdp_to_cpu`)."""
     from accelerate import Accelerator
@@ -123,6 +148,7 @@ if __name__ == "__main__":
     results["checkpoint_tensors"] = sharded_checkpoint_tensors()
     _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2)
     results["generate"] = describe(trainer)
+    results["uneven_generate"] = uneven_generate()
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
     torch.distributed.destroy_process_group()

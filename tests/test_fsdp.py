@@ -94,3 +94,10 @@ def test_fsdp2_trains_with_model_generate(fsdp2):
     info = fsdp2["generate"]
     assert ran(info) == SHARDED
     assert len(info["losses"]) == 2 and all(torch.isfinite(torch.tensor(info["losses"])))
+
+
+@pytest.mark.distributed
+def test_fsdp2_generate_stops_unevenly(fsdp2):
+    """Process 0 stops after 2 new tokens, process 1 after 6: the sharded forward passes stay in step (the next
+    collective gives 1 + 2 on both)."""
+    assert fsdp2["uneven_generate"] == [(2, 3.0), (6, 3.0)]
