@@ -1,14 +1,15 @@
 """GRPO under FSDP2 (torch `fully_shard`, accelerate's FSDP plugin version 2) on two CPU processes over gloo.
 
     ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
-        tests/fsdp_update.py OUT
+        tests/fsdp_update.py OUT [--resume OUTPUT_DIR]
     ACCELERATE_USE_CPU=1 accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
         tests/fsdp_update.py OUT --unpatched       # what accelerate picks by itself: MULTI_CPU (DDP)
 
-Saves, for tests/test_fsdp.py: per loss type the parameters after 3 plain-SGD steps on scripted completions (gathered
-whole), the logged losses and what really ran (distributed type, parameter class); `checkpoint_tensors` of a freshly
-sharded model; the losses of a short run that samples with the policy's own `model.generate`; and `generate` on
-processes that stop after different numbers of tokens.
+Saves, for tests/test_fsdp.py: per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on
+scripted completions (gathered whole), the logged losses and what really ran (distributed type, parameter class); the
+parameters of 3 Adam steps that save a checkpoint every step (with `--resume OUTPUT_DIR`: of the same run resumed from
+its checkpoint-2); `checkpoint_tensors` of a freshly sharded model; the losses of a short run that samples with the
+policy's own `model.generate`; and `generate` on processes that stop after different numbers of tokens.
 
 accelerate 1.15 never selects FSDP on CPU: `PartialState._prepare_backend` gives CPU processes
 `DistributedType.MULTI_CPU`, and `AcceleratorState` turns on the FSDP plugin only for the accelerator types
@@ -21,14 +22,19 @@ import sys
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.generation.weights import checkpoint_tensors
+from grpo.objective.logprobs import _is_sharded
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.distributed_update import lora_config
 from tests.scripted import TINY, ScriptedGeneration, reward_len
 
 LOSS_TYPES = ("grpo", "dapo")
 STEPS = 3
+# The checkpointed run: Adam, so that resuming needs the sharded optimizer state too; a checkpoint every step.
+SAVED = dict(optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=1)
 
 
 def route_fsdp_to_cpu():
@@ -49,33 +55,54 @@ def prompts(n=16):
     return Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(n)]})
 
 
-def trained(output_dir, per_device, scripted=True, **config):
+class StepCounter(TrainerCallback):
+    """Counts the optimizer steps this run took (a resumed run takes only the remaining ones)."""
+
+    steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def trained(output_dir, per_device, scripted=True, lora=False, resume=None, **config):
     """(parameters after training, trainer): plain SGD (no clipping, so a scale error shows), the KL term on (a frozen
-    reference), STEPS optimizer steps; completions scripted unless `scripted` is False (then `model.generate`)."""
+    reference, or the adapter disabled with `lora`), STEPS optimizer steps; completions scripted unless `scripted` is
+    False (then `model.generate`); from the checkpoint folder `resume` when given."""
     tokenizer = tiny_tokenizer()
     settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(
         output_dir=str(output_dir),
         **{**TINY, **settings, "beta": 0.04, "per_device_train_batch_size": per_device, **config},
     )
+    torch.manual_seed(0)  # LoRA's A is drawn when the model is wrapped: the same on every process and every run
     trainer = GRPOTrainer(
-        tiny_model(tokenizer), reward_len, args=args, train_dataset=prompts(), processing_class=tokenizer
+        tiny_model(tokenizer),
+        reward_len,
+        args=args,
+        train_dataset=prompts(),
+        processing_class=tokenizer,
+        peft_config=lora_config() if lora else None,
     )
     if scripted:
         offset = trainer.accelerator.process_index * args.per_device_train_batch_size * args.steps_per_generation
         trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
-    trainer.train()
+    trainer.counter = StepCounter()
+    trainer.add_callback(trainer.counter)
+    trainer.train(resume_from_checkpoint=resume)
     return {n: whole(p) for n, p in trainer.model.named_parameters()}, trainer
 
 
 def describe(trainer):
-    """What really ran: the distributed type, the classes of the policy's and the reference's parameters, the
-    process count and the logged losses."""
+    """What really ran: the distributed type, the classes of the policy's and the reference's parameters, whether
+    the log-probs see a sharded output projection, the process count, the steps taken and the logged losses."""
+    reference = trainer.ref_model
     return {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "param_class": type(next(trainer.model.parameters())).__name__,
-        "ref_param_class": type(next(trainer.ref_model.parameters())).__name__,
+        "ref_param_class": None if reference is None else type(next(reference.parameters())).__name__,
+        "head_sharded": _is_sharded(trainer.model.get_output_embeddings().weight),
         "world_size": trainer.accelerator.num_processes,
+        "steps_run": trainer.counter.steps,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
     }
 
@@ -142,13 +169,21 @@ if __name__ == "__main__":
         sys.exit()
     route_fsdp_to_cpu()
     results = {}
-    for loss_type in LOSS_TYPES:
-        params, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
-        results[loss_type] = (params, describe(trainer))
-    results["checkpoint_tensors"] = sharded_checkpoint_tensors()
-    _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2)
-    results["generate"] = describe(trainer)
-    results["uneven_generate"] = uneven_generate()
+    if sys.argv[2:3] == ["--resume"]:  # OUT --resume OUTPUT_DIR: the saved run again, from its checkpoint-2
+        params, trainer = trained(sys.argv[3], 4, resume=f"{sys.argv[3]}/checkpoint-2", **SAVED)
+        results["resumed"] = (params, describe(trainer))
+    else:
+        for loss_type in LOSS_TYPES:
+            params, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
+            results[loss_type] = (params, describe(trainer))
+        params, trainer = trained(f"{out_file}.l", 4, lora=True)
+        results["lora"] = (params, describe(trainer))
+        params, trainer = trained(f"{out_file}.c", 4, **SAVED)
+        results["saved"] = (params, describe(trainer))
+        results["checkpoint_tensors"] = sharded_checkpoint_tensors()
+        _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2)
+        results["generate"] = describe(trainer)
+        results["uneven_generate"] = uneven_generate()
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
     torch.distributed.destroy_process_group()

@@ -11,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.testing import tiny_model
 from tests.fsdp_update import LOSS_TYPES, trained
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "accelerate_cpu_fsdp2.yaml"
 SHARDED = ("DistributedType.FSDP", "DTensor", 2)  # what a sharded 2-process run reports (`ran`)
+
+
+# ACCELERATE_USE_CPU must stay unset: with it the CPU is routed to MULTI_CPU before the patch can act.
+FSDP2_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None}
 
 
 def ran(info):
@@ -48,9 +53,8 @@ def launch(out_file, *extra, **env):
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
     """The results of tests/fsdp_update.py on 2 processes (one launch for every test here)."""
-    # ACCELERATE_USE_CPU must stay unset: with it the CPU is routed to MULTI_CPU before the patch can act.
-    env = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None}
-    return launch(tmp_path_factory.mktemp("fsdp2") / "two.pt", **env)
+    out_file = tmp_path_factory.mktemp("fsdp2") / "two.pt"
+    return {**launch(out_file, **FSDP2_ENV), "out_file": str(out_file)}
 
 
 @pytest.mark.distributed
@@ -61,20 +65,25 @@ def test_accelerate_alone_drops_fsdp_on_cpu(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_fsdp2_matches_one_process(fsdp2, tmp_path, loss_type):
-    """3 SGD steps with a reference model (beta 0.04): 2 FSDP2 processes x 4 rows = 1 process x 8 rows."""
-    params, info = fsdp2[loss_type]
-    # Really sharded: the policy's parameters are DTensors. The reference is prepared with evaluation_mode=True,
-    # which accelerate does not shard: it stays whole on every process.
-    assert ran(info) == SHARDED
-    assert info["ref_param_class"] == "Parameter"
-    reference, trainer = trained(tmp_path, 8, loss_type=loss_type)
+@pytest.mark.parametrize("name", [*LOSS_TYPES, "lora"])
+def test_fsdp2_matches_one_process(fsdp2, tmp_path, name):
+    """3 SGD steps with the KL term on (beta 0.04): 2 FSDP2 processes x 4 rows = 1 process x 8 rows. `name`: a loss
+    type with a frozen reference model, or "lora" (the default loss with a LoRA adapter, the reference its base)."""
+    params, info = fsdp2[name]
+    # Really sharded: the policy's parameters are DTensors, and the log-probs take the sharded-head path (full
+    # logits). The reference is prepared with evaluation_mode=True, which accelerate does not shard: it stays whole
+    # on every process.
+    assert ran(info) == SHARDED and info["head_sharded"] and info["steps_run"] == 3
+    assert info["ref_param_class"] == (None if name == "lora" else "Parameter")
+    config = dict(lora=True) if name == "lora" else dict(loss_type=name)
+    reference, trainer = trained(tmp_path, 8, **config)
+    initial = dict(tiny_model().named_parameters())
+    moved = [key for key, value in reference.items() if key in initial and not torch.equal(value, initial[key])]
+    assert moved or any(".lora_B." in key and value.abs().sum() > 0 for key, value in reference.items())
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
-    assert max(float((p - params[n]).abs().max()) for n, p in reference.items()) > 0  # the runs moved apart from 0
-    for name, value in reference.items():
-        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=f"{loss_type} {name}")
+    for key, value in reference.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
 
 
 @pytest.mark.distributed
@@ -101,3 +110,17 @@ def test_fsdp2_generate_stops_unevenly(fsdp2):
     """Process 0 stops after 2 new tokens, process 1 after 6: the sharded forward passes stay in step (the next
     collective gives 1 + 2 on both)."""
     assert fsdp2["uneven_generate"] == [(2, 3.0), (6, 3.0)]
+
+
+@pytest.mark.distributed
+def test_fsdp2_resumes_from_a_checkpoint(fsdp2, tmp_path):
+    """3 Adam steps saved every step; a second launch resumed from checkpoint-2 (sharded weights and optimizer
+    state) takes the one step left and ends with the same parameters."""
+    saved, info = fsdp2["saved"]
+    assert ran(info) == SHARDED and info["steps_run"] == 3
+    output_dir = fsdp2["out_file"] + ".c"  # where tests/fsdp_update.py saved it
+    resumed, resumed_info = launch(tmp_path / "resumed.pt", "--resume", output_dir, **FSDP2_ENV)["resumed"]
+    assert ran(resumed_info) == SHARDED and resumed_info["steps_run"] == 1
+    assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)
+    for key, value in saved.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=key)
