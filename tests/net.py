@@ -2,9 +2,16 @@
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_CPU_PROCESSES = ROOT / "tests" / "accelerate_cpu_2proc.yaml"
 
 
 def free_port() -> int:
@@ -12,6 +19,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_two_processes(*args, config=TWO_CPU_PROCESSES, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+    """Run `args` (a script and its arguments, or "-m", a module and its arguments) under `accelerate launch` with
+    `config` (default: 2 CPU processes over gloo) and assert that it succeeded. `env` entries are added to the
+    environment (None removes a variable). ACCELERATE_USE_CPU=1 by default: the launcher does not export the config
+    file's use_cpu, and without it each process trains alone."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(config), "--main_process_port", str(free_port()), *map(str, args),
+    ]  # fmt: skip
+    variables = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        **(env or {}),
+    }
+    variables = {key: value for key, value in variables.items() if value is not None}
+    result = subprocess.run(command, cwd=cwd, env=variables, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 @contextlib.contextmanager

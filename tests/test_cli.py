@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.net import free_port
+from tests.net import launch_two_processes
 
 ROOT = Path(__file__).parent.parent
 
@@ -89,15 +89,7 @@ def test_grpo_train_unknown_key_fails_before_loading_anything(tmp_path):
 def test_grpo_train_under_accelerate_launch(tmp_path, tiny_model_path):
     """The same command under `accelerate launch -m grpo train`, two CPU processes (gloo)."""
     write_tiny_recipe(tmp_path, tiny_model_path)
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(free_port()),
-        "-m", "grpo", "train", "tiny.yaml", "--max_steps", "2",
-    ]  # fmt: skip
-    # As in test_distributed.py: the launcher does not export use_cpu from the config file.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch_two_processes("-m", "grpo", "train", "tiny.yaml", "--max_steps", "2", cwd=tmp_path)
     records = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
     # Each logged round holds the gathered rows of both processes: 2 x 4 completions (one process logs 4).
     assert [sum(r["step"] == step for r in records) for step in (1, 2)] == [8, 8]

@@ -1,15 +1,12 @@
 """Two processes (gloo on CPU) against one: the same global batch must give the same update (docs/method.md)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed_update import EXTRA, LOSS_TYPES, VARIANTS, one_step
-from tests.net import free_port
+from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,23 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("per_device, accumulation", [(4, 1), (2, 2)])
 def test_two_processes_match_one(tmp_path, per_device, accumulation):
     out_file = tmp_path / "two.pt"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"),
-        "--main_process_port",
-        str(free_port()),
-        str(ROOT / "tests" / "distributed_update.py"),
-        str(out_file),
-        str(per_device),
-        str(accumulation),
-    ]
-    # The launcher does not export use_cpu from the config file; without this each process trains alone.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(ROOT / "tests" / "distributed_update.py", out_file, per_device, accumulation)
     two = torch.load(out_file)
     # The global batch: 2 processes x per_device x accumulation rows = one process with twice the rows per step.
     # EXTRA: "lora" (a LoRA adapter, the reference its base) where peft is installed.

@@ -3,9 +3,6 @@
 accelerate 1.15 does not run FSDP on CPU by itself (`test_accelerate_alone_drops_fsdp_on_cpu`): tests/fsdp_update.py
 patches its device routing and then runs the unpatched trainer, `fully_shard` and the gathers."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 
 from grpo.testing import tiny_model
 from tests.fsdp_update import LOSS_TYPES, trained
-from tests.net import free_port
+from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "accelerate_cpu_fsdp2.yaml"
@@ -31,22 +28,7 @@ def ran(info):
 
 def launch(out_file, *extra, **env):
     """Run tests/fsdp_update.py on 2 processes with `env` added (a value of None removes the variable)."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CONFIG),
-        "--main_process_port",
-        str(free_port()),
-        str(ROOT / "tests" / "fsdp_update.py"),
-        str(out_file),
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    env = {key: value for key, value in env.items() if value is not None}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(ROOT / "tests" / "fsdp_update.py", out_file, *extra, config=CONFIG, env=env)
     return torch.load(out_file, weights_only=False)
 
 

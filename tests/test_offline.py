@@ -2,10 +2,7 @@
 naive computation, training direction, export and read-back, and 1 vs 2 processes."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from grpo.data.offline import OfflineGroups, load_scored_rollouts, prompt_key
 from grpo.objective.loss import group_advantages, group_reward_stats, grouped_advantages, mixed_advantages
 from grpo.testing import tiny_model, tiny_tokenizer
 from tests.naive import naive_grouped_advantages, naive_policy_loss
-from tests.net import free_port
+from tests.net import launch_two_processes
 from tests.scripted import TINY, ScriptedGeneration, capture_batches, reward_len
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,20 +349,7 @@ def test_two_processes_match_one(tmp_path):
     """The same file on 2 CPU processes (each holding whole groups of different sizes) gives the update and loss
     of 1 process (loss_type dapo, whose normaliser counts the tokens of all processes)."""
     out_file = tmp_path / "two.pt"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"),
-        "--main_process_port",
-        str(free_port()),
-        str(ROOT / "tests" / "offline_update.py"),
-        str(out_file),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(ROOT / "tests" / "offline_update.py", out_file)
     from tests.offline_update import offline_update
 
     update, world_size, loss = torch.load(out_file)

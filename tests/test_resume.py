@@ -2,7 +2,6 @@
 one never stopped (CPU, same seed). Each run is a process of its own (tests/resume_run.py), with real sampling."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from grpo.checkpoints import newest_checkpoint
-from tests.net import free_port
+from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).with_name("resume_run.py")
@@ -127,14 +126,7 @@ def test_two_processes_resume_exactly_in_the_middle_of_a_round(tmp_path):
     settings = dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4)
 
     def launch(output_dir, *extra):
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(ROOT / "tests" / "accelerate_cpu_2proc.yaml"), "--main_process_port", str(free_port()),
-            str(SCRIPT), json.dumps(settings), str(output_dir), *extra,
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+        launch_two_processes(SCRIPT, json.dumps(settings), output_dir, *extra)
         return torch.load(Path(output_dir) / "result.pt", weights_only=True)
 
     full = launch(tmp_path / "full")

@@ -28,7 +28,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation.vllm_client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.generation.weights import checkpoint_tensors  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.net import free_port  # noqa: E402
+from tests.net import free_port, launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -365,17 +365,9 @@ def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, 
 
 def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
     port, _ = server
-    root = Path(__file__).resolve().parent.parent
     out = tmp_path / "result.json"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(root / "tests" / "accelerate_cpu_2proc.yaml"),
-        "--main_process_port", str(free_port()),
-        str(root / "tests" / "vllm_two_processes.py"), str(model_path), str(port), str(free_port()), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    script = Path(__file__).with_name("vllm_two_processes.py")
+    launch_two_processes(script, model_path, port, free_port(), out)
     outcome = json.loads(out.read_text())
     assert outcome["world_size"] == 2
     assert outcome["server_greedy"] == outcome["trainer_greedy"]

@@ -5,9 +5,6 @@ Runs in the vLLM environment: `make test-vllm`. An engine on the tiny model star
 """
 
 import json
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm_colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.net import free_port  # noqa: E402
+from tests.net import launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -184,17 +181,8 @@ def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokeni
 
 
 def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
-    root = Path(__file__).resolve().parent.parent
     out = tmp_path / "result.json"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(root / "tests" / "accelerate_cpu_2proc.yaml"),
-        "--main_process_port", str(free_port()),
-        str(root / "tests" / "vllm_colocate_two_processes.py"), str(model_path), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(Path(__file__).with_name("vllm_colocate_two_processes.py"), model_path, out)
     outcome = json.loads(out.read_text())
     assert outcome["world_size"] == 2
     # Both engines hold the trained weights.
