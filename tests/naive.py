@@ -7,32 +7,9 @@ import torch
 
 
 def naive_group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
-    rewards = [float(r) for r in rewards]
-    valid_all = [r for r in rewards if not math.isnan(r)]
-    if len(valid_all) > 1:
-        m = sum(valid_all) / len(valid_all)
-        batch_std = math.sqrt(sum((r - m) ** 2 for r in valid_all) / (len(valid_all) - 1))
-    else:
-        batch_std = 0.0
-    out = []
-    for start in range(0, len(rewards), num_generations):
-        group = rewards[start : start + num_generations]
-        valid = [r for r in group if not math.isnan(r)]
-        if len(valid) <= 1 or max(valid) == min(valid):
-            out += [0.0] * len(group)
-            continue
-        mean = sum(valid) / len(valid)
-        std = math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
-        for r in group:
-            if math.isnan(r):
-                out.append(0.0)
-            elif scale_rewards == "group":
-                out.append((r - mean) / (std + eps))
-            elif scale_rewards == "batch":
-                out.append((r - mean) / (batch_std + eps))
-            else:
-                out.append(r - mean)
-    return out
+    """Consecutive groups of `num_generations` rows: `naive_grouped_advantages` with every size equal."""
+    sizes = [min(num_generations, len(rewards) - start) for start in range(0, len(rewards), num_generations)]
+    return naive_grouped_advantages(rewards, sizes, scale_rewards, eps)
 
 
 def naive_process_advantages(rows, width, num_generations, scale_rewards="group", eps=1e-4):
