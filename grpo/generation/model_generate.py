@@ -1,19 +1,45 @@
-"""`TransformersGeneration`: the default sampler, the policy's own `model.generate`."""
+"""`TransformersGeneration`: the default sampler, the policy's own `model.generate`.
+
+The rows of a GRPO round come in groups of G consecutive copies of one prompt. Rather than prefilling every copy, the
+sampler runs each distinct prompt through the model once (all of it but its last token), repeats that KV cache G
+times along the batch, and lets `generate` continue from it: the last prompt token and every completion token are
+computed per row as before, so each row is the same draw from the same distribution, for a G-th of the prefill.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
 from grpo.generation.base import Completions
 
 
+def prompt_runs(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Runs of consecutive identical prompts: the index of each run's first row and the run's length.
+
+    `[a, a, a, b, b, a]` -> `([0, 3, 5], [3, 2, 1])` (only neighbours are merged: rows keep their order)."""
+    firsts, counts = [], []
+    for i, ids in enumerate(prompt_ids):
+        if counts and list(ids) == list(prompt_ids[firsts[-1]]):
+            counts[-1] += 1
+        else:
+            firsts.append(i)
+            counts.append(1)
+    return firsts, counts
+
+
 class TransformersGeneration:
-    """Samples with the policy's own `generate`, on the trainer's device, prompts left-padded."""
+    """Samples with the policy's own `generate`, on the trainer's device, prompts left-padded; each run of identical
+    prompts is prefilled once and its rows share that KV cache (`share_prefill`)."""
+
+    # Prefill each distinct prompt once (see the module docstring); False prefills every row, as `generate` alone
+    # does (benchmarks/compare_trl.py switches it to measure the difference).
+    share_prefill: bool = True
 
     def __init__(
         self,
@@ -54,14 +80,62 @@ class TransformersGeneration:
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
         device = next(model.parameters()).device
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        firsts, counts = prompt_runs(prompt_ids)
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
         try:
+            cache = None
+            if self._shares(model, len(firsts), *input_ids.shape):
+                cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
             output = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
                 generation_config=self.generation_config,
             )
         finally:
             model.train(was_training)
         return Completions(output[:, input_ids.shape[1] :].tolist())
+
+    def _shares(self, model: nn.Module, num_distinct: int, rows: int, width: int) -> bool:
+        """Share the prefill when some prompt repeats, the prompts have a token to cache before the last one, and
+        `generate` would use its default dynamic cache (a configured cache implementation is left to `generate`)."""
+        return (
+            self.share_prefill
+            and num_distinct < rows
+            and width > 1
+            and self.generation_config.cache_implementation is None
+            and getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+        )
+
+
+def shared_prompt_cache(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    firsts: list[int],
+    counts: list[int],
+) -> DynamicCache:
+    """The KV cache of every row's prompt but its last token, computed once per run of identical rows.
+
+    input_ids, attention_mask: (B, P), left-padded; firsts, counts: `prompt_runs` of the rows. Returns a cache of
+    batch B and length P - 1, row i holding what a prefill of row i alone would hold: a row's keys and values depend
+    only on its own tokens and positions, and identical rows have both."""
+    rows = torch.tensor(firsts, device=input_ids.device)
+    ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P - 1)
+    # The positions `generate` gives a left-padded row: count its real tokens, padding at 0.
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs)
+    if len(firsts) < input_ids.shape[0]:
+        repeat = torch.repeat_interleave(torch.arange(len(firsts), device=input_ids.device), torch.tensor(counts))
+        cache.batch_select_indices(repeat.to(input_ids.device))  # (U, ...) -> (B, ...), run by run
+    return cache
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    """Whether `model.forward` takes `name` (or any keyword argument)."""
+    parameters = inspect.signature(model.forward).parameters
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -1,0 +1,68 @@
+"""`TransformersGeneration` prefills each run of identical prompts once (grpo/generation/model_generate.py): the
+outputs must be those of prefilling every row, and the model must see fewer prompt tokens."""
+
+import pytest
+import torch
+
+from grpo.data import tokenize_prompts
+from grpo.generation import TransformersGeneration
+from grpo.generation.model_generate import prompt_runs
+from grpo.testing import tiny_model
+
+EOS, PAD = 258, 256
+
+
+def test_prompt_runs_merges_only_neighbours():
+    assert prompt_runs([[1], [1], [1], [2, 3], [2, 3], [1]]) == ([0, 3, 5], [3, 2, 1])
+    assert prompt_runs([[4]]) == ([0], [1])
+
+
+def _generate(model, prompts, share, greedy, monkeypatch, length=12):
+    monkeypatch.setattr(TransformersGeneration, "share_prefill", share)
+    backend = TransformersGeneration(
+        max_completion_length=length, pad_token_id=PAD, eos_token_ids=[EOS], greedy=greedy
+    )
+    torch.manual_seed(1)
+    return backend.generate(model, prompts).ids
+
+
+@pytest.fixture
+def grouped_prompts(tokenizer):
+    # Runs of 4, 3, 2 and 1 rows with prompts of different lengths (left padding in the shared prefill), the first
+    # prompt again at the end: it is not a neighbour of its first run, so it is prefilled on its own.
+    texts = ["hi"] * 4 + ["a much longer prompt"] * 3 + ["mid prompt"] * 2 + ["hi"]
+    return tokenize_prompts(texts, tokenizer, None)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prefill_gives_the_outputs_of_prefilling_every_row(tokenizer, grouped_prompts, greedy, monkeypatch):
+    model = tiny_model(tokenizer, seed=3)
+    every_row = _generate(model, grouped_prompts, False, greedy, monkeypatch)
+    shared = _generate(model, grouped_prompts, True, greedy, monkeypatch)
+    # Greedy: the same tokens. Sampled with the same seed: the prefill draws no random numbers, so the same draws
+    # meet the same distributions row by row, and the samples agree too.
+    assert shared == every_row
+    if not greedy:
+        assert len({tuple(ids) for ids in shared[:4]}) > 1  # a real sample: one prompt's rows differ
+
+
+def test_shared_prefill_embeds_each_distinct_prompt_once(tokenizer, grouped_prompts, monkeypatch):
+    model = tiny_model(tokenizer)
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    _generate(model, grouped_prompts, True, True, monkeypatch, length=1)
+    rows, width = len(grouped_prompts), max(len(p) for p in grouped_prompts)
+    # 4 runs x (P - 1) tokens once, then every row's last prompt token: one forward each.
+    assert seen == [torch.Size([4, width - 1]), torch.Size([rows, 1])]
+    seen.clear()
+    _generate(model, grouped_prompts, False, True, monkeypatch, length=1)
+    assert seen == [torch.Size([rows, width])]
+
+
+def test_distinct_prompts_take_the_plain_path(tokenizer, monkeypatch):
+    model = tiny_model(tokenizer)
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    prompts = tokenize_prompts(["one", "two", "three"], tokenizer, None)
+    _generate(model, prompts, True, True, monkeypatch, length=1)
+    assert seen == [torch.Size([3, 5])]  # no extra prefill when nothing repeats
