@@ -291,7 +291,13 @@ class ResumableTrainer(Trainer):
             check_fresh_output_dir(self.args.output_dir)
         else:
             self._restore_state(checkpoint)
-        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+        finally:
+            self._end_training()
+
+    def _end_training(self) -> None:
+        """Release what training started (also when it fails)."""
 
     def _get_output_dir(self, trial) -> str:
         return self._staging_run_dir or super()._get_output_dir(trial)

@@ -72,6 +72,7 @@ FIELD_RANGES = {
     "temperature": Interval(0, open_low=True, why="GRPO samples several different completions per prompt"),
     "top_p": Interval(0, 1, open_low=True, why="1.0 turns nucleus sampling off"),
     "top_k": Interval(0, why="0 turns top-k sampling off"),
+    "max_staleness": Interval(0, why="0 never lets generation run ahead (the synchronous updates)"),
     "min_p": Interval(0, 1, why="None turns it off"),
     "repetition_penalty": Interval(0, open_low=True, why="1.0 turns it off"),
     "reward_timeout": Interval(0, open_low=True, why="a number of seconds, or None for no limit"),
@@ -490,6 +491,26 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "The cap C of the importance-sampling ratio (truncation or masking threshold)."},
     )
 
+    # ---- Asynchronous generation (docs/vllm.md#asynchronous-generation) ----
+    async_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate and score the next round in a background thread while the trainer trains on the "
+            "current one; the sampler gets the new weights after each optimizer step. Needs a sampler with weights of "
+            "its own: vLLM (server or colocate), or without vLLM a copy of the policy that `model.generate` samples "
+            "from (the weights' memory twice). Rounds lag the weights they train by at most `max_staleness` steps."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "Async generation: the most optimizer steps by which the weights a round was sampled with may lag "
+            "the weights that first train on it. 0 gives the synchronous updates (no overlap); 1 samples round k+1 "
+            "while round k trains. A stale round trains against the sampler's log-probs as its behaviour policy "
+            "(truncated importance sampling, `vllm_importance_sampling_*`)."
+        },
+    )
+
     # ---- Training on stored, scored completions (docs/offline.md) ----
     offline_completion_column: str = field(
         default="completion",
@@ -648,6 +669,7 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_mode={self.vllm_mode!r} is not one of ('server', 'colocate'): 'server' generates on a "
                 "`grpo vllm-serve` process, 'colocate' on a vLLM engine inside each training process (docs/vllm.md)."
             )
+        self._check_async()
         if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
@@ -666,6 +688,24 @@ class GRPOConfig(TrainingArguments):
                         "would make every row's total reward useless). Give one finite weight per reward function, "
                         "e.g. reward_weights=[1.0, 0.5]."
                     )
+
+    def _check_async(self):
+        """What asynchronous generation cannot combine with."""
+        if not self.async_generation:
+            return
+        if self.dynamic_sampling:
+            raise ValueError(
+                "async_generation=True and dynamic_sampling=True: dynamic sampling decides which extra rounds to "
+                "generate from the rewards of the current one, which a producer running ahead has not seen. Turn one "
+                "of them off."
+            )
+        if self.max_staleness > 0 and not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"async_generation=True with max_staleness={self.max_staleness} trains on rounds sampled by older "
+                "weights, which is correct only with the truncated importance-sampling correction (the sampler's "
+                "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
+                "max_staleness=0."
+            )
 
     def _check_generation_kwargs(self):
         """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""

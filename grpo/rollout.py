@@ -60,6 +60,8 @@ class Rollout:
     # `first_row`: this process's first row in the gathered fields (None: process index x B).
     group_sizes: list[int] | None = None
     first_row: int | None = None
+    # The optimizer step whose weights sampled this process's rows (async generation; None: the current ones).
+    weights_version: int | None = None
 
     @classmethod
     def from_tokens(

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from grpo import metrics
+from grpo.async_rounds import AsyncRounds
 from grpo.checkpoints import (
     STATE_FILE,
     ResumableTrainer,
@@ -40,14 +41,13 @@ from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
     combine_rewards,
-    entropy_threshold,
     loss_settings,
     mixed_advantages,
     policy_loss,
-    sampling_correction,
     window_token_totals,
 )
 from grpo.objective.reference import ReferenceUpdate, make_reference
+from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings
 from grpo.rollout import Rollout, gather_rows
 
@@ -165,6 +165,8 @@ class GRPOTrainer(ResumableTrainer):
         self.generation = make_generation_backend(
             args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids
         )
+        # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/async_rounds.py).
+        self._async = AsyncRounds(self) if args.async_generation else None
         # Each process samples with its own seed: rows of one group on two processes must not share random draws.
         set_seed(args.seed, device_specific=True)
 
@@ -214,6 +216,8 @@ class GRPOTrainer(ResumableTrainer):
         args = self.args
         if not self._buffer:  # first call, also after resuming from a checkpoint
             self._step = self.state.global_step * args.gradient_accumulation_steps
+        if self._async is not None:  # the sampler gets the weights of every optimizer step, not only at a round
+            self.generation.sync_weights(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
         if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
             rollout = self._generate_and_score(inputs, "train")
             window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
@@ -244,8 +248,12 @@ class GRPOTrainer(ResumableTrainer):
         """Steps 2-4: generate, cut and score this process's rows; rewards are gathered from all processes."""
         # A sampler with weights of its own (vLLM) first gets those of the latest optimizer step.
         self.generation.sync_weights(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
-        rollout, columns = self._sample(inputs, self.generation)
-        rollout = self._score(rollout, columns, mode)
+        if self._async is not None and mode == "train":  # made ahead, this process's rows scored
+            rollout, columns, scores = self._async.take(inputs, self._step)
+        else:
+            rollout, columns = self._sample(inputs, self.generation)
+            scores = self._local_scores(rollout, columns, mode)
+        rollout = self._score(rollout, columns, mode, scores)
         # Metrics cover every generated round, also those dynamic sampling drops.
         self._record_round_metrics(mode, rollout)
         return rollout
@@ -260,11 +268,9 @@ class GRPOTrainer(ResumableTrainer):
         )
         return rollout.to(self.accelerator.device), columns
 
-    def _score(self, rollout: Rollout, columns: dict[str, list], mode: str | None) -> Rollout:
-        """Step 4: every reward function on this process's rows, then the rewards of all processes (a group may
-        span processes). `mode` None: no metrics recorded."""
-        args, device = self.args, self.accelerator.device
-        scores = self.rewards.score(
+    def _local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):
+        """Every reward function on this process's rows (`RewardSet.score`); no collective call."""
+        return self.rewards.score(
             prompts=rollout.prompts,
             completions=rollout.completions,
             completion_ids=rollout.completion_lists(),
@@ -272,8 +278,14 @@ class GRPOTrainer(ResumableTrainer):
             trainer_state=self.state,
             tokenizer=self.processing_class,
             width=rollout.completion_ids.shape[1],
-            **call_settings(args, mode),
+            **call_settings(self.args, mode),
         )
+
+    def _score(self, rollout: Rollout, columns: dict[str, list], mode: str | None, scores=None) -> Rollout:
+        """Step 4: every reward function on this process's rows (unless `scores` has them), then the rewards of
+        all processes (a group may span processes). `mode` None: no metrics recorded."""
+        args, device = self.args, self.accelerator.device
+        scores = self._local_scores(rollout, columns, mode) if scores is None else scores
         if mode is not None:  # failed rows summed over processes, the slowest process's time
             errors = self.accelerator.reduce(torch.tensor(scores.errors, dtype=torch.float32, device=device), "sum")
             slowest = gather(torch.tensor([scores.seconds], device=device)).max()
@@ -339,7 +351,9 @@ class GRPOTrainer(ResumableTrainer):
         )
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         with torch.no_grad():
-            if mode == "train" and self._reuses_batches and rollout.old_logps is None:  # None: no behaviour log-probs
+            # Async rounds may be stale: pi_old is then the policy now, and the sampler's log-probs the behaviour.
+            stale = self._async is not None and args.max_staleness > 0
+            if mode == "train" and (self._reuses_batches or stale) and rollout.old_logps is None:
                 rollout.old_logps, _ = self._logprobs(self.model, rollout.token_inputs(), batch_size=chunk)
             if args.beta != 0:
                 with self._reference() as reference:
@@ -382,8 +396,8 @@ class GRPOTrainer(ResumableTrainer):
             inputs.get("ref_logps"),
             inputs["advantages"],
             inputs["loss_mask"],
-            policy_mask=self._policy_mask(entropy, inputs["loss_mask"]),
-            sampling_weights=self._sampling_weights(logps, inputs, mode),
+            policy_mask=policy_mask(entropy, inputs["loss_mask"], self.args.top_entropy_quantile, self.accelerator),
+            sampling_weights=sampling_weights(logps, inputs, self.args, self._metrics[mode], self.accelerator),
             normalizer=normalizer,
             **loss_settings(self.args),
         )
@@ -398,33 +412,6 @@ class GRPOTrainer(ResumableTrainer):
         totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
         metrics.add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
-
-    def _policy_mask(self, entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
-        """With `top_entropy_quantile` < 1, train the policy term only on the highest-entropy tokens; the threshold
-        is over the loss tokens of this micro-step on every process (ragged widths padded with NaN, ignored)."""
-        if self.args.top_entropy_quantile >= 1.0:
-            return None
-        local = torch.where(loss_mask.bool(), entropy, torch.nan).reshape(-1)
-        everyone = gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
-        return entropy >= entropy_threshold(everyone, self.args.top_entropy_quantile)
-
-    def _sampling_weights(self, logps: torch.Tensor, inputs: dict, mode: str) -> torch.Tensor | None:
-        """The engine sampled from its own numerics, not exactly pi_old: truncated importance sampling weights
-        (`sampling_correction`). On-policy, pi_old is the current policy (logps.detach()): no extra forward."""
-        if "sampling_logps" not in inputs:
-            return None
-        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
-        weights, stats = sampling_correction(
-            old,
-            inputs["sampling_logps"],
-            inputs["loss_mask"],
-            mode=self.args.vllm_importance_sampling_mode,
-            cap=self.args.vllm_importance_sampling_cap,
-        )
-        metrics.add_sampling_metrics(
-            self._metrics[mode], gather(metrics.sampling_summary(stats, inputs["loss_mask"])[None])
-        )
-        return weights
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
@@ -455,6 +442,10 @@ class GRPOTrainer(ResumableTrainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    def _end_training(self) -> None:
+        if self._async is not None:
+            self._async.close()
 
     # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/checkpoints.py, `ResumableTrainer`) ----
 

@@ -17,6 +17,7 @@ group statistics). A last incomplete round is dropped so that every group is who
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -111,3 +112,18 @@ def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
         prompts_per_round=rows // args.num_generations,
         shuffle=False,
     )
+
+
+def round_indices(args, num_samples: int, round_index: int, process_index: int, num_processes: int) -> list[int]:
+    """The dataset indices of this process's rows of training round `round_index` (counted from the start of
+    training, across epochs): what the trainer's loader hands this process at that round's first micro-step. The
+    asynchronous producer (grpo/generation/asynchronous.py) reads rounds ahead of the loader with it."""
+    sampler = train_sampler(args, num_samples)
+    rounds_per_epoch = num_samples // sampler.prompts_per_round
+    epoch, within = divmod(round_index, rounds_per_epoch)
+    sampler.set_epoch(epoch)
+    sampler.repeat_count = 1
+    rows = list(itertools.islice(iter(sampler), within * args.generation_batch_size, None))
+    rows = rows[: args.generation_batch_size]
+    share = args.generation_batch_size // num_processes
+    return rows[process_index * share : (process_index + 1) * share]

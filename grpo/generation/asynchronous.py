@@ -1,0 +1,223 @@
+"""Asynchronous generation (`async_generation=True`): round k+1 is generated and scored in a background thread while
+the trainer trains on round k (docs/vllm.md#asynchronous-generation).
+
+    main thread:   push w0 | train round 0 | push w1 | train round 1 | push w2 | train round 2 ...
+    producer:      gen+score round 0 (w0) | gen+score round 1 (w0) | gen+score round 2 (w1) | ...
+
+Three pieces:
+- `SharedEngine` wraps the sampler (`GenerationBackend`) with one lock: the producer holds it while the engine
+  generates, the trainer while it loads new weights, so a generation never sees half-loaded weights and a load waits
+  at most for the generation in flight. It records which weights version (optimizer step) the engine holds, and
+  every generation returns the version it used.
+- `RoundProducer` runs the producer thread. Round r may be generated with weights of version v only if
+  v >= first_step(r) - max_staleness, where first_step(r) is the optimizer step that first trains on it; until then
+  it waits for a newer push. So max_staleness=0 generates each round with the weights the synchronous trainer would
+  use (no overlap, the same updates), and 1 generates round k+1 with the weights that train round k.
+- `PolicyCopyGeneration`: without vLLM, `model.generate` cannot sample while the same weights train, so the producer
+  samples from a copy of the policy, refreshed at each push (twice the weights' memory), and reports the copy's
+  log-probs of what it sampled: the behaviour policy of a stale round.
+
+The producer never calls a collective operation (gather, broadcast, barrier): those belong to the main thread, which
+runs them in the same order on every process. So the producer does only this process's work (its rows, its reward
+calls) and the trainer gathers rewards and computes advantages when it takes the round.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+
+
+class SharedEngine:
+    """A `GenerationBackend` shared by the trainer's main thread and the producer thread (see the module docstring).
+    `generate` and `sync_weights` keep the protocol, so evaluation and the synchronous paths use it unchanged."""
+
+    def __init__(self, backend: GenerationBackend, accelerator):
+        self.backend = backend
+        self.accelerator = accelerator
+        self.lock = threading.Lock()  # held while the engine generates or loads weights
+        self.changed = threading.Condition()  # notified when `version` changes
+        self.version: int | None = None  # the optimizer step whose weights the engine holds
+        self.sync_seconds = 0.0  # time spent loading weights, summed (metrics)
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Load `model`'s weights of step `version` (main thread, every process, in step). Each process first takes
+        its own engine lock and then waits for the others: one server serves every process, so no process may still
+        be generating on it while any process loads."""
+        if version == self.version:
+            return
+        start = time.perf_counter()
+        with self.lock:
+            if self.accelerator.num_processes > 1:
+                self.accelerator.wait_for_everyone()
+            self.backend.sync_weights(model, version)
+        self.sync_seconds += time.perf_counter() - start
+        with self.changed:
+            self.version = version
+            self.changed.notify_all()
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        """The backend's own `generate` (main thread: evaluation), under the lock."""
+        with self.lock:
+            return self.backend.generate(model, prompt_ids)
+
+    def generate_local(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[Completions, int | None]:
+        """This process's rows alone, with no collective call (the producer thread), and the weights version used.
+        Backends whose `generate` gathers across processes (the server backend) provide `generate_local`."""
+        generate = getattr(self.backend, "generate_local", self.backend.generate)
+        with self.lock:
+            return generate(model, prompt_ids), self.version
+
+
+class VersionedSampler:
+    """What `sample_rollout` calls in the producer: `SharedEngine.generate_local`, keeping the version it used."""
+
+    def __init__(self, engine: SharedEngine):
+        self.engine = engine
+        self.version: int | None = None
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        completions, self.version = self.engine.generate_local(model, prompt_ids)
+        return completions
+
+
+class ProducerError(RuntimeError):
+    """The producer thread failed; the original error is the cause."""
+
+
+class RoundProducer:
+    """The background thread that makes rounds `first_round, first_round + 1, ...` with `produce(round)`.
+
+    Args:
+        engine: the `SharedEngine` whose version gates each round.
+        produce: makes round r (in the producer thread): generates through the engine and scores this process's rows.
+        first_step: the optimizer step that first trains on round r.
+        max_staleness: how many steps the weights of a round may lag `first_step(round)`.
+        first_round: the first round to make (after a resume, the next one the trainer needs).
+    """
+
+    def __init__(
+        self,
+        engine: SharedEngine,
+        produce: Callable[[int], Any],
+        first_step: Callable[[int], int],
+        max_staleness: int,
+        first_round: int,
+    ):
+        self.engine = engine
+        self.produce = produce
+        self.first_step = first_step
+        self.max_staleness = max_staleness
+        self.next_round = first_round
+        self.ready: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="grpo-round-producer", daemon=True)
+        self.thread.start()
+
+    def needed_version(self, round_index: int) -> int:
+        """The oldest weights version round `round_index` may be generated with."""
+        return max(self.first_step(round_index) - self.max_staleness, 0)
+
+    def _run(self) -> None:
+        changed = self.engine.changed
+        try:
+            while True:
+                round_index = self.next_round
+                need = self.needed_version(round_index)
+                with changed:
+                    while not self.stopped and (self.engine.version is None or self.engine.version < need):
+                        changed.wait()
+                    if self.stopped:
+                        return
+                item = self.produce(round_index)
+                with changed:
+                    self.ready[round_index] = item
+                    self.next_round += 1
+                    changed.notify_all()
+        except BaseException as e:  # handed to the main thread by `take`
+            with changed:
+                self.error = e
+                changed.notify_all()
+
+    def take(self, round_index: int) -> tuple[Any, float]:
+        """Round `round_index` once it is made, and the seconds the caller waited for it. Re-raises a failure of the
+        producer in the caller's thread."""
+        start = time.perf_counter()
+        with self.engine.changed:
+            while round_index not in self.ready and self.error is None:
+                if round_index < self.next_round:
+                    raise RuntimeError(f"Round {round_index} was already taken; rounds are taken once, in order.")
+                self.engine.changed.wait(timeout=1.0)
+            if round_index not in self.ready:
+                raise ProducerError(f"Generating round {round_index} in the background failed: {self.error}") from (
+                    self.error
+                )
+            return self.ready.pop(round_index), time.perf_counter() - start
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop making rounds; waits for the one in flight (at most `timeout` seconds)."""
+        with self.engine.changed:
+            self.stopped = True
+            self.engine.changed.notify_all()
+        self.thread.join(timeout)
+
+
+class PolicyCopyGeneration:
+    """`model.generate` on a copy of the policy (async generation without vLLM): the trainer updates the policy
+    while the copy samples. `sync_weights` copies the policy's tensors in; with `logprobs`, `generate` also returns
+    the copy's log-probs of the sampled tokens (the behaviour policy of a stale round).
+
+    Args:
+        sampler: the `TransformersGeneration` that samples, called with the copy.
+        eos_token_ids, max_completion_length: where completions end (`cut_at_eos`), for the log-probs.
+        logprobs: None, or `logprobs(model, batch) -> (B, T)` completion log-probs (the trainer's own function), with
+            batch holding prompt_ids, prompt_mask, completion_ids and completion_mask.
+        pad_token_id: the padding token of the batch handed to `logprobs`.
+    """
+
+    def __init__(self, sampler, eos_token_ids, max_completion_length: int, pad_token_id: int, logprobs=None):
+        self.sampler = sampler
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_completion_length = max_completion_length
+        self.pad_token_id = pad_token_id
+        self.logprobs = logprobs
+        self.copy: nn.Module | None = None
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        if self.copy is None:
+            self.copy = copy.deepcopy(model).eval().requires_grad_(False)
+            return
+        for target, source in zip(self.copy.state_dict().values(), model.state_dict().values()):
+            target.copy_(source)
+
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        if self.copy is None:
+            raise RuntimeError("call sync_weights before generate: the copy of the policy does not exist yet")
+        raw = self.sampler.generate(self.copy, prompt_ids)
+        if self.logprobs is None:
+            return raw
+        from grpo.data import pad
+
+        ids, _ = cut_at_eos(raw.ids, self.eos_token_ids, self.max_completion_length)
+        device = next(self.copy.parameters()).device
+        prompt, prompt_mask = pad(prompt_ids, self.pad_token_id, side="left")
+        completion, completion_mask = pad(ids, self.pad_token_id, side="right")
+        batch = {
+            "prompt_ids": prompt.to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": completion.to(device),
+            "completion_mask": completion_mask.to(device),
+        }
+        with torch.no_grad():
+            logps = self.logprobs(self.copy, batch).float().cpu()
+        return Completions(raw.ids, [row[: len(r)].tolist() for row, r in zip(logps, ids)])
