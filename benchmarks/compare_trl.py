@@ -1,0 +1,422 @@
+"""This trainer against TRL's `GRPOTrainer`, on the same machine, weights, data, reward and settings.
+
+    make bench-trl                                                   # every scenario this machine can run
+    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios tiny --steps 3          # a quick run
+    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours,ours-noshare --repeats 2
+    .venv-trl/bin/python benchmarks/compare_trl.py --plot docs/images/compare-trl.png
+
+It installs nothing: run it in `.venv-trl` (`make install-trl`: this package, `trl==1.16.0` and the offline
+SmolLM2-135M-Instruct; TRL is never a dependency of the library). Each run of a trainer is a fresh subprocess
+that trains `--steps` optimizer steps; the kinds of run alternate (TRL, ours, ours, TRL, ...) so that a slow spell of
+a shared machine hits both. Both trainers get the same model folder (float32 on CPU, bf16 on GPU), the same
+tokenizer, the same plain-text prompts, the same reward function and the same settings, and every completion is
+forced to its full length with `generation_kwargs={"min_new_tokens": L}`, so both sample and train on the same
+number of tokens.
+
+Printed per scenario: the median seconds per optimizer step (over the steps after the first, then the median over
+repeats), completion tokens per second (rows x L / step time), peak memory (the child's peak resident set size from
+`os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
+goes, from wrapping its methods in the child (grpo/trainer.py is not changed): generation split into prefill (up to
+the first sampled token) and decode, reward, old/reference log-probs, forward+backward (the training micro-step
+without the generation round), optimizer (Trainer's optimizer step) and the rest. On a GPU, scenario gpu-0.5b also
+prints the model FLOP utilisation of our training forward+backward (6 x parameters x tokens against the bf16 peak
+given by --peak-tflops).
+
+Kinds: `trl`, `ours`, and `ours-noshare` (ours with `TransformersGeneration.share_prefill = False`, every prompt copy
+prefilled as `generate` does alone: the before/after of sharing the prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# rows: completions per optimizer step (one micro-batch); G: completions per prompt; P: prompt tokens; L: completion
+# tokens. The smol-* rows are issue 19's table; smol-200 is a long-prompt round where the prefill matters.
+SCENARIOS = {
+    "tiny": dict(model="tiny", rows=8, G=4, P=32, L=32, beta=0.04, loss="dapo"),
+    "smol-200": dict(model="smollm2", rows=8, G=8, P=200, L=64, beta=0.04, loss="dapo"),
+    "smol-8x4": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo"),
+    "smol-16x8": dict(model="smollm2", rows=16, G=8, P=40, L=24, beta=0.0, loss="dapo"),
+    "gpu-0.5b": dict(model="qwen-0.5b", rows=8, G=8, P=512, L=256, beta=0.04, loss="dapo", gpu=True),
+}
+CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8"]
+PHASES = ["prefill", "decode", "reward", "old/ref logps", "forward+backward", "optimizer"]
+
+
+# ---- The child: one trainer, `steps` optimizer steps ----
+
+
+def model_folder(name: str, cache: Path) -> str:
+    """A folder both trainers load: the tiny test model, the offline SmolLM2, or a Qwen2.5-0.5B-shaped random model."""
+    if name == "smollm2":
+        from grpo.models import smollm2_path
+
+        return str(smollm2_path())
+    folder = cache / name
+    if (folder / "config.json").exists():
+        return str(folder)
+    from grpo.testing import save_tiny_model
+
+    if name == "tiny":
+        save_tiny_model(folder)
+        return str(folder)
+    # Qwen2.5-0.5B's shape (494M parameters, tied embeddings, vocabulary 151,936), random weights, with the tiny
+    # byte-level tokenizer: the prompts are byte strings, sampled ids above its vocabulary decode to nothing.
+    save_tiny_model(
+        folder,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    return str(folder)
+
+
+def prompts_of(tokenizer, count: int, length: int) -> list[str]:
+    """`count` distinct plain-text prompts of `length` tokens (re-tokenised they may differ by a token or two)."""
+    text = (
+        "The committee met on a grey morning to review the harbour accounts, the ferry timetable and the repairs "
+        "to the north pier, and agreed to report again in spring. "
+    ) * (length // 8 + 4)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [f"Note {i}: " + tokenizer.decode(ids[: max(length - 4, 1)]) + " Summary:" for i in range(count)]
+
+
+def reward_vowels(prompts, completions, **kwargs):
+    """A deterministic reward with a spread within groups: the share of vowels in the completion."""
+    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+
+
+class Phases:
+    """Seconds per phase of our trainer's current optimizer step, from wrapped methods."""
+
+    def __init__(self, completion_length: int):
+        self.L, self.current, self.steps = completion_length, {}, []
+        self.in_loss = False
+
+    def add(self, name, seconds):
+        self.current[name] = self.current.get(name, 0.0) + seconds
+
+    def instrument(self, trainer_cls, generation_cls):
+        import torch
+
+        phases = self
+
+        def timed(fn, name=None, when=lambda: True):
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if when():
+                        phases.add(name, time.perf_counter() - start)
+
+            return wrapper
+
+        generate = generation_cls.generate
+
+        def generate_split(self, model, prompt_ids):
+            # `generate` runs L forward passes for L forced tokens: the first samples token 1 (with the prompt, or
+            # after the shared prefill), the other L - 1 decode. Prefill = until the end of the first of those L.
+            ends, start = [], time.perf_counter()
+            handle = model.register_forward_hook(lambda *a: ends.append(time.perf_counter()))
+            try:
+                out = generate(self, model, prompt_ids)
+            finally:
+                handle.remove()
+            total = time.perf_counter() - start
+            prefill = ends[-phases.L] - start if len(ends) >= phases.L else total
+            phases.add("prefill", prefill)
+            phases.add("decode", total - prefill)
+            return out
+
+        generation_cls.generate = generate_split
+        trainer_cls._score = timed(trainer_cls._score, "reward")
+        trainer_cls._logprobs = timed(trainer_cls._logprobs, "old/ref logps", when=lambda: not phases.in_loss)
+
+        compute_loss = trainer_cls.compute_loss
+
+        def compute_loss_flagged(*args, **kwargs):
+            phases.in_loss = True
+            try:
+                return compute_loss(*args, **kwargs)
+            finally:
+                phases.in_loss = False
+
+        trainer_cls.compute_loss = compute_loss_flagged
+        prepare = trainer_cls._prepare_inputs
+        training_step = trainer_cls.training_step
+
+        def training_step_timed(self, *args, **kwargs):
+            # forward+backward = the micro-step minus the generation round it may start (_prepare_inputs).
+            before = dict(phases.current)
+            start = time.perf_counter()
+            result = training_step(self, *args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            inside = sum(phases.current.get(k, 0.0) - before.get(k, 0.0) for k in ("prepare",))
+            phases.add("forward+backward", elapsed - inside)
+            return result
+
+        trainer_cls._prepare_inputs = timed(prepare, "prepare")
+        trainer_cls.training_step = training_step_timed
+
+    def finish_step(self, seconds):
+        step = {k: v for k, v in self.current.items() if k != "prepare"}
+        step["other"] = seconds - sum(step.values())
+        self.steps.append(step)
+        self.current = {}
+
+
+def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
+    """Train `steps` optimizer steps with one trainer; returns step times, the phase split and GPU memory."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    spec = SCENARIOS[scenario]
+    on_gpu = torch.cuda.is_available()
+    folder = model_folder(spec["model"], cache)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    dtype = torch.bfloat16 if on_gpu and spec.get("gpu") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    num_prompts = steps * spec["rows"] // spec["G"]
+    dataset = Dataset.from_dict({"prompt": prompts_of(tokenizer, num_prompts, spec["P"])})
+    settings = dict(
+        output_dir=tempfile.mkdtemp(),
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=10**6,
+        max_steps=steps,
+        seed=0,
+        learning_rate=1e-6,
+        per_device_train_batch_size=spec["rows"],
+        gradient_accumulation_steps=1,
+        num_generations=spec["G"],
+        max_completion_length=spec["L"],
+        generation_kwargs={"min_new_tokens": spec["L"]},
+        temperature=1.0,
+        top_k=0,
+        beta=spec["beta"],
+        loss_type=spec["loss"],
+        bf16=dtype == torch.bfloat16,
+        dataloader_pin_memory=on_gpu,
+        shuffle_dataset=False,
+    )
+    phases = None
+    if kind == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(**settings, model_init_kwargs={"dtype": dtype})
+    else:
+        from grpo import GRPOConfig, GRPOTrainer
+        from grpo.generation import TransformersGeneration
+
+        TransformersGeneration.share_prefill = kind == "ours"
+        args = GRPOConfig(**settings, max_prompt_length=None)
+        phases = Phases(spec["L"])
+        phases.instrument(GRPOTrainer, TransformersGeneration)
+
+    step_times = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if on_gpu:
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if phases is not None:
+                phases.add("optimizer", time.perf_counter() - self.optimizer_start)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if on_gpu:
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - self.start)
+            if phases is not None:
+                phases.finish_step(step_times[-1])
+
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward_vowels, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.add_callback(StepTimer())
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    return {
+        "step_times": step_times,
+        "phases": phases.steps if phases else None,
+        "gpu_peak": torch.cuda.max_memory_allocated() if on_gpu else None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+    }
+
+
+# ---- The parent: alternate the runs, summarise, plot ----
+
+
+def run_child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
+    command = [sys.executable, __file__, "--child", kind, "--scenarios", scenario, "--steps", str(steps)]
+    command += ["--cache", str(cache)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # wait4: this child's own peak resident set size (RUSAGE_CHILDREN would be the maximum over all of them).
+    _, status, usage = os.wait4(process.pid, 0)
+    out, err = process.stdout.read(), process.stderr.read()
+    if status != 0:
+        raise RuntimeError(f"{kind} on {scenario} failed:\n{err[-4000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss"] = usage.ru_maxrss * 1024  # kilobytes on Linux
+    return result
+
+
+def summarise(spec: dict, results: list[dict]) -> dict:
+    """Medians: of each run's steps after the first, then over runs."""
+    per_run = [statistics.median(r["step_times"][1:] or r["step_times"]) for r in results]
+    step = statistics.median(per_run)
+    peak = statistics.median(r["gpu_peak"] if r["gpu_peak"] is not None else r["peak_rss"] for r in results)
+    summary = {"step": step, "runs": per_run, "tokens_per_s": spec["rows"] * spec["L"] / step, "peak": peak}
+    if results[0]["phases"]:
+        steps = [s for r in results for s in r["phases"][1:] or r["phases"]]
+        summary["phases"] = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in PHASES + ["other"]}
+    summary["parameters"] = results[0]["parameters"]
+    return summary
+
+
+def print_scenario(name: str, spec: dict, rows: dict, repeats: int, steps: int, peak_tflops: float) -> None:
+    memory = "GPU max allocated" if spec.get("gpu") else "peak RSS"
+    print(
+        f"\n{name}: {spec['rows']} rows, G={spec['G']}, prompts ~{spec['P']} tokens, completions {spec['L']} tokens, "
+        f"beta {spec['beta']}, {spec['loss']}; median of steps 2..{steps}, median of {repeats} runs each"
+    )
+    print(f"{'':14} {'s/step':>8} {'runs':>22} {'tokens/s':>9} {memory + ' MiB':>22}")
+    for kind, s in rows.items():
+        runs = ", ".join(f"{t:.2f}" for t in s["runs"])
+        print(f"{kind:14} {s['step']:8.2f} {runs:>22} {s['tokens_per_s']:9.1f} {s['peak'] / 2**20:22,.0f}")
+    if "trl" in rows:
+        for kind in (k for k in rows if k != "trl"):
+            print(
+                f"{kind} / trl: step time {rows[kind]['step'] / rows['trl']['step']:.2f}, "
+                f"memory {rows[kind]['peak'] / rows['trl']['peak']:.2f}"
+            )
+    for kind, s in rows.items():
+        if "phases" in s:
+            split = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
+            print(f"where {kind}'s step goes (s, medians): {split}")
+            if spec.get("gpu"):
+                tokens = spec["rows"] * (spec["P"] + spec["L"])
+                flops = 6 * s["parameters"] * tokens
+                mfu = flops / s["phases"]["forward+backward"] / (peak_tflops * 1e12)
+                print(f"{kind} MFU of forward+backward: {mfu:.1%} (6 N tokens against {peak_tflops:.0f} TFLOP/s)")
+
+
+def plot(path: str, table: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    kinds = [k for k in ("trl", "ours-noshare", "ours") if any(k in table[n] for n in names)]
+    labels = {"trl": "TRL 1.16", "ours": "grpo", "ours-noshare": "grpo, every prompt copy prefilled"}
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(names))]
+        ys = [table[n][kind]["step"] if kind in table[n] else 0 for n in names]
+        bars = ax.bar(xs, ys, width, label=labels[kind])
+        for x, y, n in zip(xs, ys, names):
+            if kind != "trl" and "trl" in table[n] and y:
+                ax.annotate(f"x{y / table[n]['trl']['step']:.2f}", (x, y), ha="center", va="bottom", fontsize=8)
+        del bars
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("seconds per optimizer step (median)")
+    ax.set_title("GRPO step time, same machine, weights, data and settings (ours / TRL above the bars)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nchart written to {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="all", help=f"comma-separated, of {', '.join(SCENARIOS)}; or all")
+    parser.add_argument("--kinds", default="trl,ours", help="comma-separated, of trl, ours, ours-noshare")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
+    parser.add_argument("--plot", help="write a chart of step time per scenario to this PNG")
+    parser.add_argument("--json", help="also write the summary to this JSON file")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "grpo-compare-trl"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    cache = Path(cli.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    if cli.child:
+        print(json.dumps(child(cli.child, cli.scenarios, cli.steps, cache)))
+        return
+
+    import torch
+
+    names = list(SCENARIOS) if cli.scenarios == "all" else cli.scenarios.split(",")
+    kinds = cli.kinds.split(",")
+    on_gpu = torch.cuda.is_available()
+    print(
+        f"{torch.cuda.get_device_name() if on_gpu else f'CPU, {torch.get_num_threads()} threads'}; "
+        f"torch {torch.__version__}, transformers {version('transformers')}, trl {version('trl')}; "
+        f"load average at start {os.getloadavg()[0]:.1f}"
+    )
+    table = {}
+    for name in names:
+        spec = SCENARIOS[name]
+        if spec.get("gpu") and not on_gpu:
+            print(f"\n{name}: skipped (needs a CUDA GPU; this machine has none)")
+            continue
+        results = {kind: [] for kind in kinds}
+        for repeat in range(cli.repeats):  # alternated, the order reversed every repeat
+            for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
+                results[kind].append(run_child(kind, name, cli.steps, cache))
+        table[name] = {kind: summarise(spec, r) for kind, r in results.items()}
+        print_scenario(name, spec, table[name], cli.repeats, cli.steps, cli.peak_tflops)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    if cli.json:
+        Path(cli.json).write_text(json.dumps(table, indent=1))
+    if cli.plot and table:
+        plot(cli.plot, table)
+
+
+def version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+if __name__ == "__main__":
+    main()
