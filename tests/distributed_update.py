@@ -26,8 +26,8 @@ from tests.scripted import (
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 # Settings whose result depends on more than one process's rows: the entropy threshold (over all processes), GSPO
-# with masked truncated rows, per-token advantages of process rewards (gathered step rewards), and dynamic sampling
-# (groups chosen from all processes' rows, then redistributed).
+# with masked truncated rows, per-token advantages of process rewards (gathered step rewards), dynamic sampling
+# (groups chosen from all processes' rows, then redistributed) and async generation.
 VARIANTS = {
     "top_entropy": dict(loss_type="dapo", top_entropy_quantile=0.5),
     "gspo_mask_truncated": dict(
@@ -37,6 +37,9 @@ VARIANTS = {
     "dynamic_sampling": dict(
         loss_type="dapo", dynamic_sampling=True, reward_funcs=half_flat_reward, dataset=half_flat_dataset()
     ),
+    # Rounds made by a producer thread per process, rewards gathered when the trainer takes them; weights pushed
+    # with every process's engine lock held.
+    "async_generation": dict(loss_type="dapo", async_generation=True, max_staleness=0),
 }
 
 # Run only where peft is installed (tests/test_distributed.py skips it otherwise).

@@ -83,10 +83,18 @@ def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config)
     )
     rows_per_process = args.per_device_train_batch_size * args.steps_per_generation
     offset = trainer.accelerator.process_index * rows_per_process
-    trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
+    use_sampler(trainer, ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
+
+
+def use_sampler(trainer, backend):
+    """Make `backend` the trainer's sampler; under async generation, the one inside its shared engine."""
+    if trainer.args.async_generation:
+        trainer.generation.backend = backend
+    else:
+        trainer.generation = backend
 
 
 def capture_batches(trainer):
