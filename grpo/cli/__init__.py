@@ -1,15 +1,16 @@
 """The `grpo` command line (also `python -m grpo`).
 
     grpo train RECIPE.yaml [--field value ...]    train from a recipe (docs/recipes.md); works under accelerate launch
-    grpo plot OUTPUT_DIR                          reward, KL, length and clip ratio against step, as a PNG
+    grpo plot OUTPUT_DIR                          the logged metrics that moved, against step, as a PNG
     grpo vllm-serve --model PATH_OR_ID [...]      a vLLM generation server for `use_vllm=True` (docs/vllm.md)
 
 `grpo train` does, in order:
   1. parse and validate the recipe and the overrides (unknown keys stop here, before any model is loaded);
   2. load the prompts and the rewards, build the `GRPOTrainer`;
-  3. evaluate the held-out prompts and sample a few greedy completions (when the recipe has held-out prompts and
-     the run is not resumed);
-  4. train; 5. evaluate and sample again; 6. save the model, the trainer state and the plot; print before/after.
+  3. evaluate the held-out prompts: sampled (`eval_reward`, G samples per prompt) and greedy (one completion per
+     prompt: `eval_greedy_accuracy`), when the recipe has held-out prompts and the run is not resumed;
+  4. train; 5. evaluate again; 6. save the model, the trainer state and the plot; print before/after with the
+     greedy completions of the first few prompts.
 """
 
 from __future__ import annotations
@@ -23,28 +24,59 @@ from grpo.data import InputError
 from grpo.nonfinite import NonFiniteError
 
 
-def greedy_samples(trainer, dataset, count: int) -> list[dict]:
-    """Greedy completions of the first `count` rows of `dataset`, each with its rewards (one per function), made
-    the way the trainer makes a round (`GRPOTrainer._sample`, `_score`) with a greedy sampler."""
+def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
+    """Greedy completions of the first `count` rows of `dataset` (every row when None), each with its rewards (one
+    per function) and `reward`, their weighted sum (the trainer's `reward`), made the way the trainer makes a round
+    (`GRPOTrainer._sample`, `_score`) with a greedy sampler, `per_device_eval_batch_size` rows at a time. Every
+    process decodes every row: the rows are few, and the report needs them all in one place."""
     from grpo.generation import TransformersGeneration
 
-    rows = [dataset[i] for i in range(min(count, len(dataset)))]
-    if not rows:
-        return []
+    count = len(dataset) if count is None else min(count, len(dataset))
     greedy = TransformersGeneration(
         max_completion_length=trainer.args.max_completion_length,
         pad_token_id=trainer.processing_class.pad_token_id,
         eos_token_ids=trainer.eos_token_ids,
         greedy=True,
     )
-    rollout, columns = trainer._sample(rows, greedy)
-    rollout = trainer._score(rollout, columns, mode=None)
-    rewards, _ = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)  # all processes' rows
-    rewards = rewards[rollout.local_slice(trainer.accelerator.process_index)]
-    return [
-        {"prompt": p, "completion": c, "rewards": r}
-        for p, c, r in zip(rollout.prompts, rollout.completions, rewards.tolist())
-    ]
+    samples, size = [], max(1, trainer.args.per_device_eval_batch_size)
+    for start in range(0, count, size):
+        rows = [dataset[i] for i in range(start, min(start + size, count))]
+        rollout, columns = trainer._sample(rows, greedy)
+        rollout = trainer._score(rollout, columns, mode=None)
+        # All processes' rows (a round may span processes), then this process's.
+        per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+        local = rollout.local_slice(trainer.accelerator.process_index)
+        samples += [
+            {"prompt": p, "completion": c, "rewards": r, "reward": t}
+            for p, c, r, t in zip(
+                rollout.prompts, rollout.completions, per_func[local].tolist(), total[local].tolist()
+            )
+        ]
+    return samples
+
+
+def greedy_metrics(samples: list[dict]) -> dict[str, float]:
+    """The held-out metrics of greedy completions (`greedy_samples` of every held-out row): `eval_greedy_accuracy`,
+    the share of prompts whose greedy completion earns a reward of at least 1 (a correct answer, for rewards that
+    pay 1 for one, like the demo's and the built-in `accuracy`), and `eval_greedy_reward`, their mean reward."""
+    if not samples:
+        return {}
+    rewards = [s["reward"] for s in samples]
+    return {
+        "eval_greedy_accuracy": sum(r >= 1 for r in rewards) / len(rewards),  # NaN (unscored) counts as wrong
+        "eval_greedy_reward": sum(r for r in rewards if r == r) / len(rewards),
+    }
+
+
+def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
+    """Sampled (`trainer.evaluate()`: `eval_reward` over G samples per prompt) and greedy (`greedy_metrics`)
+    metrics of the held-out prompts, and the greedy samples. The greedy metrics are logged too, so they land in
+    `trainer_state.json` (and any `report_to` tracker) beside `eval_reward`, at the same step."""
+    metrics = dict(trainer.evaluate())
+    samples = greedy_samples(trainer, held_out)
+    greedy = greedy_metrics(samples)
+    trainer.log(dict(greedy))  # a copy: `log` adds its own keys (epoch) to the dict it is given
+    return {**metrics, **greedy}, samples
 
 
 def _text(value) -> str:
@@ -54,9 +86,14 @@ def _text(value) -> str:
     return str(completion_text(value)).replace("\n", "\\n")
 
 
-def before_after_report(before: dict | None, after: dict, samples_before, samples_after, names) -> str:
-    """The summary `grpo train` prints: held-out metrics before and after, then sample completions."""
-    keys = ["eval_reward"] + [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
+def before_after_report(before: dict | None, after: dict, samples_before, samples_after, names, shown=4) -> str:
+    """The summary `grpo train` prints: held-out metrics before and after (sampled, then greedy), then the greedy
+    completions of the first `shown` prompts."""
+    keys = ["eval_reward", "eval_greedy_accuracy"]
+    # The mean greedy reward says something of its own only when rewards are not all 0 or 1.
+    if any(v not in (0.0, 1.0) for s in [*(samples_before or []), *samples_after] for v in s["rewards"]):
+        keys.append("eval_greedy_reward")
+    keys += [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
     keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio"]
     lines = [f"{'held-out metric':36} {'before':>8} {'after':>8} {'change':>8}"]
     for key in keys:
@@ -66,8 +103,13 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
             lines.append(f"{key:36} {before[key]:8.3f} {after[key]:8.3f} {after[key] - before[key]:+8.3f}")
         else:
             lines.append(f"{key:36} {'-':>8} {after[key]:8.3f}")
+    if samples_after:
+        lines.append(
+            f"(eval_reward: mean reward of sampled completions, {len(samples_after)} prompts; eval_greedy_accuracy: "
+            "share of those prompts whose greedy completion earns reward >= 1)"
+        )
     by_prompt = {_text(s["prompt"]): s for s in samples_before or []}
-    for sample in samples_after:
+    for sample in samples_after[:shown]:
         prompt = _text(sample["prompt"])
         lines.append("")
         lines.append(f"prompt: {prompt[-160:]}")
@@ -114,8 +156,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 3. Before training (not when resuming: the weights are the checkpoint's only once training starts).
     before, samples_before = None, []
     if held_out is not None and run.evaluate_before and resume is None:
-        before = trainer.evaluate()
-        samples_before = greedy_samples(trainer, held_out, run.sample_completions)
+        before, samples_before = evaluate_held_out(trainer, held_out)
 
     # 4. Train.
     if resume is not None and main:
@@ -125,8 +166,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 5. After training.
     after, samples_after = {}, []
     if held_out is not None:
-        after = trainer.evaluate()
-        samples_after = greedy_samples(trainer, held_out, run.sample_completions)
+        after, samples_after = evaluate_held_out(trainer, held_out)
 
     # 6. Save and report.
     if run.save_model:
@@ -135,7 +175,11 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if main:
         if held_out is not None:
             print(f"\n=== {recipe.source.name if recipe.source else 'grpo train'}: held-out prompts ===")
-            print(before_after_report(before, after, samples_before, samples_after, trainer.reward_names))
+            print(
+                before_after_report(
+                    before, after, samples_before, samples_after, trainer.reward_names, run.sample_completions
+                )
+            )
         if run.save_model:
             print(f"\nmodel saved to {args.output_dir}")
         if run.plot:

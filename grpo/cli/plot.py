@@ -1,8 +1,10 @@
 """`grpo plot OUTPUT_DIR`: the training curves of a run as one PNG, from the log history `Trainer` saves in
 `trainer_state.json` (at the end of `grpo train`, and in every checkpoint).
 
-Panels: reward (total and per function), KL, mean completion length, clip ratio, each against the optimizer step.
-A panel whose metric was never logged (KL with beta = 0, say) says so instead of staying blank.
+Panels, each against the optimizer step, and each only when its metric moved in this run (a KL of 0 or absent with
+beta = 0, a clip ratio of 0 on-policy, would be empty boxes): the reward, with a band of one `reward_std` either side
+and one curve per reward function when there are several; the mean completion length; the entropy; KL; the clip
+ratios; and the held-out evaluations (`eval_reward` and `eval_greedy_accuracy`, before and after training).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 
 def load_log_history(output_dir: str | Path) -> list[dict]:
-    """The training log lines of a run: `output_dir/trainer_state.json`, else the newest checkpoint's."""
+    """Every log line of a run: `output_dir/trainer_state.json`, else the newest checkpoint's."""
     output_dir = Path(output_dir)
     candidates = [output_dir / "trainer_state.json"]
     checkpoints = sorted(
@@ -23,22 +25,58 @@ def load_log_history(output_dir: str | Path) -> list[dict]:
     candidates += [c / "trainer_state.json" for c in reversed(checkpoints)]
     for path in candidates:
         if path.is_file():
-            history = json.loads(path.read_text()).get("log_history", [])
-            # Evaluation lines carry eval_* keys and the final summary carries train_runtime: keep training steps.
-            return [
-                h
-                for h in history
-                if "step" in h and not any(k.startswith("eval_") for k in h) and "train_runtime" not in h
-            ]
+            return json.loads(path.read_text()).get("log_history", [])
     raise FileNotFoundError(
         f"No trainer_state.json in {output_dir} or its checkpoints. Point `grpo plot` at the output_dir of a run "
         "that finished (grpo train writes it) or saved a checkpoint."
     )
 
 
+def split_history(history: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training steps, evaluations): evaluation lines carry eval_* keys, the final summary carries
+    train_runtime and is neither."""
+    steps = [h for h in history if "step" in h]
+    evaluations = [h for h in steps if any(k.startswith("eval_") for k in h)]
+    training = [h for h in steps if h not in evaluations and "train_runtime" not in h]
+    return training, evaluations
+
+
 def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(h["step"], h[key]) for h in history if key in h and h[key] is not None and not math.isnan(h[key])]
+    points = [
+        (h["step"], h[key])
+        for h in history
+        if isinstance(h.get(key), int | float) and not isinstance(h[key], bool) and not math.isnan(h[key])
+    ]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def moves(history: list[dict], key: str) -> bool:
+    """Whether `key` was logged with at least two different values (a constant says nothing in a plot)."""
+    return len(set(_series(history, key)[1])) > 1
+
+
+def panels(training: list[dict], evaluations: list[dict]) -> list[tuple[str, list[str]]]:
+    """(title, metric keys) of each panel worth drawing for this run, in order; the reward always."""
+    reward_keys = sorted({k for h in training for k in h if k.startswith("rewards/") and k.endswith("/mean")})
+    chosen = [
+        (
+            "reward (band: ± reward_std, the spread within groups)",
+            ["reward", *(reward_keys if len(reward_keys) > 1 else [])],
+        )
+    ]
+    for title, keys in [
+        ("completion length (tokens)", ["completions/mean_length"]),
+        ("entropy (nats per token)", ["entropy"]),
+        ("KL to the reference", ["kl"]),
+        ("clip ratio", ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]),
+    ]:
+        keys = [k for k in keys if moves(training, k)]
+        if keys:
+            chosen.append((title, keys))
+    held_out = [k for k in ("eval_reward", "eval_greedy_accuracy") if _series(evaluations, k)[0]]
+    if held_out:
+        chosen.append(("held-out prompts (sampled reward, greedy accuracy)", held_out))
+    return chosen
 
 
 def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -50,36 +88,37 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    history = load_log_history(output_dir)
+    training, evaluations = split_history(load_log_history(output_dir))
     out = Path(out) if out is not None else Path(output_dir) / "training.png"
-    reward_keys = sorted({k for h in history for k in h if k.startswith("rewards/") and k.endswith("/mean")})
-    clip_keys = [
-        k
-        for k in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
-        if any(k in h for h in history)
-    ]
-    panels = [
-        ("reward", ["reward", *reward_keys]),
-        ("KL to the reference", ["kl"]),
-        ("completion length (tokens)", ["completions/mean_length"]),
-        ("clip ratio", clip_keys or ["clip_ratio/region_mean"]),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (title, keys) in zip(axes.flat, panels):
-        drawn = False
+    chosen = panels(training, evaluations)
+    rows = math.ceil(len(chosen) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.4 * rows + 0.6), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, chosen):
+        source = evaluations if title.startswith("held-out") else training
         for key in keys:
-            steps, values = _series(history, key)
-            if steps:
-                ax.plot(steps, values, marker="o", markersize=3, label=key)
-                drawn = True
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[-1]:
+            steps, values = _series(source, key)
+            if not steps:
+                continue
+            line = ax.plot(steps, values, marker="o", markersize=3 if len(steps) > 2 else 6, label=key)[0]
+            if key == "reward":  # the spread of the rewards within a round, one std either side
+                std = dict(zip(*_series(source, "reward_std")))
+                band = [(s, v, std[s]) for s, v in zip(steps, values) if s in std]
+                if band:
+                    xs, ys, sd = zip(*band)
+                    lows, highs = [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)]
+                    ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
+            if source is evaluations:
+                for s, v in zip(steps, values):
+                    ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:  # only the reward panel is drawn unconditionally
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+    for ax in list(axes.flat)[len(chosen) :]:
+        ax.set_visible(False)
     fig.suptitle(f"GRPO run: {Path(output_dir).resolve().name}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

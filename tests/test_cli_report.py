@@ -1,0 +1,129 @@
+"""What `grpo train` reports about the held-out prompts (greedy accuracy beside the sampled reward) and which panels
+`grpo plot` draws, on the tiny model (grpo.testing) and hand-written log histories."""
+
+import math
+
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.cli import before_after_report, evaluate_held_out, greedy_metrics, greedy_samples
+from grpo.cli.plot import panels, split_history
+from grpo.rewards import completion_text
+from tests.scripted import TINY
+
+
+def even_length(completions, **kwargs):
+    """1 for a completion of even length: a deterministic function of the text, so it can be checked afterwards."""
+    return [float(len(completion_text(c)) % 2 == 0) for c in completions]
+
+
+def has_a(completions, **kwargs):
+    return [float("a" in completion_text(c)) for c in completions]
+
+
+def make_trainer(tmp_path, model_path, rows=6):
+    held_out = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(rows)]})
+    # Eval batches of 4 rows: 6 held-out rows take two batches, the second one short.
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_eval_batch_size=4, reward_weights=[1.0, 0.5], **TINY
+    )
+    trainer = GRPOTrainer(model_path, [even_length, has_a], args=args, train_dataset=held_out, eval_dataset=held_out)
+    return trainer, held_out
+
+
+def test_greedy_samples_cover_every_row_and_carry_their_rewards(tmp_path, tiny_model_path):
+    trainer, held_out = make_trainer(tmp_path, tiny_model_path)
+    samples = greedy_samples(trainer, held_out)
+    assert [s["prompt"] for s in samples] == held_out["prompt"]  # every row once, in order, across two batches
+    for s in samples:
+        expected = [even_length([s["completion"]])[0], has_a([s["completion"]])[0]]
+        assert s["rewards"] == expected
+        assert s["reward"] == expected[0] + 0.5 * expected[1]  # the weighted sum, as the trainer's `reward`
+    # Greedy: the same completions again (a sampler at temperature 1 would not repeat 6 random completions).
+    assert [s["completion"] for s in greedy_samples(trainer, held_out)] == [s["completion"] for s in samples]
+    assert [s["completion"] for s in greedy_samples(trainer, held_out, count=2)] == [
+        s["completion"] for s in samples[:2]
+    ]
+
+
+def test_greedy_metrics_by_hand():
+    samples = [{"reward": r} for r in (1.0, 0.0, 1.5, math.nan, 0.5)]
+    # Reward >= 1 on 2 of 5 prompts (NaN is not correct); mean reward (1 + 0 + 1.5 + 0.5) / 5 = 0.6, NaN as 0.
+    assert greedy_metrics(samples) == {"eval_greedy_accuracy": 0.4, "eval_greedy_reward": 0.6}
+    assert greedy_metrics([]) == {}
+
+
+def test_evaluate_held_out_logs_greedy_accuracy_beside_eval_reward(tmp_path, tiny_model_path):
+    trainer, held_out = make_trainer(tmp_path, tiny_model_path)
+    metrics, samples = evaluate_held_out(trainer, held_out)
+    assert len(samples) == len(held_out)
+    assert "eval_reward" in metrics
+    assert metrics["eval_greedy_accuracy"] == sum(s["reward"] >= 1 for s in samples) / len(samples)
+    logged = [h for h in trainer.state.log_history if "eval_greedy_accuracy" in h]
+    assert len(logged) == 1 and logged[0]["step"] == 0
+    assert logged[0]["eval_greedy_accuracy"] == metrics["eval_greedy_accuracy"]
+
+
+def sample(prompt, completion, rewards):
+    return {"prompt": prompt, "completion": completion, "rewards": rewards, "reward": sum(rewards)}
+
+
+def test_report_shows_greedy_accuracy_and_the_mean_only_for_non_binary_rewards():
+    before = {"eval_reward": 0.25, "eval_greedy_accuracy": 0.5, "eval_greedy_reward": 0.5}
+    after = {"eval_reward": 0.75, "eval_greedy_accuracy": 1.0, "eval_greedy_reward": 1.0}
+    old = [sample("1 + 1", "3", [0.0]), sample("2 + 2", "4", [1.0])]
+    new = [sample("1 + 1", "2", [1.0]), sample("2 + 2", "4", [1.0])]
+    report = before_after_report(before, after, old, new, ["exact"], shown=1)
+    greedy_line = next(line for line in report.splitlines() if line.startswith("eval_greedy_accuracy"))
+    assert greedy_line.split()[1:] == ["0.500", "1.000", "+0.500"]
+    assert "eval_greedy_reward" not in report  # 0/1 rewards: the mean is the accuracy
+    assert "prompt: 1 + 1" in report and "prompt: 2 + 2" not in report  # only the first `shown` prompts
+    assert "before (0.00): 3" in report and "after  (1.00): 2" in report
+    partial = [sample("1 + 1", "2", [0.5]), sample("2 + 2", "4", [1.0])]
+    assert "eval_greedy_reward" in before_after_report(before, after, old, partial, ["exact"])
+
+
+def test_plot_panels_follow_what_moved():
+    history = [
+        {"step": 0, "eval_reward": 0.2},
+        {"step": 0, "eval_greedy_accuracy": 0.3},
+        *[
+            {
+                "step": s,
+                "reward": 0.1 * s,
+                "reward_std": 0.3,
+                "rewards/a/mean": 0.1 * s,
+                "entropy": 2.0 - 0.1 * s,
+                "completions/mean_length": 10.0,  # constant: no panel
+                "kl": 0.0,  # beta = 0
+                "clip_ratio/region_mean": 0.0,  # on-policy
+                "clip_ratio/low_mean": 0.0,
+            }
+            for s in range(1, 4)
+        ],
+        {"step": 3, "eval_reward": 0.8},
+        {"step": 3, "eval_greedy_accuracy": 0.9},
+        {"step": 3, "train_runtime": 12.0},
+    ]
+    training, evaluations = split_history(history)
+    assert [h["step"] for h in training] == [1, 2, 3] and len(evaluations) == 4
+    chosen = dict(panels(training, evaluations))
+    assert list(chosen) == [
+        "reward (band: ± reward_std, the spread within groups)",
+        "entropy (nats per token)",
+        "held-out prompts (sampled reward, greedy accuracy)",
+    ]
+    assert chosen["reward (band: ± reward_std, the spread within groups)"] == ["reward"]  # one function: no copy
+    assert chosen["held-out prompts (sampled reward, greedy accuracy)"] == ["eval_reward", "eval_greedy_accuracy"]
+
+    # A run with a KL term, a moving clip ratio and two reward functions gets those panels back.
+    for i, h in enumerate(training):
+        h.update({"kl": 0.01 * i, "clip_ratio/low_mean": 0.1 * i, "rewards/b/mean": 0.5, "completions/mean_length": i})
+    chosen = dict(panels(training, []))
+    assert chosen["KL to the reference"] == ["kl"] and chosen["clip ratio"] == ["clip_ratio/low_mean"]
+    assert chosen["reward (band: ± reward_std, the spread within groups)"] == [
+        "reward",
+        "rewards/a/mean",
+        "rewards/b/mean",
+    ]
+    assert "completion length (tokens)" in chosen and not any(t.startswith("held-out") for t in chosen)
