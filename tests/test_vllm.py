@@ -377,6 +377,37 @@ def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
     assert len(steps) == 2 and all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
 
 
+def test_async_generation_on_the_server(server, model_path, tokenizer, tmp_path):
+    """Round k+1 sampled on the server while round k trains: one step behind after the first round, the server's
+    log-probs are the behaviour policy (so they now differ from pi_old), and the final sync still reaches it."""
+    port, client = server
+    args = _config(tmp_path, port, max_steps=3, async_generation=True, max_staleness=1)
+    trainer = GRPOTrainer(str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "async/staleness" in h]
+    assert [h["async/staleness"] for h in logs] == [0, 1, 1]
+    assert all(h["async/dropped_rows"] == 0 for h in logs)
+    differences = [h["sampling/sampling_logp_difference/max"] for h in logs]
+    assert differences[0] < 1e-3 < max(differences[1:])  # on-policy first, then one optimizer step behind
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    assert _server_greedy(client) == _trainer_greedy(policy)
+
+
+def test_two_trainer_processes_generate_asynchronously_on_one_server(server, model_path, tmp_path):
+    """Each process's producer sends its own rows (no collective call off the main thread); weights are pushed
+    with every process's engine lock held, so no generation sees half-loaded weights."""
+    port, _ = server
+    out = tmp_path / "result.json"
+    script = Path(__file__).with_name("vllm_two_processes.py")
+    launch_two_processes(script, model_path, port, free_port(), out, "async")
+    outcome = json.loads(out.read_text())
+    assert outcome["world_size"] == 2
+    assert outcome["server_greedy"] == outcome["trainer_greedy"]
+    logs = [h for h in outcome["log_history"] if "async/staleness" in h]
+    assert [h["async/staleness"] for h in logs] == [0, 1]
+
+
 class _KillServer(TrainerCallback):
     def __init__(self, process):
         self.process = process

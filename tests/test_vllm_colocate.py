@@ -163,6 +163,20 @@ def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
     assert _engine_greedy(trainer.generation.llm) == trained and trained != start
 
 
+def test_async_generation_with_a_colocated_engine(model_path, tokenizer, tmp_path):
+    """The producer thread samples on this process's engine while the trainer trains; loads wait for the engine."""
+    args = _training_config(tmp_path / "out", max_steps=3, save_strategy="no", async_generation=True)
+    trainer = GRPOTrainer(str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "async/staleness" in h]
+    assert [h["async/staleness"] for h in logs] == [0, 1, 1]
+    differences = [h["sampling/sampling_logp_difference/max"] for h in logs]
+    assert differences[0] < 1e-3 < max(differences[1:])  # the engine's log-probs: the behaviour policy
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    assert _engine_greedy(trainer.generation.backend.llm) == _greedy(policy)
+
+
 def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokenizer, tmp_path):
     # Building the engine seeds torch's generator with vLLM's `seed`; the backend puts the trainer's state back, so
     # the resumed run (whose engine is built after the checkpoint's generator state is restored) draws the same

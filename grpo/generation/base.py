@@ -51,6 +51,17 @@ def cut_at_eos(
     return cut, truncated
 
 
+def equal_runs(rows: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Maximal runs of equal consecutive rows, as (row, length): [a, a, a, b, b, a] -> [(a, 3), (b, 2), (a, 1)]."""
+    runs: list[tuple[list[int], int]] = []
+    for row in rows:
+        if runs and runs[-1][0] == list(row):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((list(row), 1))
+    return runs
+
+
 def vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty) -> dict:
     """The trainer's sampling settings under vLLM's names (min_p None means 0: off)."""
     return {

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from grpo.generation import Completions
-from grpo.generation.base import vllm_sampling
+from grpo.generation.base import equal_runs, vllm_sampling
 from grpo.generation.weights import checkpoint_tensors
 
 INSTALL_HINT = (
@@ -41,17 +41,6 @@ INSTALL_HINT = (
     "environment: `pip install vllm` on a GPU machine, or on a CPU-only machine `make install-vllm` (the .venv-vllm "
     "environment with vLLM's CPU build) and train from it; docs/vllm.md#colocate-mode."
 )
-
-
-def equal_runs(rows: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
-    """Maximal runs of equal consecutive rows, as (row, length): [a, a, a, b, b, a] -> [(a, 3), (b, 2), (a, 1)]."""
-    runs: list[tuple[list[int], int]] = []
-    for row in rows:
-        if runs and runs[-1][0] == list(row):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((list(row), 1))
-    return runs
 
 
 def _reload(worker, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

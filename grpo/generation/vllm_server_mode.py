@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from grpo.generation import lora_sync
-from grpo.generation.base import Completions, vllm_sampling
+from grpo.generation.base import Completions, equal_runs, vllm_sampling
 from grpo.generation.vllm_client import VLLMClient, VLLMServerError
 from grpo.generation.weights import adapter_tensors, checkpoint_tensors
 from grpo.models import is_peft_model
@@ -125,15 +125,37 @@ class VLLMGeneration:
             # reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share samples.
             seed = int(torch.randint(2**31 - 1, ()))
             reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
-            if reply["weights_version"] != self.synced_version:
-                raise VLLMServerError(
-                    f"The vLLM server at {self.client.base_url} holds weights of version {reply['weights_version']} "
-                    f"(None: as loaded from disk), not the trainer's step {self.synced_version}: it was restarted, or "
-                    "another trainer updates it. Give each trainer its own server, and restart training from a "
-                    "checkpoint after a server restart."
-                )
+            self._check_version(reply)
             answer = [(reply["completion_ids"], reply["logprobs"])]
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
         start = self.accelerator.process_index * len(prompt_ids)
         return Completions(ids[start : start + len(prompt_ids)], logprobs[start : start + len(prompt_ids)])
+
+    def generate_local(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        """This process's rows, sent by this process itself, with no collective call (the async producer thread,
+        grpo/generation/asynchronous.py). Each run of equal rows goes as one prompt with n = its length (a group split
+        between processes is two runs), one request per distinct length."""
+        runs = equal_runs(prompt_ids)
+        by_count: dict[int, list[int]] = {}
+        for i, (_, count) in enumerate(runs):
+            by_count.setdefault(count, []).append(i)
+        seed = int(torch.randint(2**31 - 1, ()))
+        samples: list = [None] * len(runs)  # per run: (its completion ids, their log-probs)
+        for k, (count, members) in enumerate(by_count.items()):
+            reply = self.client.generate([runs[i][0] for i in members], n=count, seed=seed + k, **self.sampling)
+            self._check_version(reply)
+            for j, i in enumerate(members):
+                rows = slice(j * count, (j + 1) * count)
+                samples[i] = (reply["completion_ids"][rows], reply["logprobs"][rows])
+        ids = [row for run_ids, _ in samples for row in run_ids]
+        return Completions(ids, [row for _, run_logprobs in samples for row in run_logprobs])
+
+    def _check_version(self, reply: dict) -> None:
+        if reply["weights_version"] != self.synced_version:
+            raise VLLMServerError(
+                f"The vLLM server at {self.client.base_url} holds weights of version {reply['weights_version']} "
+                f"(None: as loaded from disk), not the trainer's step {self.synced_version}: it was restarted, or "
+                "another trainer updates it. Give each trainer its own server, and restart training from a "
+                "checkpoint after a server restart."
+            )
