@@ -2,7 +2,7 @@
 
     make bench-trl                                                   # every scenario this machine can run
     .venv-trl/bin/python benchmarks/compare_trl.py --scenarios tiny --steps 3          # a quick run
-    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours,ours-noshare --repeats 2
+    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours,ours-base --repeats 2
     .venv-trl/bin/python benchmarks/compare_trl.py --plot docs/images/compare-trl.png
 
 It installs nothing: run it in `.venv-trl` (`make install-trl`: this package, `trl==1.16.0` and the offline
@@ -22,8 +22,10 @@ without the generation round), optimizer (Trainer's optimizer step) and the rest
 prints the model FLOP utilisation of our training forward+backward (6 x parameters x tokens against the bf16 peak
 given by --peak-tflops).
 
-Kinds: `trl`, `ours`, and `ours-noshare` (ours with `TransformersGeneration.share_prefill = False`, every prompt copy
-prefilled as `generate` does alone: the before/after of sharing the prefill).
+Kinds: `trl`; `ours`; and ours with one of its two prompt-sharing paths switched off, for their before/after:
+`ours-noprefill` (`TransformersGeneration.share_prefill = False`: generation prefills every copy of a prompt, as
+`generate` alone does), `ours-noprompt` (the log-prob passes run every row whole instead of each distinct prompt
+once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer before this work).
 """
 
 from __future__ import annotations
@@ -229,8 +231,11 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
     else:
         from grpo import GRPOConfig, GRPOTrainer
         from grpo.generation import TransformersGeneration
+        from grpo.objective import shared_prompt
 
-        TransformersGeneration.share_prefill = kind == "ours"
+        TransformersGeneration.share_prefill = kind in ("ours", "ours-noprompt")
+        if kind in ("ours-noprompt", "ours-base"):
+            shared_prompt.can_share = lambda *args: False
         args = GRPOConfig(**settings, max_prompt_length=None)
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
@@ -254,6 +259,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
             if on_gpu:
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.start)
+            print(f"{kind} {scenario} step {len(step_times)}: {step_times[-1]:.2f} s", file=sys.stderr, flush=True)
             if phases is not None:
                 phases.finish_step(step_times[-1])
 
@@ -277,16 +283,20 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
 # ---- The parent: alternate the runs, summarise, plot ----
 
 
-def run_child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
+def run_child(kind: str, scenario: str, steps: int, cache: Path, threads: int | None) -> dict:
     command = [sys.executable, __file__, "--child", kind, "--scenarios", scenario, "--steps", str(steps)]
     command += ["--cache", str(cache)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    # wait4: this child's own peak resident set size (RUSAGE_CHILDREN would be the maximum over all of them).
-    _, status, usage = os.wait4(process.pid, 0)
-    out, err = process.stdout.read(), process.stderr.read()
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log = cache / f"{kind}-{scenario}.log"  # the child's stderr, with a line per step: `tail -f` it
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        # wait4: this child's own peak resident set size (RUSAGE_CHILDREN would be the maximum over all of them).
+        _, status, usage = os.wait4(process.pid, 0)
+    out = process.stdout.read()
     if status != 0:
-        raise RuntimeError(f"{kind} on {scenario} failed:\n{err[-4000:]}")
+        raise RuntimeError(f"{kind} on {scenario} failed:\n{log.read_text()[-4000:]}")
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_rss"] = usage.ru_maxrss * 1024  # kilobytes on Linux
     return result
@@ -305,11 +315,11 @@ def summarise(spec: dict, results: list[dict]) -> dict:
     return summary
 
 
-def print_scenario(name: str, spec: dict, rows: dict, repeats: int, steps: int, peak_tflops: float) -> None:
+def print_scenario(name: str, spec: dict, rows: dict, repeats: int, peak_tflops: float) -> None:
     memory = "GPU max allocated" if spec.get("gpu") else "peak RSS"
     print(
         f"\n{name}: {spec['rows']} rows, G={spec['G']}, prompts ~{spec['P']} tokens, completions {spec['L']} tokens, "
-        f"beta {spec['beta']}, {spec['loss']}; median of steps 2..{steps}, median of {repeats} runs each"
+        f"beta {spec['beta']}, {spec['loss']}; median of the steps after the first, median of {repeats} runs each"
     )
     print(f"{'':14} {'s/step':>8} {'runs':>22} {'tokens/s':>9} {memory + ' MiB':>22}")
     for kind, s in rows.items():
@@ -339,8 +349,14 @@ def plot(path: str, table: dict) -> None:
     import matplotlib.pyplot as plt
 
     names = list(table)
-    kinds = [k for k in ("trl", "ours-noshare", "ours") if any(k in table[n] for n in names)]
-    labels = {"trl": "TRL 1.16", "ours": "grpo", "ours-noshare": "grpo, every prompt copy prefilled"}
+    labels = {
+        "trl": "TRL 1.16",
+        "ours-base": "grpo without prompt sharing",
+        "ours-noprefill": "grpo, generation prefills every copy",
+        "ours-noprompt": "grpo, log-probs run every row whole",
+        "ours": "grpo",
+    }
+    kinds = [k for k in labels if any(k in table[n] for n in names)]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
@@ -364,12 +380,18 @@ def plot(path: str, table: dict) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", default="all", help=f"comma-separated, of {', '.join(SCENARIOS)}; or all")
-    parser.add_argument("--kinds", default="trl,ours", help="comma-separated, of trl, ours, ours-noshare")
+    parser.add_argument(
+        "--kinds", default="trl,ours", help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-base"
+    )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: torch's choice)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
     parser.add_argument("--plot", help="write a chart of step time per scenario to this PNG")
     parser.add_argument("--json", help="also write the summary to this JSON file")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="print and plot saved --json summaries, run nothing"
+    )
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "grpo-compare-trl"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     cli = parser.parse_args()
@@ -379,13 +401,23 @@ def main():
         print(json.dumps(child(cli.child, cli.scenarios, cli.steps, cache)))
         return
 
+    if cli.merge:
+        table = {}
+        for path in cli.merge:
+            table.update(json.loads(Path(path).read_text()))
+        for name, rows in table.items():
+            print_scenario(name, SCENARIOS[name], rows, len(next(iter(rows.values()))["runs"]), cli.peak_tflops)
+        if cli.plot:
+            plot(cli.plot, table)
+        return
+
     import torch
 
     names = list(SCENARIOS) if cli.scenarios == "all" else cli.scenarios.split(",")
     kinds = cli.kinds.split(",")
     on_gpu = torch.cuda.is_available()
     print(
-        f"{torch.cuda.get_device_name() if on_gpu else f'CPU, {torch.get_num_threads()} threads'}; "
+        f"{torch.cuda.get_device_name() if on_gpu else f'CPU, {cli.threads or torch.get_num_threads()} threads'}; "
         f"torch {torch.__version__}, transformers {version('transformers')}, trl {version('trl')}; "
         f"load average at start {os.getloadavg()[0]:.1f}"
     )
@@ -398,9 +430,9 @@ def main():
         results = {kind: [] for kind in kinds}
         for repeat in range(cli.repeats):  # alternated, the order reversed every repeat
             for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
-                results[kind].append(run_child(kind, name, cli.steps, cache))
+                results[kind].append(run_child(kind, name, cli.steps, cache, cli.threads))
         table[name] = {kind: summarise(spec, r) for kind, r in results.items()}
-        print_scenario(name, spec, table[name], cli.repeats, cli.steps, cli.peak_tflops)
+        print_scenario(name, spec, table[name], cli.repeats, cli.peak_tflops)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     if cli.json:
         Path(cli.json).write_text(json.dumps(table, indent=1))
