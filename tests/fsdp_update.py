@@ -6,7 +6,9 @@
         tests/fsdp_update.py OUT --unpatched       # what accelerate picks by itself: MULTI_CPU (DDP)
 
 Saves, for tests/test_fsdp.py: per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on
-scripted completions (gathered whole), the logged losses and what really ran (distributed type, parameter class); the
+scripted completions (gathered whole), the logged losses and what really ran (distributed type, parameter class, how
+the log-probs met the sharded output projection); per output-projection variant the log-probs and gradients of
+`completion_logprobs` on a fixed batch per process, chunked with the gathered weight and through full logits; the
 parameters of 3 Adam steps that save a checkpoint every step (with `--resume OUTPUT_DIR`: of the same run resumed from
 its checkpoint-2); `checkpoint_tensors` of a freshly sharded model; the losses of a short run that samples with the
 policy's own `model.generate`; and `generate` on processes that stop after different numbers of tokens.
@@ -18,16 +20,19 @@ ACCELERATE_USE_CPU=1) or train alone (without). `route_fsdp_to_cpu` patches that
 report MULTI_GPU with the gloo backend, and ACCELERATE_TORCH_DEVICE=cpu keeps every tensor on the CPU. Everything after
 it (fully_shard, the trainer, the optimizer, the gathers) is the unpatched code."""
 
+import collections
 import sys
 
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+import grpo.objective.logprobs as logprobs
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.data import pad
 from grpo.generation.weights import checkpoint_tensors
-from grpo.objective.logprobs import _is_sharded
-from grpo.testing import tiny_model, tiny_tokenizer
+from grpo.objective.logprobs import _is_sharded, completion_logprobs
+from grpo.testing import tiny_config, tiny_model, tiny_tokenizer
 from tests.distributed_update import lora_config
 from tests.scripted import TINY, ScriptedGeneration, reward_len
 
@@ -45,6 +50,28 @@ def route_fsdp_to_cpu():
         return "gloo", DistributedType.MULTI_GPU
 
     PartialState._prepare_backend = prepare_backend
+
+
+# How completion_logprobs met the output projection's weight and bias after the forward, in this process:
+# "gathered" counts DTensor shards gathered whole by `_whole`, "whole" tensors already whole (the root module of
+# accelerate's FSDP2 wrapping keeps its parameters gathered from the forward to the backward), "full_logits" the
+# calls of the full-logits fallback.
+CALLS = collections.Counter()
+
+
+def count_calls():
+    gather, full_logits = logprobs._whole, logprobs._logprobs_from_full_logits
+
+    def counted_gather(param, dtype):
+        if param is not None:
+            CALLS["gathered" if logprobs._is_dtensor(param) else "whole"] += 1
+        return gather(param, dtype)
+
+    def counted_full_logits(*args, **kwargs):
+        CALLS["full_logits"] += 1
+        return full_logits(*args, **kwargs)
+
+    logprobs._whole, logprobs._logprobs_from_full_logits = counted_gather, counted_full_logits
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
@@ -94,9 +121,13 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, **co
 
 def describe(trainer):
     """What really ran: the distributed type, the classes of the policy's and the reference's parameters, whether
-    the log-probs see a sharded output projection, the process count, the steps taken and the logged losses."""
+    the log-probs see a sharded output projection and how they met it since the last call (`CALLS`), the process
+    count, the steps taken and the logged losses."""
     reference = trainer.ref_model
+    calls = dict(CALLS)
+    CALLS.clear()
     return {
+        "calls": calls,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "param_class": type(next(trainer.model.parameters())).__name__,
         "ref_param_class": None if reference is None else type(next(reference.parameters())).__name__,
@@ -152,6 +183,88 @@ def uneven_generate():
     return everyone
 
 
+HEADS = ("untied", "tied", "bias")  # output projections: its own weight, the embedding's, with a bias (Phi)
+
+
+def head_variant(kind):
+    """The tiny model with output projection `kind` (one of HEADS), the same initial weights on every process."""
+    torch.manual_seed(0)
+    if kind == "bias":
+        import transformers
+
+        base = tiny_config(tiny_tokenizer())
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        config = {name: getattr(base, name) for name in (*names, "num_key_value_heads")}
+        return transformers.PhiForCausalLM(transformers.PhiConfig(**config))
+    return tiny_model(tiny_tokenizer(), tie_word_embeddings=kind == "tied")
+
+
+def logprob_batch(rank):
+    """Process `rank`'s batch for `sharded_logprobs`: 3 rows, prompts left-padded, ragged completions right-padded
+    (one row ends with EOS 258), different on each process. Pad id 256."""
+    prompts = [[5 + rank, 6, 7, 8, 9], [10, 11 + rank], [12, 13, 14]]
+    completions = [[20, 21 + rank, 258], [30, 31, 32, 33 + rank, 34], [40 + rank]]
+    return (*pad(prompts, 256, "left"), *pad(completions, 256, "right"))
+
+
+def logprob_loss(logps, completion_mask):
+    """A loss whose gradient weights every completion token differently (a sum would hide a transposed row)."""
+    weights = torch.arange(1, logps.numel() + 1, dtype=logps.dtype).view(logps.shape) / logps.numel()
+    return (logps * weights * completion_mask).sum()
+
+
+def head_as_own_unit(model, kind):
+    """`fully_shard` by hand as torchtitan does it: each decoder layer, the output projection (with the embedding
+    when tied: one group), then the root. The projection's group gathers for its own forward and shards again
+    after it, so completion_logprobs finds a DTensor and gathers it itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard([model.get_input_embeddings(), model.lm_head] if kind == "tied" else model.lm_head, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+LAYOUTS = ("accelerate", "head_unit")  # accelerate's FSDP2 preparation (the trainer's), `head_as_own_unit`
+
+
+def sharded_logprobs():
+    """Per output-projection variant (HEADS), layout (LAYOUTS) and path ("chunked": completion_logprobs as the
+    trainer calls it; "full_logits": its fallback forced): (every process's log-probs and entropies of its
+    `logprob_batch` at temperature 0.7, the gradients of `logprob_loss` gathered whole, CALLS). FSDP2 averages
+    gradients over the processes, so they must equal the mean of each process's gradient on one unsharded model."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    rank = accelerator.process_index
+    results = {}
+    for kind in HEADS:
+        for layout in LAYOUTS:
+            model = head_variant(kind)
+            if layout == "head_unit":
+                model = head_as_own_unit(model, kind)
+            else:  # the plugin keeps the layer class an earlier trainer named (LlamaDecoderLayer): take the model's
+                accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = None
+                model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            batch = logprob_batch(rank)
+            for path in ("chunked", "full_logits"):
+                CALLS.clear()
+                if path == "chunked":
+                    logps, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+                else:
+                    logps, entropy = logprobs._logprobs_from_full_logits(model, *batch, 0.7, True)
+                logprob_loss(logps, batch[3]).backward()
+                grads = {name: whole(param.grad) for name, param in model.named_parameters()}
+                model.zero_grad()
+                everyone = [None] * accelerator.num_processes
+                torch.distributed.all_gather_object(everyone, (logps.detach(), entropy))
+                results[kind, layout, path] = (everyone, grads, dict(CALLS))
+            accelerator.free_memory()
+    return results
+
+
 def unpatched_distributed_type():
     """The distributed type accelerate itself picks for the FSDP2 config on CPU (no `route_fsdp_to_cpu`)."""
     from accelerate import Accelerator
@@ -168,6 +281,7 @@ if __name__ == "__main__":
         torch.distributed.destroy_process_group()
         sys.exit()
     route_fsdp_to_cpu()
+    count_calls()
     results = {}
     if sys.argv[2:3] == ["--resume"]:  # OUT --resume OUTPUT_DIR: the saved run again, from its checkpoint-2
         params, trainer = trained(sys.argv[3], 4, resume=f"{sys.argv[3]}/checkpoint-2", **SAVED)
@@ -184,6 +298,7 @@ if __name__ == "__main__":
         _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2)
         results["generate"] = describe(trainer)
         results["uneven_generate"] = uneven_generate()
+        results["logprobs"] = sharded_logprobs()
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
     torch.distributed.destroy_process_group()

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import tiny_model
-from tests.fsdp_update import LOSS_TYPES, trained
+from tests.fsdp_update import HEADS, LAYOUTS, LOSS_TYPES, head_variant, logprob_batch, logprob_loss, trained
 from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,10 +53,11 @@ def test_fsdp2_matches_one_process(fsdp2, tmp_path, name):
     """3 SGD steps with the KL term on (beta 0.04): 2 FSDP2 processes x 4 rows = 1 process x 8 rows. `name`: a loss
     type with a frozen reference model, or "lora" (the default loss with a LoRA adapter, the reference its base)."""
     params, info = fsdp2[name]
-    # Really sharded: the policy's parameters are DTensors, and the log-probs take the sharded-head path (full
-    # logits). The reference is prepared with evaluation_mode=True, which accelerate does not shard: it stays whole
-    # on every process.
+    # Really sharded: the policy's parameters are DTensors, and the log-probs take the chunked path with the output
+    # projection as FSDP2 gathered it for the forward (never the full-logits fallback). The reference is prepared
+    # with evaluation_mode=True, which accelerate does not shard: it stays whole on every process.
     assert ran(info) == SHARDED and info["head_sharded"] and info["steps_run"] == 3
+    assert info["calls"].get("whole", 0) > 0 and "full_logits" not in info["calls"]
     assert info["ref_param_class"] == (None if name == "lora" else "Parameter")
     config = dict(lora=True) if name == "lora" else dict(loss_type=name)
     reference, trainer = trained(tmp_path, 8, **config)
@@ -66,6 +68,37 @@ def test_fsdp2_matches_one_process(fsdp2, tmp_path, name):
     assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
     for key, value in reference.items():
         torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", HEADS)
+def test_fsdp2_chunked_logprobs_match_one_process(fsdp2, kind, layout):
+    """completion_logprobs on each process's batch under FSDP2 takes the chunked path and equals it on 1 unsharded
+    process: the log-probs and entropies per process, and the gradients, which FSDP2 averages over the processes,
+    equal the mean of the two batches' gradients. The full-logits fallback, forced, gives the same. `kind`: the
+    head's own weight, tied to the embedding, with a bias. `layout`: accelerate's wrapping, whose root module keeps
+    the projection gathered from the forward to the backward (used as it is), or the projection sharded as a unit
+    of its own (a DTensor after the forward: gathered once per call, its gradient reduce-scattered to the shards)."""
+    model = head_variant(kind)
+    expected = []
+    for rank in range(2):
+        batch = logprob_batch(rank)
+        logps, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+        (logprob_loss(logps, batch[3]) / 2).backward()
+        expected.append((logps.detach(), entropy))
+    tensors = 1 + (kind == "bias")  # the weight, and the bias
+    for path in ("chunked", "full_logits"):
+        everyone, grads, calls = fsdp2["logprobs"][kind, layout, path]
+        chunked = {"whole" if layout == "accelerate" else "gathered": tensors}
+        assert calls == (chunked if path == "chunked" else {"full_logits": 1})
+        for (logps, entropy), (want_logps, want_entropy) in zip(everyone, expected):
+            torch.testing.assert_close(logps, want_logps, rtol=0, atol=1e-5, msg=f"{kind} {path}")
+            torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5, msg=f"{kind} {path}")
+        assert list(grads) == [name for name, _ in model.named_parameters()]
+        for name, param in model.named_parameters():
+            assert param.grad.abs().sum() > 0, name
+            torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=1e-6, msg=f"{kind} {path} {name}")
 
 
 @pytest.mark.distributed

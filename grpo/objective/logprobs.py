@@ -158,7 +158,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     """log_softmax(logits)[..., index] from full logits: logp_t = logits_t[index_t] - logsumexp(logits_t).
 
     logits (B, T, V), index (B, T) -> (B, T) in float32, one row at a time. Used only where the output projection is
-    sharded (see `completion_logprobs`) and as the naive reference in tests and benchmarks.
+    partitioned by ZeRO-3 (see `completion_logprobs`) and as the naive reference in tests and benchmarks.
     """
     rows = []
     for row_logits, row_index in zip(logits, index):  # (T, V), (T,)
@@ -205,7 +205,26 @@ def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]
 
 def _is_sharded(weight: torch.Tensor) -> bool:
     """True when the projection's weight is not whole on this process (DeepSpeed ZeRO-3 partitions, FSDP shards)."""
-    return weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor"
+    return weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id") or _is_dtensor(weight)
+
+
+def _is_dtensor(tensor: torch.Tensor | None) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _whole(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A DTensor parameter (FSDP2's shards) gathered whole on every process, in `dtype`; anything else as it is.
+
+    Differentiable: the whole tensor's gradient goes back to the shards averaged over the mesh (a reduce-scatter),
+    which is what FSDP2 does with the gradients of the parameters it gathers for the forward itself (its default
+    gradient divide factor). `dtype` is the hidden states', as FSDP2's mixed precision casts the gathered weights."""
+    if not _is_dtensor(param):
+        return param
+    from torch.distributed.tensor import Partial, Replicate
+
+    dims = param.device_mesh.ndim
+    whole = param.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)
+    return whole.to(dtype)
 
 
 def _padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict[str, torch.Tensor]:
@@ -260,8 +279,11 @@ def completion_logprobs(
     2. The final hidden states of the positions that predict completion tokens, and only those, go through
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
-    the projection (default: from the vocabulary size). Where the projection's weight is sharded (FSDP, ZeRO-3), it
-    can only run inside the model's forward, so the logits of the completion positions are built there instead.
+    the projection (default: from the vocabulary size). Under FSDP2 the projection's weight is read after the
+    forward: whole where its module keeps it gathered until the backward (accelerate's wrapping, where it belongs
+    to the root module), else a DTensor shard, gathered whole once per call with its gradient reduce-scattered back
+    to the shards. Under DeepSpeed ZeRO-3 the weight can only be gathered inside the model's forward, so the logits
+    of the completion positions are built there instead.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         chunks = [
@@ -289,21 +311,21 @@ def completion_logprobs(
     completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
 
     head, scale, softcap = output_projection(model)
-    if _is_sharded(head.weight):
+    if _is_sharded(head.weight) and not _is_dtensor(head.weight):
         logps, entropy = _logprobs_from_full_logits(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
         )
     else:
-        # 2. Chunked projection of the completion positions only.
+        # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
         hidden = _completion_hidden_states(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free
         )
         mask = completion_mask.bool()
         values = chunked_logprobs(
             hidden,
-            head.weight,
+            _whole(head.weight, hidden.dtype),
             completion_ids[mask],
-            bias=head.bias,
+            bias=_whole(head.bias, hidden.dtype),
             temperature=temperature,
             scale=scale,
             softcap=softcap,
@@ -346,7 +368,7 @@ def _completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, co
 def _logprobs_from_full_logits(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
 ):
-    """Fallback for a sharded output projection: the model's forward builds the (B, T, V) logits."""
+    """Fallback for a ZeRO-3 partitioned output projection: the model's forward builds the (B, T, V) logits."""
     logits = model(
         **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
         logits_to_keep=completion_ids.shape[1] + 1,
