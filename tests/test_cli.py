@@ -61,9 +61,13 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2  # the command-line override won over the file's max_steps
-    assert "rewards/has_digit/mean" in state["log_history"][0]
+    first_step = next(h for h in state["log_history"] if h["step"] == 1)
+    assert "rewards/has_digit/mean" in first_step
     assert (out / "model.safetensors").is_file()
     assert "eval_reward" in result.stdout and "before" in result.stdout and "prompt: " in result.stdout
+    assert "eval_greedy_accuracy" in result.stdout
+    # Greedy accuracy before (step 0) and after (step 2), in the saved log beside eval_reward.
+    assert [h["step"] for h in state["log_history"] if "eval_greedy_accuracy" in h] == [0, 2]
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records} == {1, 2} and set(records[0]["rewards"]) == {"accuracy", "has_digit"}
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"

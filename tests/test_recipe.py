@@ -167,7 +167,7 @@ def test_plot_writes_png(tmp_path):
             "clip_ratio/region_mean": 0.0,
         }
         for s in range(1, 6)
-    ] + [{"step": 5, "eval_reward": 0.4}]
+    ] + [{"step": 0, "eval_reward": 0.2}, {"step": 0, "eval_greedy_accuracy": 0.25}, {"step": 5, "eval_reward": 0.4}]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     out = plot_run(tmp_path)
     assert out == tmp_path / "training.png"

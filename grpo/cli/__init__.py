@@ -161,7 +161,11 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 4. Train.
     if resume is not None and main:
         print(f"resuming from {resume}")
+    evaluated_before = list(trainer.state.log_history)
     trainer.train(resume_from_checkpoint=resume)
+    # `train()` starts a fresh TrainerState: put the evaluation before training back at the head of the log, so
+    # that trainer_state.json and the plot hold the before values too.
+    trainer.state.log_history[:0] = evaluated_before
 
     # 5. After training.
     after, samples_after = {}, []
