@@ -28,10 +28,14 @@ from grpo.rollout import Rollout
 
 
 def shared_engine(backend, args, accelerator, pad_token_id, eos_token_ids, logprobs) -> SharedEngine:
-    """The sampler for async generation: vLLM as it is; `model.generate` on a copy of the policy, with the copy's
-    log-probs when rounds may be stale (`logprobs(model, batch)`, the trainer's own function)."""
+    """The sampler for async generation: vLLM as it is (loading in the background with one training process);
+    `model.generate` on a copy of the policy, with the copy's log-probs when rounds may be stale
+    (`logprobs(model, batch)`, the trainer's own function)."""
+    sharded = accelerator.distributed_type in ("FSDP", "DEEPSPEED")
+    # A vLLM engine loads from a copy of the weights in a thread of its own, when one process owns the engine.
+    background = accelerator.num_processes == 1 and not sharded and not isinstance(backend, TransformersGeneration)
     if isinstance(backend, TransformersGeneration):
-        if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
+        if sharded:
             raise InputError(
                 "async_generation=True without vLLM samples from a full copy of the policy, which a sharded model "
                 "(FSDP, DeepSpeed) does not have on one process. Use vLLM (use_vllm=True), or train synchronously."
@@ -43,7 +47,7 @@ def shared_engine(backend, args, accelerator, pad_token_id, eos_token_ids, logpr
             pad_token_id,
             logprobs=logprobs if args.max_staleness > 0 else None,
         )
-    return SharedEngine(backend, accelerator)
+    return SharedEngine(backend, accelerator, background_loads=background)
 
 
 class AsyncRounds:

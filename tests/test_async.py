@@ -130,6 +130,53 @@ def test_a_load_waits_for_the_generation_in_flight():
     assert engine.backend.loads == [5] and engine.version == 5
 
 
+def test_a_background_load_lets_the_trainer_go_on():
+    """With background_loads the trainer copies the weights and returns; the engine loads the copy in a thread,
+    and what generates next (producer or evaluation) sees the new weights."""
+    release = threading.Event()
+
+    class SlowLoad(_Engine):
+        def sync_weights(self, model, version):
+            if version > 0:
+                assert release.wait(10)
+            self.loads.append((version, model.weight.item()))
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    engine = SharedEngine(SlowLoad(), _OneProcess(), background_loads=True)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    engine.sync_weights(model, version=0)  # the first load runs in the caller's thread
+    assert engine.version == 0 and engine.backend.loads == [(0, 1.0)]
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    engine.sync_weights(model, version=1)  # returns before the load is done
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # the next step changes the live weights: the load takes the copy
+    assert engine.version == 0
+    release.set()
+    engine.generate(None, [[0]])  # waits for the load in flight
+    assert engine.version == 1 and engine.backend.loads[-1] == (1, 2.0)
+
+
+def test_a_failed_background_load_reaches_the_trainer():
+    class BrokenLoad(_Engine):
+        def sync_weights(self, model, version):
+            if version > 0:
+                raise ConnectionError("server went away")
+
+    engine = SharedEngine(BrokenLoad(), _OneProcess(), background_loads=True)
+    producer, _ = _producer(engine, max_staleness=0)
+    try:
+        model = torch.nn.Linear(1, 1)
+        engine.sync_weights(model, version=0)
+        assert producer.take(0)[0] == 0
+        engine.sync_weights(model, version=1)
+        with pytest.raises(RuntimeError, match="server went away"):
+            producer.take(1)  # waits for version 1, which will never come
+    finally:
+        producer.close()
+
+
 def test_round_indices_follow_the_loader_across_epochs():
     """The producer's rows of each round are the loader's, epoch after epoch (the trainer also checks the prompts
     of every round it takes, so a mismatch would stop training)."""

@@ -391,6 +391,7 @@ def test_async_generation_on_the_server(server, model_path, tokenizer, tmp_path)
     assert differences[0] < 1e-3 < max(differences[1:])  # on-policy first, then one optimizer step behind
     policy = trainer.accelerator.unwrap_model(trainer.model)
     trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    trainer.generation.wait_for_load()  # with one process the engine loads in a thread of its own
     assert _server_greedy(client) == _trainer_greedy(policy)
 
 

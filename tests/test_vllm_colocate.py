@@ -174,6 +174,7 @@ def test_async_generation_with_a_colocated_engine(model_path, tokenizer, tmp_pat
     assert differences[0] < 1e-3 < max(differences[1:])  # the engine's log-probs: the behaviour policy
     policy = trainer.accelerator.unwrap_model(trainer.model)
     trainer.generation.sync_weights(policy, version=trainer.state.global_step)
+    trainer.generation.wait_for_load()  # with one process the engine loads in a thread of its own
     assert _engine_greedy(trainer.generation.backend.llm) == _greedy(policy)
 
 

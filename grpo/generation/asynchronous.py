@@ -40,32 +40,75 @@ class SharedEngine:
     """A `GenerationBackend` shared by the trainer's main thread and the producer thread (see the module docstring).
     `generate` and `sync_weights` keep the protocol, so evaluation and the synchronous paths use it unchanged."""
 
-    def __init__(self, backend: GenerationBackend, accelerator):
+    def __init__(self, backend: GenerationBackend, accelerator, background_loads: bool = False):
         self.backend = backend
         self.accelerator = accelerator
         self.lock = threading.Lock()  # held while the engine generates or loads weights
         self.changed = threading.Condition()  # notified when `version` changes
         self.version: int | None = None  # the optimizer step whose weights the engine holds
-        self.sync_seconds = 0.0  # time spent loading weights, summed (metrics)
+        self.sync_seconds = 0.0  # time the trainer spent handing over weights, summed (metrics)
+        # With `background_loads` (one training process), a load runs in a thread of its own from a copy of the
+        # weights, so the trainer goes on training while the engine loads: `snapshot` is that copy, `loader` the
+        # thread of the latest load.
+        self.background_loads = background_loads
+        self.snapshot: nn.Module | None = None
+        self.loader: threading.Thread | None = None
+        self.load_error: BaseException | None = None
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
-        """Load `model`'s weights of step `version` (main thread, every process, in step). Each process first takes
-        its own engine lock and then waits for the others: one server serves every process, so no process may still
-        be generating on it while any process loads."""
+        """Hand `model`'s weights of step `version` to the engine (main thread, every process, in step). Each process
+        first takes its own engine lock and then waits for the others: one server serves every process, so no
+        process may still be generating on it while any process loads. With `background_loads` the trainer only
+        copies the weights and the load runs in a thread; the first load (which may build the engine) does not."""
         if version == self.version:
             return
         start = time.perf_counter()
+        self.wait_for_load()
+        if self.background_loads and self.version is not None:
+            self._copy_weights(model)
+            self.loader = threading.Thread(target=self._load_in_background, args=(version,), daemon=True)
+            self.loader.start()
+        else:
+            self._load(model, version)
+        self.sync_seconds += time.perf_counter() - start
+
+    def _load(self, model: nn.Module, version: int) -> None:
         with self.lock:
             if self.accelerator.num_processes > 1:
                 self.accelerator.wait_for_everyone()
             self.backend.sync_weights(model, version)
-        self.sync_seconds += time.perf_counter() - start
         with self.changed:
             self.version = version
             self.changed.notify_all()
 
+    def _load_in_background(self, version: int) -> None:
+        try:
+            self._load(self.snapshot, version)
+        except BaseException as e:  # raised in the trainer's thread by `wait_for_load` or `RoundProducer.take`
+            with self.changed:
+                self.load_error = e
+                self.changed.notify_all()
+
+    @torch.no_grad()
+    def _copy_weights(self, model: nn.Module) -> None:
+        if self.snapshot is None:
+            self.snapshot = copy.deepcopy(model).requires_grad_(False)
+            return
+        for target, source in zip(self.snapshot.state_dict().values(), model.state_dict().values()):
+            target.copy_(source)
+
+    def wait_for_load(self) -> None:
+        """Wait for a background load in flight; re-raise its failure."""
+        if self.loader is not None:
+            self.loader.join()
+            self.loader = None
+        if self.load_error is not None:
+            error, self.load_error = self.load_error, None
+            raise RuntimeError(f"Loading the weights into the sampler failed: {error}") from error
+
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
-        """The backend's own `generate` (main thread: evaluation), under the lock."""
+        """The backend's own `generate` (main thread: evaluation), under the lock, after any load in flight."""
+        self.wait_for_load()
         with self.lock:
             return self.backend.generate(model, prompt_ids)
 
@@ -153,10 +196,12 @@ class RoundProducer:
         producer in the caller's thread."""
         start = time.perf_counter()
         with self.engine.changed:
-            while round_index not in self.ready and self.error is None:
+            while round_index not in self.ready and self.error is None and self.engine.load_error is None:
                 if round_index < self.next_round:
                     raise RuntimeError(f"Round {round_index} was already taken; rounds are taken once, in order.")
                 self.engine.changed.wait(timeout=1.0)
+            if round_index not in self.ready and self.engine.load_error is not None:
+                self.engine.wait_for_load()  # raises the load's error
             if round_index not in self.ready:
                 raise ProducerError(f"Generating round {round_index} in the background failed: {self.error}") from (
                     self.error
@@ -165,6 +210,8 @@ class RoundProducer:
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop making rounds; waits for the one in flight (at most `timeout` seconds)."""
+        if self.engine.loader is not None:
+            self.engine.loader.join(timeout)
         with self.engine.changed:
             self.stopped = True
             self.engine.changed.notify_all()
