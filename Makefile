@@ -91,8 +91,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format grpo tests examples benchmarks
 
 # Benchmarks print ratios against a baseline measured in the same run (docs/performance.md).
-bench: $(STAMP)
+# The comparison with TRL (scenarios tiny, smol-200, smol-8x4, smol-16x8) runs in .venv-trl: tens of minutes here.
+bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/logprobs_memory.py
+	$(TRL_PY) benchmarks/compare_trl.py --scenarios tiny,smol-200,smol-8x4,smol-16x8
 
 # One GRPO step with LoRA (adapter-disabled reference) against full fine-tuning with a reference copy: peak RSS and
 # step time on SmolLM2-135M-Instruct, CPU (docs/peft.md).

@@ -14,6 +14,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from grpo.data import content_widths
+from grpo.objective.shared_prompt import shared_prompt_hidden_states
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
 # holds two, backward one).
@@ -343,6 +344,12 @@ def _completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, co
 
     A hook on the decoder catches its output while the model's own head runs on one position only
     (logits_to_keep=1); calling the outer model keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward."""
+    if not padding_free:  # each distinct prompt of the batch run once (grpo/objective/shared_prompt.py)
+        hidden = shared_prompt_hidden_states(
+            model, _language_model(model), prompt_ids, prompt_mask, completion_ids, completion_mask
+        )
+        if hidden is not None:
+            return hidden
     captured = []
     decoder = _language_model(model).get_decoder()
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
