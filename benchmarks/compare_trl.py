@@ -14,7 +14,8 @@ forced to its full length with `generation_kwargs={"min_new_tokens": L}`, so bot
 number of tokens.
 
 Printed per scenario: the median seconds per optimizer step (over the steps after the first, then the median over
-repeats), completion tokens per second (rows x L / step time), peak memory (the child's peak resident set size from
+repeats), the median CPU seconds per step of the run's process (`time.process_time`: on a machine shared with other
+jobs the steadier figure, with `--threads 1` the work itself), completion tokens per second (rows x L / step time), peak memory (the child's peak resident set size from
 `os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
 goes, from wrapping its methods in the child (grpo/trainer.py is not changed): generation split into prefill (up to
 the first sampled token) and decode, reward, old/reference log-probs, forward+backward (the training micro-step
@@ -240,13 +241,13 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
 
-    step_times = []
+    step_times, cpu_times = [], []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if on_gpu:
                 torch.cuda.synchronize()
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             self.optimizer_start = time.perf_counter()
@@ -259,6 +260,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
             if on_gpu:
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.start)
+            cpu_times.append(time.process_time() - self.cpu_start)
             print(f"{kind} {scenario} step {len(step_times)}: {step_times[-1]:.2f} s", file=sys.stderr, flush=True)
             if phases is not None:
                 phases.finish_step(step_times[-1])
@@ -272,6 +274,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
     trainer.train()
     return {
         "step_times": step_times,
+        "cpu_times": cpu_times,
         "phases": phases.steps if phases else None,
         "gpu_peak": torch.cuda.max_memory_allocated() if on_gpu else None,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -307,7 +310,9 @@ def summarise(spec: dict, results: list[dict]) -> dict:
     per_run = [statistics.median(r["step_times"][1:] or r["step_times"]) for r in results]
     step = statistics.median(per_run)
     peak = statistics.median(r["gpu_peak"] if r["gpu_peak"] is not None else r["peak_rss"] for r in results)
-    summary = {"step": step, "runs": per_run, "tokens_per_s": spec["rows"] * spec["L"] / step, "peak": peak}
+    cpu = statistics.median(statistics.median(r["cpu_times"][1:] or r["cpu_times"]) for r in results)
+    summary = {"step": step, "cpu": cpu, "runs": per_run, "tokens_per_s": spec["rows"] * spec["L"] / step}
+    summary["peak"] = peak
     if results[0]["phases"]:
         steps = [s for r in results for s in r["phases"][1:] or r["phases"]]
         summary["phases"] = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in PHASES + ["other"]}
@@ -321,14 +326,18 @@ def print_scenario(name: str, spec: dict, rows: dict, repeats: int, peak_tflops:
         f"\n{name}: {spec['rows']} rows, G={spec['G']}, prompts ~{spec['P']} tokens, completions {spec['L']} tokens, "
         f"beta {spec['beta']}, {spec['loss']}; median of the steps after the first, median of {repeats} runs each"
     )
-    print(f"{'':14} {'s/step':>8} {'runs':>22} {'tokens/s':>9} {memory + ' MiB':>22}")
+    print(f"{'':14} {'s/step':>8} {'runs':>22} {'CPU s/step':>10} {'tokens/s':>9} {memory + ' MiB':>22}")
     for kind, s in rows.items():
         runs = ", ".join(f"{t:.2f}" for t in s["runs"])
-        print(f"{kind:14} {s['step']:8.2f} {runs:>22} {s['tokens_per_s']:9.1f} {s['peak'] / 2**20:22,.0f}")
+        print(
+            f"{kind:14} {s['step']:8.2f} {runs:>22} {s['cpu']:10.2f} {s['tokens_per_s']:9.1f} "
+            f"{s['peak'] / 2**20:22,.0f}"
+        )
     if "trl" in rows:
         for kind in (k for k in rows if k != "trl"):
             print(
                 f"{kind} / trl: step time {rows[kind]['step'] / rows['trl']['step']:.2f}, "
+                f"CPU time {rows[kind]['cpu'] / rows['trl']['cpu']:.2f}, "
                 f"memory {rows[kind]['peak'] / rows['trl']['peak']:.2f}"
             )
     for kind, s in rows.items():
@@ -357,21 +366,21 @@ def plot(path: str, table: dict) -> None:
         "ours": "grpo",
     }
     kinds = [k for k in labels if any(k in table[n] for n in names)]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(kinds)
-    for i, kind in enumerate(kinds):
-        xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(names))]
-        ys = [table[n][kind]["step"] if kind in table[n] else 0 for n in names]
-        bars = ax.bar(xs, ys, width, label=labels[kind])
-        for x, y, n in zip(xs, ys, names):
-            if kind != "trl" and "trl" in table[n] and y:
-                ax.annotate(f"x{y / table[n]['trl']['step']:.2f}", (x, y), ha="center", va="bottom", fontsize=8)
-        del bars
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("seconds per optimizer step (median)")
-    ax.set_title("GRPO step time, same machine, weights, data and settings (ours / TRL above the bars)")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=8)
+    for ax, key, label in zip(axes, ("step", "cpu"), ("seconds per step (wall)", "CPU seconds per step")):
+        for i, kind in enumerate(kinds):
+            xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(names))]
+            ys = [table[n][kind].get(key, 0) if kind in table[n] else 0 for n in names]
+            ax.bar(xs, ys, width, label=labels[kind])
+            for x, y, n in zip(xs, ys, names):
+                if kind != "trl" and table[n].get("trl", {}).get(key) and y:
+                    ratio = y / table[n]["trl"][key]
+                    ax.annotate(f"x{ratio:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_ylabel(f"{label}, median", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("GRPO step, same machine, weights, data and settings (ours / TRL above the bars)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nchart written to {path}")
