@@ -127,9 +127,9 @@ class AsyncRounds:
         window = trainer._metrics["train"]
         window.add_mean("async/staleness", everyone[:, 0].mean().item())
         window.add_max("async/staleness_max", everyone[:, 0].max().item())
-        window.add_mean("async/wait_seconds", everyone[:, 1].max().item())
+        window.add_mean("timing/async_wait", everyone[:, 1].max().item())
         window.add_sum("async/dropped_rows", everyone[:, 2].sum().item())
-        window.set_last("async/sync_seconds_total", everyone[:, 3].max().item())
+        window.set_last("timing/weight_sync_total", everyone[:, 3].max().item())
 
     def close(self) -> None:
         if self.producer is not None:

@@ -50,6 +50,14 @@ SCENARIOS = {
         ),
         kill=["--kill-in-save", "3"],
     ),
+    # Async generation at max_staleness=0 (model.generate on a copy of the policy, in the producer thread): the
+    # producer starts again at the next round after the resume and draws what the uninterrupted run drew.
+    "async_generation": dict(
+        settings=dict(
+            per_device_train_batch_size=4, steps_per_generation=2, max_steps=4, async_generation=True, max_staleness=0
+        ),
+        kill=["--kill-after-micro-step", "2"],
+    ),
     # A LoRA adapter (only it is in the checkpoint, adapter_model.safetensors) with the KL term, whose reference is
     # the adapter disabled; killed in the middle of a round, after checkpoint 1.
     "lora": dict(
