@@ -6,15 +6,9 @@ import torch
 
 from grpo.data import tokenize_prompts
 from grpo.generation import TransformersGeneration
-from grpo.generation.model_generate import prompt_runs
 from grpo.testing import tiny_model
 
 EOS, PAD = 258, 256
-
-
-def test_prompt_runs_merges_only_neighbours():
-    assert prompt_runs([[1], [1], [1], [2, 3], [2, 3], [1]]) == ([0, 3, 5], [3, 2, 1])
-    assert prompt_runs([[4]]) == ([0], [1])
 
 
 def _generate(model, prompts, share, greedy, monkeypatch, length=12):

@@ -16,21 +16,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
-from grpo.generation.base import Completions
-
-
-def prompt_runs(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """Runs of consecutive identical prompts: the index of each run's first row and the run's length.
-
-    `[a, a, a, b, b, a]` -> `([0, 3, 5], [3, 2, 1])` (only neighbours are merged: rows keep their order)."""
-    firsts, counts = [], []
-    for i, ids in enumerate(prompt_ids):
-        if counts and list(ids) == list(prompt_ids[firsts[-1]]):
-            counts[-1] += 1
-        else:
-            firsts.append(i)
-            counts.append(1)
-    return firsts, counts
+from grpo.generation.base import Completions, equal_runs
 
 
 class TransformersGeneration:
@@ -81,7 +67,8 @@ class TransformersGeneration:
         device = next(model.parameters()).device
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        firsts, counts = prompt_runs(prompt_ids)
+        counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (a group's rows)
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
         try:
@@ -116,12 +103,13 @@ def shared_prompt_cache(
     attention_mask: torch.Tensor,
     firsts: list[int],
     counts: list[int],
-) -> DynamicCache:
+) -> DynamicCache | None:
     """The KV cache of every row's prompt but its last token, computed once per run of identical rows.
 
-    input_ids, attention_mask: (B, P), left-padded; firsts, counts: `prompt_runs` of the rows. Returns a cache of
-    batch B and length P - 1, row i holding what a prefill of row i alone would hold: a row's keys and values depend
-    only on its own tokens and positions, and identical rows have both."""
+    input_ids, attention_mask: (B, P), left-padded; firsts, counts: each run of identical rows' first row and its
+    length. Returns a cache of batch B and length P - 1, row i holding what a prefill of row i alone would hold (a
+    row's keys and values depend only on its own tokens and positions, and identical rows have both), or None when
+    the model kept no cache."""
     rows = torch.tensor(firsts, device=input_ids.device)
     ids, mask = input_ids[rows, :-1], attention_mask[rows, :-1]  # (U, P - 1)
     # The positions `generate` gives a left-padded row: count its real tokens, padding at 0.
@@ -129,6 +117,8 @@ def shared_prompt_cache(
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs)
+    if cache.get_seq_length() != ids.shape[1]:
+        return None
     if len(firsts) < input_ids.shape[0]:
         repeat = torch.repeat_interleave(torch.arange(len(firsts), device=input_ids.device), torch.tensor(counts))
         cache.batch_select_indices(repeat.to(input_ids.device))  # (U, ...) -> (B, ...), run by run
