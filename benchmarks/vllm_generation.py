@@ -2,6 +2,8 @@
 
     make bench-vllm                                   # builds .venv-vllm (vLLM's CPU build), then runs this
     .venv-vllm/bin/python benchmarks/vllm_generation.py --repeats 5
+    .venv-vllm/bin/python benchmarks/vllm_generation.py --plot vllm-generation.png   # also a bar chart
+    .venv-vllm/bin/python benchmarks/vllm_generation.py --replot run.json --plot vllm-generation.png   # a saved run
 
 The job is one GRPO generation round on SmolLM2-135M-Instruct (float32, CPU): 8 chat prompts x 8 completions of at
 most 64 tokens, temperature 1. The baseline is `TransformersGeneration`, the trainer's own `model.generate` backend
@@ -16,6 +18,7 @@ the policy, under the names of its checkpoint, in `--bucket-mb` buckets, and wai
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -57,8 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--plot", metavar="PNG", help="also draw the measured times as a chart (needs matplotlib)")
+    parser.add_argument("--json", metavar="FILE", help="also write the measured numbers to FILE")
+    parser.add_argument("--replot", metavar="FILE", help="measure nothing: print and --plot the numbers in FILE")
     cli = parser.parse_args()
+    if cli.replot:
+        with open(cli.replot) as f:
+            run = json.load(f)
+    else:
+        run = measure(cli)
+    report(run, cli.plot)
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump(run, f, indent=1)
 
+
+def measure(cli) -> dict:
+    """The medians: {"results": [[regime, model.generate s, vllm-serve s], ...], "sync": s, "sync_label": str,
+    "repeats": int, "date": "YYYY-MM-DD"}."""
     path = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -105,16 +124,61 @@ def main() -> None:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
 
+    sync_label = f"{last['bytes'] / 2**20:.0f} MiB in {last['buckets']} buckets of <= {cli.bucket_mb:g} MiB"
+    date = time.strftime("%Y-%m-%d")
+    return {"results": results, "sync": sync, "sync_label": sync_label, "repeats": cli.repeats, "date": date}
+
+
+def report(run: dict, plot_path: str | None) -> None:
     print(
         f"SmolLM2-135M-Instruct, float32, CPU; {PROMPTS} prompts x {G} completions x <= {TOKENS} tokens; "
-        f"medians of {cli.repeats}"
+        f"medians of {run['repeats']}"
     )
     print(f"{'regime':12} {'model.generate':>15} {'vllm-serve':>11} {'speed-up':>9}")
-    for regime, hf, served in results:
+    for regime, hf, served in run["results"]:
         print(f"{regime:12} {hf:14.2f}s {served:10.2f}s {hf / served:8.2f}x")
-    print(
-        f"weight sync: {sync:.2f} s for {last['bytes'] / 2**20:.0f} MiB in {last['buckets']} buckets of <= {cli.bucket_mb:g} MiB"
+    print(f"weight sync: {run['sync']:.2f} s for {run['sync_label']}")
+    if plot_path:
+        plot(run["results"], run["sync"], run["sync_label"], f"medians of {run['repeats']}, {run['date']}", plot_path)
+        print(f"chart written to {plot_path}")
+
+
+def plot(results: list[tuple[str, float, float]], sync: float, sync_label: str, when: str, path: str) -> None:
+    """Seconds per generation round, model.generate against vllm-serve per regime, each pair labelled with the
+    speed-up (the figure to read across machines), and the full weight sync's seconds beside them."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib in this environment (make install-vllm installs it).") from e
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 1]})
+    x = range(len(results))
+    hf = [r[1] for r in results]
+    served = [r[2] for r in results]
+    left.bar([i - 0.2 for i in x], hf, 0.4, label="model.generate", color="#b0b0b0")
+    left.bar([i + 0.2 for i in x], served, 0.4, label="grpo vllm-serve", color="#3b6ea8")
+    for i, (h, s) in enumerate(zip(hf, served)):
+        left.annotate(f"{h:.1f} s", (i - 0.2, h), ha="center", va="bottom", fontsize=9)
+        left.annotate(f"{s:.1f} s, {h / s:.2f}x", (i + 0.2, s), ha="center", va="bottom", fontsize=9)
+    left.set_xticks(list(x), [f"{r[0]}" for r in results])
+    left.set_ylabel("seconds per generation round")
+    left.set_ylim(0, max(hf) * 1.3)
+    left.legend(frameon=False, fontsize=9, loc="upper right", ncol=2)
+    right.bar([0], [sync], 0.5, color="#3b6ea8")
+    right.annotate(f"{sync:.2f} s", (0, sync), ha="center", va="bottom", fontsize=9)
+    right.set_xticks([0], ["full weight sync"])
+    right.set_xlim(-0.75, 0.75)
+    right.set_ylim(0, sync * 1.3)
+    right.set_ylabel("seconds")
+    right.set_title(sync_label, fontsize=8)
+    fig.suptitle(
+        f"SmolLM2-135M-Instruct, float32, CPU: {PROMPTS} prompts x {G} completions x <= {TOKENS} tokens; {when}",
+        fontsize=10,
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
