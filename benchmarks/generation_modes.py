@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", nargs="+", default=["generate", "server", "colocate", "async-server"])
     parser.add_argument("--cores", default="0,1", help="the cores all modes share, e.g. 0,1")
+    parser.add_argument("--json", help="also write every step time to this file")
     parser.add_argument("--train", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -151,6 +152,12 @@ def main() -> None:
         median = statistics.median(result["step_seconds"][1:])
         times = " ".join(f"{t:.1f}" for t in result["step_seconds"])
         print(f"{mode:<16}{median:>9.2f}{baseline / median:>15.2f}x{result['mean_length']:>13.1f}   {times}")
+    medians = {mode: statistics.median(result["step_seconds"][1:]) for mode, result in results.items()}
+    for faster, slower in (("async-server", "server"), ("colocate", "server")):
+        if faster in medians and slower in medians:
+            print(f"{faster} against {slower}: {medians[slower] / medians[faster]:.2f}x faster")
+    if cli.json:
+        Path(cli.json).write_text(json.dumps({"cores": cli.cores, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -475,8 +475,9 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={
-            "help": "Reweight each token's loss by the capped ratio of the trainer's and the engine's probability of "
-            "the sampled token (truncated importance sampling), correcting for their numerical mismatch."
+            "help": "Reweight each token's loss by the capped ratio of the trainer's and the sampler's probability of "
+            "the sampled token (truncated importance sampling), correcting for their numerical mismatch (vLLM) and, "
+            "under async_generation, for the older weights that sampled a stale round."
         },
     )
     vllm_importance_sampling_mode: str = field(
