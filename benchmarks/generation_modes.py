@@ -11,6 +11,10 @@ builds the engine). The machine's cores are split the same way for every mode:
 - generate, colocate: the trainer (and its in-process engine) on all the cores given (`--cores`, default 0,1);
 - server, async-server: the trainer on the first core, the server on the others (`taskset`), so in server mode
   each side idles while the other works, and async generation can overlap them.
+
+`scripted` and `async-scripted` replace the sampler by one that returns fixed 32-token completions (and log-probs)
+at once: what is left is the trainer's own work, so their difference is what async generation costs the trainer
+(the producer thread, the locks, and at max_staleness 1 the extra forward pass for pi_old).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("generate", "server", "colocate", "async-server", "async-generate")
+MODES = ("generate", "server", "colocate", "async-server", "async-generate", "scripted", "async-scripted")
 QUESTIONS = [f"Tell a short story about a {thing}." for thing in ("cat", "ship", "tree", "robot", "city", "river")]
 
 
@@ -35,6 +39,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Scripted:
+    """A sampler that costs nothing: the same completion (token ids 100..131, no EOS) for every row."""
+
+    def sync_weights(self, model, version):
+        pass
+
+    def generate(self, model, prompt_ids):
+        from grpo.generation import Completions
+
+        return Completions([list(range(100, 132)) for _ in prompt_ids], [[-1.0] * 32 for _ in prompt_ids])
 
 
 def train(mode: str, steps: int, port: int | None, out: str) -> None:
@@ -77,6 +93,10 @@ def train(mode: str, steps: int, port: int | None, out: str) -> None:
     reward = lambda completions, **kw: [len(str(c)) / 100 for c in completions]  # noqa: E731
     path = str(smollm2_path())
     trainer = GRPOTrainer(path, reward, args=GRPOConfig(**settings), train_dataset=data)
+    if mode == "scripted":
+        trainer.generation = Scripted()
+    if mode == "async-scripted":
+        trainer.generation.backend = Scripted()  # inside the shared engine
     timer = StepTimes()
     trainer.add_callback(timer)
     trainer.train()
