@@ -66,6 +66,8 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
     assert (out / "model.safetensors").is_file()
     assert "eval_reward" in result.stdout and "before" in result.stdout and "prompt: " in result.stdout
     assert "eval_greedy_accuracy" in result.stdout
+    # A CPU run is quiet: no pin_memory warning from the data loader, no DeepSpeed accelerator guess.
+    assert "pin_memory" not in result.stderr and "Setting accelerator to CPU" not in result.stderr
     # Greedy accuracy before (step 0) and after (step 2), in the saved log beside eval_reward.
     assert [h["step"] for h in state["log_history"] if "eval_greedy_accuracy" in h] == [0, 2]
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

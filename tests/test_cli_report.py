@@ -2,11 +2,13 @@
 `grpo plot` draws, on the tiny model (grpo.testing) and hand-written log histories."""
 
 import math
+import os
 
+import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.cli import before_after_report, evaluate_held_out, greedy_metrics, greedy_samples
+from grpo.cli import _quiet_deepspeed_on_cpu, before_after_report, evaluate_held_out, greedy_metrics, greedy_samples
 from grpo.cli.plot import panels, split_history
 from grpo.rewards import completion_text
 from tests.scripted import TINY
@@ -127,3 +129,16 @@ def test_plot_panels_follow_what_moved():
         "rewards/b/mean",
     ]
     assert "completion length (tokens)" in chosen and not any(t.startswith("held-out") for t in chosen)
+
+
+def test_deepspeed_told_cpu_only_without_an_accelerator(monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    _quiet_deepspeed_on_cpu()
+    assert "DS_ACCELERATOR" not in os.environ  # a GPU (or other accelerator) is left to DeepSpeed's detection
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    _quiet_deepspeed_on_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    _quiet_deepspeed_on_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "xpu"  # the user's choice wins

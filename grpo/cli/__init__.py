@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from grpo.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
@@ -124,6 +125,18 @@ def _rewards(values) -> str:
     return ", ".join("-" if v != v else f"{v:.2f}" for v in values)
 
 
+def _quiet_deepspeed_on_cpu() -> None:
+    """Where DeepSpeed is installed (the dev extra), `Trainer` imports it, and on a machine without an accelerator
+    it warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every
+    run. Torch found no accelerator either, so say CPU up front (its `DS_ACCELERATOR` setting); a value the user set
+    wins."""
+    import torch
+
+    found = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    if not found:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def train(recipe_path: str, overrides: list[str]) -> dict:
     """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
     prompts)."""
@@ -136,6 +149,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         check_fresh_output_dir(args.output_dir)
 
     # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
+    _quiet_deepspeed_on_cpu()
     from grpo.data.loading import load_prompt_datasets
     from grpo.trainer import GRPOTrainer
 
