@@ -1,6 +1,8 @@
 """A LoRA policy's weight sync to `grpo vllm-serve --enable-lora`: the adapter alone against merged weights.
 
     .venv-vllm/bin/python benchmarks/lora_sync.py --repeats 5
+    .venv-vllm/bin/python benchmarks/lora_sync.py --generation --plot lora-sync.png   # also a bar chart
+    .venv-vllm/bin/python benchmarks/lora_sync.py --replot run.json --plot lora-sync.png   # a saved run (--json)
 
 SmolLM2-135M-Instruct (float32, CPU) with a LoRA of rank 16 on the attention projections (q, k, v, o), its B
 matrices random so that the adapter changes the outputs. One server, started with --enable-lora, takes both kinds of
@@ -16,6 +18,7 @@ no adapter, on the same server. The server's log goes to `--log`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -78,7 +81,15 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--generation", action="store_true", help="also time generation with and without adapter")
     parser.add_argument("--log", default="lora_sync_server.log", help="the server's log")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the measured sizes and times as a chart")
+    parser.add_argument("--json", metavar="FILE", help="also write the charted numbers to FILE")
+    parser.add_argument("--replot", metavar="FILE", help="measure nothing: --plot the numbers in FILE")
     cli = parser.parse_args()
+    if cli.replot:
+        with open(cli.replot) as f:
+            run = json.load(f)
+        plot(run["sizes"], run["generation"], f"medians of {run['repeats']}, {run['date']}", cli.plot)
+        return
     bucket = int(cli.bucket_mb * 2**20)
 
     path = smollm2_path()
@@ -121,6 +132,48 @@ def main() -> None:
         a, m = generation["adapter"], generation["merged"]
         print(f"{'generate 4x4x32 tok, s':>24} {a:>12.3f} {m:>12.3f} {a / m:>15.4f}")
     print(f"greedy completion equal after both syncs: {adapter_greedy == merged_greedy}")
+    sizes = {kind: (median(kind, "bytes") / 1e6, median(kind, "seconds")) for kind in syncs}
+    run = {"sizes": sizes, "generation": generation, "repeats": cli.repeats, "date": time.strftime("%Y-%m-%d")}
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump(run, f, indent=1)
+    if cli.plot:
+        plot(sizes, generation, f"medians of {cli.repeats}, {run['date']}", cli.plot)
+        print(f"chart written to {cli.plot}")
+
+
+def plot(sizes: dict[str, tuple[float, float]], generation: dict[str, float], when: str, path: str) -> None:
+    """Bar charts side by side, adapter against merged: MB per sync, seconds per sync and, when measured, seconds
+    per generation (the other side of the trade), each adapter bar labelled with its share of the merged one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib in this environment (make install-vllm installs it).") from e
+    panels = [
+        ("MB per sync", {kind: mb for kind, (mb, _) in sizes.items()}, "{:.2f} MB"),
+        ("seconds per sync", {kind: s for kind, (_, s) in sizes.items()}, "{:.3f} s"),
+    ]
+    if generation:
+        panels.append(("seconds per generation\n(4 prompts x n=4 x 32 tokens)", generation, "{:.2f} s"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.8))
+    colors = {"adapter": "#3b6ea8", "merged": "#b0b0b0"}
+    for ax, (label, values, fmt) in zip(axes, panels):
+        kinds = ["merged", "adapter"]
+        ax.bar(range(2), [values[k] for k in kinds], 0.6, color=[colors[k] for k in kinds])
+        for i, kind in enumerate(kinds):
+            text = fmt.format(values[kind])
+            if kind == "adapter":
+                text += f"\n(x{values['adapter'] / values['merged']:.3g})"
+            ax.annotate(text, (i, values[kind]), ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(2), ["merged sync", "adapter sync"])
+        ax.set_ylim(0, max(values.values()) * 1.3)
+        ax.set_ylabel(label)
+    fig.suptitle(f"SmolLM2-135M-Instruct, float32, CPU, LoRA r=16 on q/k/v/o; {when}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
