@@ -261,7 +261,8 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.start)
             cpu_times.append(time.process_time() - self.cpu_start)
-            print(f"{kind} {scenario} step {len(step_times)}: {step_times[-1]:.2f} s", file=sys.stderr, flush=True)
+            progress = f"{kind} {scenario} step {len(step_times)}: {step_times[-1]:.2f} s, CPU {cpu_times[-1]:.2f} s"
+            print(progress, file=sys.stderr, flush=True)
             if phases is not None:
                 phases.finish_step(step_times[-1])
 
