@@ -1,0 +1,50 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 on two CPU processes over gloo against one process (docs/distributed.md).
+
+DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) runs its collectives over torch's gloo group; the first launch on a
+machine JIT-compiles its shared-memory all-reduce op (ninja and a C++ compiler, 1-4 min, cached in
+~/.cache/torch_extensions). accelerate 1.15 does not start DeepSpeed on a CPU by itself: tests/deepspeed_update.py
+patches the same routing decision as tests/fsdp_update.py."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fsdp_update import LOSS_TYPES, trained
+from tests.net import launch_two_processes
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'grpo[deepspeed]'")
+
+ROOT = Path(__file__).resolve().parent.parent
+DS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None, "DS_ACCELERATOR": "cpu"}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def zero(request, tmp_path_factory):
+    """(ZeRO stage, the results of tests/deepspeed_update.py on 2 processes under that stage's config)."""
+    stage = request.param
+    out_file = tmp_path_factory.mktemp(f"zero{stage}") / "two.pt"
+    config = ROOT / "tests" / f"accelerate_cpu_zero{stage}.yaml"
+    launch_two_processes(ROOT / "tests" / "deepspeed_update.py", out_file, config=config, env=DS_ENV)
+    return stage, torch.load(out_file, weights_only=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_zero_matches_one_process(zero, tmp_path, loss_type):
+    """3 SGD steps with the KL term on (beta 0.04): 2 DeepSpeed processes x 4 rows = 1 process x 8 rows, under
+    ZeRO-2 (gradients and optimizer state partitioned) and ZeRO-3 (parameters too)."""
+    stage, results = zero
+    params, info = results[loss_type]
+    assert info["distributed_type"] == "DistributedType.DEEPSPEED" and info["zero_stage"] == stage
+    assert info["world_size"] == 2 and info["steps_run"] == 3
+    # ZeRO-3 partitions the policy's output projection (its log-probs then build the full logits); ZeRO-2 keeps it
+    # whole (the chunked path), and so does the reference model under both.
+    assert info["head_sharded"] == (stage == 3)
+    assert ("full_logits" in info["calls"]) == (stage == 3) and info["calls"]["whole"] > 0
+    reference, trainer = trained(tmp_path, 8, loss_type=loss_type)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
+    assert sorted(params) == sorted(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {loss_type} {key}")
