@@ -107,9 +107,20 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
                     xs, ys, sd = zip(*band)
                     lows, highs = [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)]
                     ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
-            if source is evaluations:
+            if source is evaluations:  # the values, the first series' below its points and the next above
+                offset = (0, -13) if key == keys[0] and len(keys) > 1 else (0, 6)
                 for s, v in zip(steps, values):
-                    ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+                    ax.annotate(
+                        f"{v:.2f}",
+                        (s, v),
+                        textcoords="offset points",
+                        xytext=offset,
+                        ha="center",
+                        fontsize=8,
+                        color=line.get_color(),
+                    )
+        if source is evaluations:
+            ax.margins(x=0.08, y=0.2)  # room for the value labels
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
