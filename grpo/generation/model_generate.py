@@ -9,6 +9,7 @@ computed per row as before, so each row is the same draw from the same distribut
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -68,7 +69,7 @@ class TransformersGeneration:
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (a group's rows)
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
         try:
