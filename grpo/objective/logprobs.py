@@ -281,10 +281,9 @@ def completion_logprobs(
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
     the projection (default: from the vocabulary size). Under FSDP2 the projection's weight is read after the
-    forward: whole where its module keeps it gathered until the backward (accelerate's wrapping, where it belongs
-    to the root module), else a DTensor shard, gathered whole once per call with its gradient reduce-scattered back
-    to the shards. Under DeepSpeed ZeRO-3 the weight can only be gathered inside the model's forward, so the logits
-    of the completion positions are built there instead.
+    forward: whole if its module keeps it gathered for the backward (the root module of accelerate's wrapping), else
+    a DTensor, gathered once per call (`_whole`). Under DeepSpeed ZeRO-3 it can only be gathered inside the model's
+    forward, so the logits of the completion positions are built there instead.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         chunks = [
