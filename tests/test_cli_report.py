@@ -73,16 +73,30 @@ def sample(prompt, completion, rewards):
 def test_report_shows_greedy_accuracy_and_the_mean_only_for_non_binary_rewards():
     before = {"eval_reward": 0.25, "eval_greedy_accuracy": 0.5, "eval_greedy_reward": 0.5}
     after = {"eval_reward": 0.75, "eval_greedy_accuracy": 1.0, "eval_greedy_reward": 1.0}
-    old = [sample("1 + 1", "3", [0.0]), sample("2 + 2", "4", [1.0])]
-    new = [sample("1 + 1", "2", [1.0]), sample("2 + 2", "4", [1.0])]
+    old = [sample("2 + 2", "4", [1.0]), sample("1 + 1", "3", [0.0])]
+    new = [sample("2 + 2", "4", [1.0]), sample("1 + 1", "2", [1.0])]
     report = before_after_report(before, after, old, new, ["exact"], shown=1)
     greedy_line = next(line for line in report.splitlines() if line.startswith("eval_greedy_accuracy"))
     assert greedy_line.split()[1:] == ["0.500", "1.000", "+0.500"]
     assert "eval_greedy_reward" not in report  # 0/1 rewards: the mean is the accuracy
-    assert "prompt: 1 + 1" in report and "prompt: 2 + 2" not in report  # only the first `shown` prompts
-    assert "before (0.00): 3" in report and "after  (1.00): 2" in report
-    partial = [sample("1 + 1", "2", [0.5]), sample("2 + 2", "4", [1.0])]
+    partial = [sample("2 + 2", "4", [1.0]), sample("1 + 1", "2", [0.5])]
     assert "eval_greedy_reward" in before_after_report(before, after, old, partial, ["exact"])
+
+
+def test_report_counts_greedy_changes_and_shows_the_changed_prompts_first():
+    # Rows 0 and 3 stay right, row 1 turns right, row 2 turns wrong, row 4 stays wrong.
+    old = [sample(f"q{i}", f"old{i}", [r]) for i, r in enumerate([1.0, 0.0, 1.0, 1.0, 0.0])]
+    new = [sample(f"q{i}", f"new{i}", [r]) for i, r in enumerate([1.0, 1.0, 0.0, 1.0, 0.0])]
+    report = before_after_report({}, {}, old, new, ["exact"], shown=3)
+    assert "greedy answers of the 5 prompts: 1 turned right, 1 turned wrong, 2 right before and after, " in report
+    assert "1 wrong before and after" in report
+    shown = [line.removeprefix("prompt: ") for line in report.splitlines() if line.startswith("prompt: ")]
+    assert shown == ["q1", "q2", "q0"]  # the two that changed, in data order, then the first of the rest
+    assert "before (0.00): old1" in report and "after  (1.00): new1" in report
+    # Resumed (nothing before training): the first prompts after, without counts.
+    resumed = before_after_report(None, {}, [], new, ["exact"], shown=2)
+    assert "greedy answers" not in resumed and "before (" not in resumed
+    assert [line for line in resumed.splitlines() if line.startswith("prompt: ")] == ["prompt: q0", "prompt: q1"]
 
 
 def test_plot_panels_follow_what_moved():

@@ -88,8 +88,8 @@ def _text(value) -> str:
 
 
 def before_after_report(before: dict | None, after: dict, samples_before, samples_after, names, shown=4) -> str:
-    """The summary `grpo train` prints: held-out metrics before and after (sampled, then greedy), then the greedy
-    completions of the first `shown` prompts."""
+    """The summary `grpo train` prints: held-out metrics before and after (sampled, then greedy), then how the
+    greedy answers changed, with `shown` of them (`_greedy_changes`)."""
     keys = ["eval_reward", "eval_greedy_accuracy"]
     # The mean greedy reward says something of its own only when rewards are not all 0 or 1.
     if any(v not in (0.0, 1.0) for s in [*(samples_before or []), *samples_after] for v in s["rewards"]):
@@ -109,16 +109,32 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
             f"(eval_reward: mean reward of sampled completions, {len(samples_after)} prompts; eval_greedy_accuracy: "
             "share of those prompts whose greedy completion earns reward >= 1)"
         )
-    by_prompt = {_text(s["prompt"]): s for s in samples_before or []}
-    for sample in samples_after[:shown]:
-        prompt = _text(sample["prompt"])
-        lines.append("")
-        lines.append(f"prompt: {prompt[-160:]}")
-        earlier = by_prompt.get(prompt)
+    return "\n".join(lines + _greedy_changes(samples_before or [], samples_after, shown))
+
+
+def _greedy_changes(samples_before: list[dict], samples_after: list[dict], shown: int) -> list[str]:
+    """How the greedy answers changed (counts over every held-out prompt, correct meaning reward >= 1), then the
+    completions of `shown` prompts: those whose answer turned right or wrong first, in data order, so that what is
+    printed is what changed, in the proportions the counts give."""
+    paired = len(samples_before) == len(samples_after)  # the same rows, in the same order (greedy_samples)
+    pairs = [(b if paired else None, a) for b, a in zip(samples_before if paired else samples_after, samples_after)]
+    lines = []
+    if paired and pairs:
+        kinds = [(b["reward"] >= 1, a["reward"] >= 1) for b, a in pairs]
+        lines.append(
+            f"greedy answers of the {len(pairs)} prompts: {kinds.count((False, True))} turned right, "
+            f"{kinds.count((True, False))} turned wrong, {kinds.count((True, True))} right before and after, "
+            f"{kinds.count((False, False))} wrong before and after"
+        )
+        changed = [i for i, (was, now) in enumerate(kinds) if was != now]
+        order = changed + [i for i in range(len(pairs)) if i not in changed]
+        pairs = [pairs[i] for i in order]
+    for earlier, sample in pairs[:shown]:
+        lines += ["", f"prompt: {_text(sample['prompt'])[-160:]}"]
         if earlier is not None:
             lines.append(f"  before ({_rewards(earlier['rewards'])}): {_text(earlier['completion'])[:200]}")
         lines.append(f"  after  ({_rewards(sample['rewards'])}): {_text(sample['completion'])[:200]}")
-    return "\n".join(lines)
+    return lines
 
 
 def _rewards(values) -> str:

@@ -80,7 +80,7 @@ class RewardSpec:
 @dataclasses.dataclass
 class RunSection:
     evaluate_before: bool = True  # evaluate the held-out prompts before training too, and print both
-    sample_completions: int = 4  # held-out prompts whose greedy completion is printed before and after
+    sample_completions: int = 4  # held-out prompts whose greedy completions are printed (changed answers first)
     save_model: bool = True
     plot: bool = True
 
