@@ -18,7 +18,7 @@ TRL_STAMP := $(TRL_VENV)/.installed
 # that `make test` installs them once and never reinstalls the rest.
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm bench-peft bench-trl install-trl clean
+.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo bench bench-vllm bench-modes bench-peft bench-trl install-trl clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
@@ -111,6 +111,11 @@ bench-vllm: $(VLLM_STAMP)
 BENCH_TRL_ARGS ?=
 bench-trl: $(TRL_STAMP)
 	$(TRL_PY) benchmarks/compare_trl.py $(BENCH_TRL_ARGS)
+
+# Seconds per optimizer step of the generation modes: model.generate, vLLM server, colocated engine, async generation
+# on the server (SmolLM2-135M, CPU, cores split the same way for every mode; docs/performance.md).
+bench-modes: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/generation_modes.py
 
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
 demo: $(STAMP)
