@@ -68,8 +68,10 @@ class GRPOTrainer(ResumableTrainer):
       3. Cut each completion after its first EOS; flag the truncated ones.
       4. Score every completion with every reward function (process functions: step rewards); gather rewards
          from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
+         With `async_generation`, the next round's steps 2-4 on this process run in a producer thread while this one
+         trains (grpo/async_rounds.py); the rewards are gathered when the trainer takes the round.
       5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
-      6. Old log-probs, only when the batch is reused (otherwise old = logp.detach()).
+      6. Old log-probs, only when the batch is reused or may be stale (async); otherwise old = logp.detach().
       7. Reference log-probs, only when beta != 0.
       8. `compute_loss`: policy log-probs and the clipped objective, scaled once for gradient accumulation.
 
