@@ -379,8 +379,9 @@ def plot(path: str, table: dict) -> None:
                     ratio = y / table[n]["trl"][key]
                     ax.annotate(f"x{ratio:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.set_ylabel(f"{label}, median", fontsize=8)
-    axes[0].legend(fontsize=7)
+        ax.set_ylabel(f"{label}, median (log scale)", fontsize=8)
+        ax.set_yscale("log")  # the tiny model's milliseconds and SmolLM2's minutes on one axis
+    axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle("GRPO step, same machine, weights, data and settings (ours / TRL above the bars)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
