@@ -275,6 +275,15 @@ def test_a_round_older_than_max_staleness_is_dropped_and_made_again(tmp_path, mo
     max_staleness steps old is dropped, counted and made again with the current weights."""
     monkeypatch.setattr(AsyncRounds, "first_step", lambda self, r: 0)  # a forecast that every round trains at once
     trainer = _trainer(tmp_path, max_steps=4, async_generation=True, max_staleness=1)
+
+    class HoldStepOne(TrainerCallback):
+        """After step 0, wait until rounds 1-3 are made (all with the weights of step 0)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                assert _wait_for(lambda: trainer._async.producer.next_round >= 4)
+
+    trainer.add_callback(HoldStepOne())
     trainer.train()
     logs = [h for h in trainer.state.log_history if "async/dropped_rows" in h]
     assert sum(h["async/dropped_rows"] for h in logs) > 0
