@@ -36,6 +36,17 @@ from torch import nn
 from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
 
 
+@torch.no_grad()
+def copy_weights(model: nn.Module, into: nn.Module | None) -> nn.Module:
+    """`model`'s current weights in a frozen module of its own: `into` (an earlier copy) overwritten in place, or a
+    new copy in eval mode when there is none."""
+    if into is None:
+        return copy.deepcopy(model).eval().requires_grad_(False)
+    for target, source in zip(into.state_dict().values(), model.state_dict().values()):
+        target.copy_(source)
+    return into
+
+
 class SharedEngine:
     """A `GenerationBackend` shared by the trainer's main thread and the producer thread (see the module docstring).
     `generate` and `sync_weights` keep the protocol, so evaluation and the synchronous paths use it unchanged."""
@@ -89,13 +100,8 @@ class SharedEngine:
                 self.load_error = e
                 self.changed.notify_all()
 
-    @torch.no_grad()
     def _copy_weights(self, model: nn.Module) -> None:
-        if self.snapshot is None:
-            self.snapshot = copy.deepcopy(model).requires_grad_(False)
-            return
-        for target, source in zip(self.snapshot.state_dict().values(), model.state_dict().values()):
-            target.copy_(source)
+        self.snapshot = copy_weights(model, self.snapshot)
 
     def wait_for_load(self) -> None:
         """Wait for a background load in flight; re-raise its failure."""
@@ -239,13 +245,8 @@ class PolicyCopyGeneration:
         self.logprobs = logprobs
         self.copy: nn.Module | None = None
 
-    @torch.no_grad()
     def sync_weights(self, model: nn.Module, version: int) -> None:
-        if self.copy is None:
-            self.copy = copy.deepcopy(model).eval().requires_grad_(False)
-            return
-        for target, source in zip(self.copy.state_dict().values(), model.state_dict().values()):
-            target.copy_(source)
+        self.copy = copy_weights(model, self.copy)
 
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
         if self.copy is None:
