@@ -250,6 +250,15 @@ class GRPOConfig(TrainingArguments):
             "length come from their own fields."
         },
     )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3 without vLLM: gather all of the policy's weights on every process for the "
+            "length of `model.generate` (fast; each process then holds the whole model in the training dtype). "
+            "False keeps them partitioned: every layer is gathered again at every generated token (slow, but no "
+            "more memory than training), for models that do not fit whole on one device. No effect otherwise."
+        },
+    )
 
     # ---- Rewards and advantages ----
     reward_weights: list[float] | None = field(

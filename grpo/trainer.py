@@ -34,7 +34,8 @@ from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, offline
 from grpo.data.sampler import RepeatSampler, eval_sampler, train_batch_size, train_sampler
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
-from grpo.generation import make_generation_backend, sample_rollout
+from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
+from grpo.generation.weights import zero3_gathered_for_generation
 from grpo.metrics import MetricsWindow
 from grpo.models import load_policy
 from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
@@ -264,10 +265,11 @@ class GRPOTrainer(ResumableTrainer):
         """Steps 2-3 with `backend` (`sample_rollout`), on this process's device; offline, the stored completions."""
         if self._offline is not None and self.model.training:
             return self._offline.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
-        policy = self.accelerator.unwrap_model(self.model)
-        rollout, columns = sample_rollout(
-            inputs, backend, policy, self.processing_class, self.eos_token_ids, self.args
-        )
+        policy, args = self.accelerator.unwrap_model(self.model), self.args
+        # ZeRO-3: `model.generate` samples from the weights gathered whole (unless ds3_gather_for_generation=False)
+        gather = args.ds3_gather_for_generation and isinstance(backend, TransformersGeneration)
+        with zero3_gathered_for_generation(self.model_wrapped, gather):
+            rollout, columns = sample_rollout(inputs, backend, policy, self.processing_class, self.eos_token_ids, args)
         return rollout.to(self.accelerator.device), columns
 
     def _local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):

@@ -5,16 +5,56 @@
 
 Saves, for tests/test_deepspeed.py, per loss type the parameters after 3 plain-SGD steps on scripted completions
 (gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as tests/fsdp_update.py
-does under FSDP2. accelerate 1.15 starts DeepSpeed
+does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
+whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
+different numbers of tokens. accelerate 1.15 starts DeepSpeed
 only on accelerator devices (`AcceleratorState` checks `not cpu`, `_prepare_backend` finds no CUDA), so the same
 routing patch applies: the processes report MULTI_GPU with the gloo backend."""
 
 import sys
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from grpo.generation.weights import checkpoint_tensors
+from grpo.generation import TransformersGeneration
+from grpo.generation.weights import checkpoint_tensors, zero3_gathered_for_generation
 from tests.fsdp_update import LOSS_TYPES, count_calls, describe, route_fsdp_to_cpu, trained
+
+# Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
+GENERATED = []
+
+
+def record_generation():
+    generate = TransformersGeneration.generate
+
+    def recorded(self, model, prompt_ids):
+        available = ZeroParamStatus.AVAILABLE  # a ZeRO-3 parameter gathered whole (ZeRO-2's are plain tensors)
+        whole = all(getattr(param, "ds_status", available) == available for param in model.parameters())
+        completions = generate(self, model, prompt_ids)
+        GENERATED.append((whole, completions.ids))
+        return completions
+
+    TransformersGeneration.generate = recorded
+
+
+def uneven_generate(trainer, gather):
+    """[(new tokens, sum over processes of rank + 1 taken right after)] per process, when process r's `generate`
+    stops after 2 + 4 r tokens. Without the gather every decoding step all-gathers the partitioned weights, so the
+    process that stops first must keep joining the other's steps (`synced_gpus`); otherwise this hangs."""
+    rank = trainer.accelerator.process_index
+    new = 2 + 4 * rank
+    eos = trainer.processing_class.eos_token_id
+    backend = TransformersGeneration(
+        max_completion_length=new, pad_token_id=eos, eos_token_ids=[eos], generation_kwargs={"min_new_tokens": new}
+    )
+    with zero3_gathered_for_generation(trainer.model_wrapped, gather):
+        completions = backend.generate(trainer.accelerator.unwrap_model(trainer.model), [[5, 6, 7]])
+    total = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(total)
+    everyone = [None] * trainer.accelerator.num_processes
+    torch.distributed.all_gather_object(everyone, (len(completions.ids[0]), total.item()))
+    return everyone
+
 
 if __name__ == "__main__":
     out_file = sys.argv[1]
@@ -27,6 +67,13 @@ if __name__ == "__main__":
         info = describe(trainer)
         info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
         results[loss_type] = (params, info)
+    record_generation()
+    for gather in (True, False):
+        GENERATED.clear()
+        _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2, ds3_gather_for_generation=gather)
+        params = {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
+        results["generate", gather] = (params, describe(trainer), list(GENERATED))
+        results["uneven", gather] = uneven_generate(trainer, gather)
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
     torch.distributed.destroy_process_group()

@@ -48,3 +48,30 @@ def test_zero_matches_one_process(zero, tmp_path, loss_type):
     assert sorted(params) == sorted(reference)
     for key, value in reference.items():
         torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {loss_type} {key}")
+
+
+@pytest.mark.distributed
+def test_zero_generate_gathers_weights(zero):
+    """2 steps that sample with the policy's own `model.generate`, with ds3_gather_for_generation on and off: under
+    ZeRO-3 the weights are whole while sampling only with the gather (ZeRO-2 never partitions them); the draws, the
+    losses and the parameters after are the same either way."""
+    stage, results = zero
+    gathered_params, gathered_info, gathered_calls = results["generate", True]
+    partitioned_params, partitioned_info, partitioned_calls = results["generate", False]
+    assert gathered_info["steps_run"] == partitioned_info["steps_run"] == 2
+    assert len(gathered_calls) == len(partitioned_calls) == 2  # one round per step, on this process
+    assert all(whole for whole, _ in gathered_calls)
+    assert all(whole for whole, _ in partitioned_calls) == (stage == 2)
+    assert [ids for _, ids in gathered_calls] == [ids for _, ids in partitioned_calls]
+    assert gathered_info["losses"] == pytest.approx(partitioned_info["losses"], rel=1e-6, abs=1e-8)
+    for key, value in gathered_params.items():
+        torch.testing.assert_close(partitioned_params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "partitioned"])
+def test_zero_generate_stops_unevenly(zero, gather):
+    """Process 0 stops after 2 new tokens, process 1 after 6; a collective right after agrees on both. Partitioned,
+    each decoding step gathers the weights, so process 0 keeps joining process 1's steps."""
+    _, results = zero
+    assert results["uneven", gather] == [(2, 3.0), (6, 3.0)]

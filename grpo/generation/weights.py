@@ -1,8 +1,10 @@
 """The policy's weights as a vLLM engine loads them: `checkpoint_tensors` (every weight under its checkpoint name,
-LoRA merged, shards gathered) and `adapter_tensors` (a PEFT model's active adapter alone)."""
+LoRA merged, shards gathered) and `adapter_tensors` (a PEFT model's active adapter alone); and
+`zero3_gathered_for_generation`, the whole weights for `model.generate` under DeepSpeed ZeRO-3."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 
@@ -22,6 +24,32 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     if hasattr(param, "full_tensor"):  # FSDP2 (DTensor)
         return param.full_tensor().detach()
     return param.detach()
+
+
+@contextlib.contextmanager
+def zero3_gathered_for_generation(engine, enabled: bool = True) -> Iterator[None]:
+    """Under DeepSpeed ZeRO-3 (`engine` the trainer's DeepSpeed engine) and `enabled`: all of the model's weights
+    gathered whole on every process for the length of the block, and ZeRO-3's module hooks removed (they would
+    release each module's weights after its forward), put back after. Every process must enter it. Elsewhere, or
+    with `enabled` False, nothing changes: `generate` then runs on the partitioned model, gathering each layer at
+    every token (`ds3_gather_for_generation`, docs/distributed.md)."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    if not enabled or offload is None:  # not ZeRO-3, or not training (no optimizer)
+        yield
+        return
+    import deepspeed
+
+    params = list(offload.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for param in params:  # with the hooks gone no module releases them: leaving the block partitions them again
+            param.ds_active_sub_modules.clear()
+        for hook in (*offload.forward_hooks, *offload.backward_hooks):
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:  # re-registering also resets the order in which ZeRO-3 prefetches (its trace)
+            offload._register_deepspeed_module(offload.module)
 
 
 def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
