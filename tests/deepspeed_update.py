@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/accelerate_cpu_zero2.yaml \
         tests/deepspeed_update.py OUT
 
-Saves, for tests/test_deepspeed.py, per loss type the parameters after 3 plain-SGD steps on scripted completions
+Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on scripted completions
 (gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as tests/fsdp_update.py
 does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
 whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
@@ -17,7 +17,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from grpo.generation import TransformersGeneration
-from grpo.generation.weights import checkpoint_tensors, zero3_gathered_for_generation
+from grpo.generation.weights import _full, checkpoint_tensors, zero3_gathered_for_generation
 from tests.fsdp_update import LOSS_TYPES, count_calls, describe, route_fsdp_to_cpu, trained
 
 # Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
@@ -67,6 +67,12 @@ if __name__ == "__main__":
         info = describe(trainer)
         info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
         results[loss_type] = (params, info)
+    _, trainer = trained(f"{out_file}.l", 4, lora=True)  # the parameters under their PEFT names, adapter unmerged
+    params = {name: _full(param).clone() for name, param in trainer.model.named_parameters()}
+    results["lora"] = (
+        params,
+        {**describe(trainer), "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage},
+    )
     record_generation()
     for gather in (True, False):
         GENERATED.clear()

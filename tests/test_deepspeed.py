@@ -30,24 +30,30 @@ def zero(request, tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_zero_matches_one_process(zero, tmp_path, loss_type):
+@pytest.mark.parametrize("name", [*LOSS_TYPES, "lora"])
+def test_zero_matches_one_process(zero, tmp_path, name):
     """3 SGD steps with the KL term on (beta 0.04): 2 DeepSpeed processes x 4 rows = 1 process x 8 rows, under
-    ZeRO-2 (gradients and optimizer state partitioned) and ZeRO-3 (parameters too)."""
+    ZeRO-2 (gradients and optimizer state partitioned) and ZeRO-3 (parameters too). `name`: a loss type with a
+    frozen reference model, or "lora" (the default loss with a LoRA adapter, the reference its base)."""
     stage, results = zero
-    params, info = results[loss_type]
+    params, info = results[name]
     assert info["distributed_type"] == "DistributedType.DEEPSPEED" and info["zero_stage"] == stage
     assert info["world_size"] == 2 and info["steps_run"] == 3
     # ZeRO-3 partitions the policy's output projection (its log-probs then build the full logits); ZeRO-2 keeps it
-    # whole (the chunked path), and so does the reference model under both.
+    # whole (the chunked path), and so does a separate reference model under both.
     assert info["head_sharded"] == (stage == 3)
-    assert ("full_logits" in info["calls"]) == (stage == 3) and info["calls"]["whole"] > 0
-    reference, trainer = trained(tmp_path, 8, loss_type=loss_type)
+    assert ("full_logits" in info["calls"]) == (stage == 3)
+    assert info["calls"].get("whole", 0) > 0 or (name == "lora" and stage == 3)
+    assert info["ref_param_class"] == (None if name == "lora" else "Parameter")
+    config = dict(lora=True) if name == "lora" else dict(loss_type=name)
+    reference, trainer = trained(tmp_path, 8, **config)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
     assert sorted(params) == sorted(reference)
     for key, value in reference.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {loss_type} {key}")
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name} {key}")
+    if name == "lora":  # the adapter trained (B starts at zero)
+        assert any(".lora_B." in key and value.abs().sum() > 0 for key, value in params.items())
 
 
 @pytest.mark.distributed
