@@ -3,6 +3,8 @@ baseline), a vLLM server, a colocated vLLM engine, and asynchronous generation o
 
     make bench-modes                                     # builds .venv-vllm, then runs this
     .venv-vllm/bin/python benchmarks/generation_modes.py --steps 6 --modes generate server async-server
+    .venv-vllm/bin/python benchmarks/generation_modes.py --json run.json --plot generation-modes.png   # also a chart
+    .venv-vllm/bin/python benchmarks/generation_modes.py --replot run.json --plot generation-modes.png   # a saved run
 
 The job: GRPO on SmolLM2-135M-Instruct (float32, CPU), 2 prompts x G=8 completions of at most 32 tokens per step
 (prompts that ask for a story, so most completions run to the limit), beta 0, full-weight sync after every step.
@@ -154,30 +156,93 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", nargs="+", default=["generate", "server", "colocate", "async-server"])
     parser.add_argument("--cores", default="0,1", help="the cores all modes share, e.g. 0,1")
-    parser.add_argument("--json", help="also write every step time to this file")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the medians as a chart (needs matplotlib)")
+    parser.add_argument("--json", metavar="FILE", help="also write every step time to FILE")
+    parser.add_argument("--replot", metavar="FILE", help="measure nothing: print and --plot the numbers in FILE")
     parser.add_argument("--train", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.train:
         return train(cli.train, cli.steps, cli.port, cli.out)
-    cores = [int(c) for c in cli.cores.split(",")]
-    results = {mode: run_mode(mode, cli.steps, cores) for mode in cli.modes}
-    baseline = statistics.median(results[cli.modes[0]]["step_seconds"][1:])
+    if cli.replot:
+        run = json.loads(Path(cli.replot).read_text())
+    else:
+        cores = [int(c) for c in cli.cores.split(",")]
+        results = {mode: run_mode(mode, cli.steps, cores) for mode in cli.modes}
+        run = {"cores": cli.cores, "date": time.strftime("%Y-%m-%d"), "results": results}
+    report(run, cli.plot)
+    if cli.json:
+        Path(cli.json).write_text(json.dumps(run, indent=1))
+
+
+def _medians(run: dict) -> dict[str, float]:
+    """Each mode's median step time over the steps after the first (which builds the engine), in the run's order."""
+    return {mode: statistics.median(result["step_seconds"][1:]) for mode, result in run["results"].items()}
+
+
+def report(run: dict, plot_path: str | None) -> None:
+    """The table of a run, measured or saved (--replot), and with `plot_path` its chart."""
+    medians = _medians(run)
+    first = next(iter(medians))
+    steps = len(run["results"][first]["step_seconds"])
     print(
-        f"\nSmolLM2-135M, 16 completions of <= 32 tokens per step, cores {cli.cores}; medians of steps 2..{cli.steps}"
+        f"\nSmolLM2-135M, 16 completions of <= 32 tokens per step, cores {run['cores']}; medians of steps 2..{steps}"
     )
-    print(f"{'mode':<16}{'s/step':>9}{'vs ' + cli.modes[0]:>16}{'mean length':>13}   steps (s)")
-    for mode, result in results.items():
-        median = statistics.median(result["step_seconds"][1:])
+    print(f"{'mode':<16}{'s/step':>9}{'vs ' + first:>16}{'mean length':>13}   steps (s)")
+    for mode, result in run["results"].items():
+        median = medians[mode]
         times = " ".join(f"{t:.1f}" for t in result["step_seconds"])
-        print(f"{mode:<16}{median:>9.2f}{baseline / median:>15.2f}x{result['mean_length']:>13.1f}   {times}")
-    medians = {mode: statistics.median(result["step_seconds"][1:]) for mode, result in results.items()}
+        print(f"{mode:<16}{median:>9.2f}{medians[first] / median:>15.2f}x{result['mean_length']:>13.1f}   {times}")
     for faster, slower in (("async-server", "server"), ("colocate", "server")):
         if faster in medians and slower in medians:
             print(f"{faster} against {slower}: {medians[slower] / medians[faster]:.2f}x faster")
-    if cli.json:
-        Path(cli.json).write_text(json.dumps({"cores": cli.cores, "results": results}, indent=1))
+    if plot_path:
+        when = f"cores {run['cores']}, medians of steps 2-{steps}, {run.get('date', 'date not recorded')}"
+        plot(medians, when, plot_path)
+        print(f"chart written to {plot_path}")
+
+
+def plot(medians: dict[str, float], when: str, path: str) -> None:
+    """Seconds per optimizer step, one bar per mode, each labelled with its speed against the run's first mode; the
+    scripted modes (the trainer's side alone) in a panel of their own, async-scripted labelled with its extra seconds
+    over scripted (what async generation costs the trainer)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib in this environment (make install-vllm installs it).") from e
+    first = next(iter(medians))
+    groups = [
+        ("generation modes", [m for m in medians if "scripted" not in m]),
+        ("scripted sampler: the trainer's side alone", [m for m in medians if "scripted" in m]),
+    ]
+    groups = [(title, modes) for title, modes in groups if modes]
+    widths = [len(modes) for _, modes in groups]
+    fig, axes = plt.subplots(
+        1, len(groups), figsize=(2 + 1.6 * len(medians), 4), sharey=True, squeeze=False, width_ratios=widths
+    )
+    for ax, (title, modes) in zip(axes[0], groups):
+        colors = ["#b0b0b0" if mode == first else "#3b6ea8" for mode in modes]
+        ax.bar(range(len(modes)), [medians[m] for m in modes], 0.6, color=colors)
+        for i, mode in enumerate(modes):
+            text = f"{medians[mode]:.2f} s\n{medians[first] / medians[mode]:.2f}x"
+            if mode == "async-scripted" and "scripted" in medians:
+                text += f"\n+{medians[mode] - medians['scripted']:.2f} s over scripted"
+            ax.annotate(text, (i, medians[mode]), ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_xlim(-0.6, len(modes) - 0.4)
+        ax.set_title(title, fontsize=9)
+    axes[0][0].set_ylabel("seconds per optimizer step (median)")
+    axes[0][0].set_ylim(0, max(medians.values()) * 1.25)
+    fig.suptitle(
+        f"SmolLM2-135M-Instruct, float32, CPU: 16 completions of <= 32 tokens per step; speed against {first}\n{when}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
