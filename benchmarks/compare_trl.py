@@ -50,9 +50,11 @@ SCENARIOS = {
     "smol-200": dict(model="smollm2", rows=8, G=8, P=200, L=64, beta=0.04, loss="dapo"),
     "smol-8x4": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo"),
     "smol-16x8": dict(model="smollm2", rows=16, G=8, P=40, L=24, beta=0.0, loss="dapo"),
+    # smol-8x4 with `bf16=True`: autocast over float32 weights, in both trainers (on a CPU also `use_cpu=True`)
+    "smol-8x4-bf16": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo", amp=True),
     "gpu-0.5b": dict(model="qwen-0.5b", rows=8, G=8, P=512, L=256, beta=0.04, loss="dapo", gpu=True),
 }
-CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8"]
+CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16"]
 PHASES = ["prefill", "decode", "reward", "old/ref logps", "forward+backward", "optimizer"]
 
 
@@ -220,7 +222,8 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         top_k=0,
         beta=spec["beta"],
         loss_type=spec["loss"],
-        bf16=dtype == torch.bfloat16,
+        bf16=dtype == torch.bfloat16 or spec.get("amp", False),
+        use_cpu=spec.get("amp", False) and not on_gpu,  # TrainingArguments allows bf16 on a CPU only with use_cpu
         dataloader_pin_memory=on_gpu,
         shuffle_dataset=False,
     )

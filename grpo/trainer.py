@@ -266,9 +266,11 @@ class GRPOTrainer(ResumableTrainer):
         if self._offline is not None and self.model.training:
             return self._offline.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
         policy, args = self.accelerator.unwrap_model(self.model), self.args
-        # ZeRO-3: `model.generate` samples from the weights gathered whole (unless ds3_gather_for_generation=False)
-        gather = args.ds3_gather_for_generation and isinstance(backend, TransformersGeneration)
-        with zero3_gathered_for_generation(self.model_wrapped, gather):
+        own = isinstance(backend, TransformersGeneration)  # `model.generate` on the policy's own weights
+        # ZeRO-3: the weights gathered whole (unless ds3_gather_for_generation=False). Mixed precision: one autocast
+        # region around the round, so each weight is cast to bf16 / fp16 once, not at every generated token.
+        gathered = zero3_gathered_for_generation(self.model_wrapped, own and args.ds3_gather_for_generation)
+        with gathered, self.accelerator.autocast() if own else contextlib.nullcontext():
             rollout, columns = sample_rollout(inputs, backend, policy, self.processing_class, self.eos_token_ids, args)
         return rollout.to(self.accelerator.device), columns
 
@@ -427,19 +429,21 @@ class GRPOTrainer(ResumableTrainer):
             yield self.model
 
     def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
-        """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref."""
-        return completion_logprobs(
-            model,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-            temperature=self.args.temperature,
-            with_entropy=with_entropy,
-            batch_size=batch_size,
-            chunk_size=self.args.logprobs_chunk_size,
-            padding_free=self.padding_free,
-        )
+        """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
+        autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call)."""
+        with self.accelerator.autocast():
+            return completion_logprobs(
+                model,
+                batch["prompt_ids"],
+                batch["prompt_mask"],
+                batch["completion_ids"],
+                batch["completion_mask"],
+                temperature=self.args.temperature,
+                with_entropy=with_entropy,
+                batch_size=batch_size,
+                chunk_size=self.args.logprobs_chunk_size,
+                padding_free=self.padding_free,
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

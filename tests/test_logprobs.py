@@ -120,6 +120,32 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(settings):
     assert grads[0][4].abs().max() == 0  # the masked row gets no gradient
 
 
+def test_chunked_logprobs_under_autocast_compute_like_the_models_own_head():
+    """Inside a bf16 autocast region (the trainer's, under mixed precision) float32 inputs are projected in bf16, as
+    an `nn.Linear` head would be: log-probs and gradients equal those of full logits computed under the same
+    autocast, the gradients come back float32; outside it the float32 result is unchanged."""
+    torch.manual_seed(2)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(97, 16, requires_grad=True)
+    targets = torch.randint(0, 97, (23,))
+    row_weights = torch.randn(23)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps, _ = chunked_logprobs(hidden, weight, targets, chunk_size=5, temperature=0.7)
+        logits = torch.nn.functional.linear(hidden, weight)  # bf16, as the model's own head under autocast
+    grads = torch.autograd.grad((logps * row_weights).sum(), [hidden, weight])
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    expected_grads = torch.autograd.grad((expected * row_weights).sum(), [hidden, weight])
+    assert logits.dtype == torch.bfloat16 and logps.dtype == torch.float32
+    torch.testing.assert_close(logps, expected, rtol=0, atol=1e-4)
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    plain, _ = chunked_logprobs(hidden, weight, targets, chunk_size=5, temperature=0.7)
+    exact = torch.log_softmax(hidden @ weight.T / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(plain, exact, rtol=0, atol=1e-5)
+    assert (plain - logps).abs().max() > 1e-3  # bf16 inputs really changed the numbers: the check above can fail
+
+
 def test_chunked_logprobs_chunk_size_does_not_change_results():
     torch.manual_seed(1)
     hidden, weight = torch.randn(10, 8), torch.randn(50, 8)

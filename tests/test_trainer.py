@@ -1,6 +1,7 @@
 """GRPOTrainer end to end on a tiny model built in code. Fast tests train a step or two; `slow` ones train longer
 or compare parameter updates across batch layouts."""
 
+import contextlib
 import math
 
 import pytest
@@ -284,3 +285,34 @@ def test_padding_free_and_chunk_size_leave_the_update_unchanged(tmp_path):
     assert sum(d.abs().sum() for d in reference.values()) > 0
     for n in reference:
         torch.testing.assert_close(packed[n], reference[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_mixed_precision_samples_in_one_autocast_region(tmp_path, tiny_model_path, prompt_dataset, monkeypatch):
+    """With bf16 (autocast over float32 weights) `model.generate` runs inside one autocast region: each weight is cast
+    once per round and the cast kept until the region ends, rather than cast again by the autocast that accelerate
+    wraps around every forward (at every generated token). The draws are the same either way."""
+    from grpo.generation import TransformersGeneration
+
+    generate = TransformersGeneration.generate
+    seen = []  # per round: (autocast on around generate, accelerate's autocast around the forward, completions)
+
+    def recorded(self, model, prompt_ids):
+        region = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        completions = generate(self, model, prompt_ids)
+        seen.append((region, hasattr(model.forward, "__wrapped__"), completions.ids))
+        return completions
+
+    monkeypatch.setattr(TransformersGeneration, "generate", recorded)
+    runs = []
+    for one_region in (True, False):
+        args = make_config(tmp_path / str(one_region), bf16=True, use_cpu=True, max_steps=2, seed=3)
+        trainer = GRPOTrainer(tiny_model_path, reward_len, args=args, train_dataset=prompt_dataset)
+        assert trainer.accelerator.mixed_precision == "bf16"
+        if not one_region:
+            monkeypatch.setattr(trainer.accelerator, "autocast", contextlib.nullcontext)
+        trainer.train()
+        runs.append(seen[-2:])
+    rounds, rounds_per_forward = runs
+    assert [(region, wrapped) for region, wrapped, _ in rounds] == [(True, True)] * 2
+    assert [(region, wrapped) for region, wrapped, _ in rounds_per_forward] == [(False, True)] * 2
+    assert [ids for *_, ids in rounds] == [ids for *_, ids in rounds_per_forward]

@@ -36,7 +36,7 @@ def _tempered_logits(hidden, weight, bias, scale, softcap, temperature, out):
     tensor would cost memory and, on CPU, the page faults of touching it."""
     if weight.dtype == torch.float32:
         torch.mm(hidden, weight.T, out=out)
-    else:  # half-precision matmul as the model's own head would do it, then float32
+    else:  # half-precision matmul as the model's own head would do it (weights in bf16, or autocast), then float32
         out.copy_(hidden @ weight.T)
     if bias is not None:
         out.add_(bias)
@@ -64,6 +64,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy):
         num_rows = hidden.shape[0]
+        dtype = _compute_dtype(hidden, weight)
+        ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)  # under autocast: cast once for every chunk
         logps = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else None
@@ -93,10 +96,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors  # in the compute dtype
         temperature, scale, softcap, chunk_size = ctx.settings
+        hidden_dtype, weight_dtype = ctx.input_dtypes
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_hidden = torch.empty_like(hidden, dtype=hidden_dtype) if need_hidden else None
         # Accumulate the projection's gradient over chunks in float32, whatever the weight's dtype.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
@@ -121,9 +125,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_weight += (grad_u.T @ hidden[rows]).float()
             if need_bias:
                 grad_bias += grad_u.float().sum(0)
-        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_weight = grad_weight.to(weight_dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The projection's matmul dtype: autocast's (bf16 / fp16) where it is on, as the model's own head would run
+    under mixed precision (the trainer computes log-probs inside `accelerator.autocast()`), else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 def chunked_logprobs(
