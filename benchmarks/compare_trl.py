@@ -4,6 +4,8 @@
     .venv-trl/bin/python benchmarks/compare_trl.py --scenarios tiny --steps 3          # a quick run
     .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours,ours-base --repeats 2
     .venv-trl/bin/python benchmarks/compare_trl.py --plot docs/images/compare-trl.png
+    make bench       # the CPU scenarios, then the table into docs/performance.md (--write-docs), the chart, the JSON
+    .venv-trl/bin/python benchmarks/compare_trl.py --merge a.json b.json --write-docs docs/performance.md
 
 It installs nothing: run it in `.venv-trl` (`make install-trl`: this package, `trl==1.16.0` and the offline
 SmolLM2-135M-Instruct; TRL is never a dependency of the library). Each run of a trainer is a fresh subprocess
@@ -11,17 +13,20 @@ that trains `--steps` optimizer steps; the kinds of run alternate (TRL, ours, ou
 a shared machine hits both. Both trainers get the same model folder (float32 on CPU, bf16 on GPU), the same
 tokenizer, the same plain-text prompts, the same reward function and the same settings, and every completion is
 forced to its full length with `generation_kwargs={"min_new_tokens": L}`, so both sample and train on the same
-number of tokens.
+number of tokens. smol-8x4-bf16 is smol-8x4 with `bf16=True` in both (autocast over float32 weights; on a CPU with
+`use_cpu=True`, which TrainingArguments requires for it).
 
 Printed per scenario: the median seconds per optimizer step (over the steps after the first, then the median over
 repeats), the median CPU seconds per step of the run's process (`time.process_time`: on a machine shared with other
-jobs the steadier figure, with `--threads 1` the work itself), completion tokens per second (rows x L / step time), peak memory (the child's peak resident set size from
-`os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
+jobs the steadier figure, with `--threads 1` the work itself), completion tokens per second (rows x L / step
+time), peak memory (the child's peak resident set size from `os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
 goes, from wrapping its methods in the child (grpo/trainer.py is not changed): generation split into prefill (up to
 the first sampled token) and decode, reward, old/reference log-probs, forward+backward (the training micro-step
 without the generation round), optimizer (Trainer's optimizer step) and the rest. On a GPU, scenario gpu-0.5b also
 prints the model FLOP utilisation of our training forward+backward (6 x parameters x tokens against the bf16 peak
-given by --peak-tflops).
+given by --peak-tflops). `--json` saves the summaries with each scenario's machine, versions, date and load;
+`--write-docs PAGE` replaces the block between the page's `<!-- compare-trl:begin -->` and `<!-- compare-trl:end -->`
+markers with the table, so the published numbers are the benchmark's own output.
 
 Kinds: `trl`; `ours`; and ours with one of its two prompt-sharing paths switched off, for their before/after:
 `ours-noprefill` (`TransformersGeneration.share_prefill = False`: generation prefills every copy of a prompt, as
@@ -324,7 +329,13 @@ def summarise(spec: dict, results: list[dict]) -> dict:
     return summary
 
 
+def kinds_of(rows: dict) -> dict:
+    """A scenario's summaries by kind of run, without its "_run" record (machine, versions, date, load)."""
+    return {kind: summary for kind, summary in rows.items() if not kind.startswith("_")}
+
+
 def print_scenario(name: str, spec: dict, rows: dict, repeats: int, peak_tflops: float) -> None:
+    rows = kinds_of(rows)
     memory = "GPU max allocated" if spec.get("gpu") else "peak RSS"
     print(
         f"\n{name}: {spec['rows']} rows, G={spec['G']}, prompts ~{spec['P']} tokens, completions {spec['L']} tokens, "
@@ -369,6 +380,7 @@ def plot(path: str, table: dict) -> None:
         "ours-noprompt": "grpo, log-probs run every row whole",
         "ours": "grpo",
     }
+    table = {name: kinds_of(rows) for name, rows in table.items()}
     kinds = [k for k in labels if any(k in table[n] for n in names)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(kinds)
@@ -404,7 +416,12 @@ def main():
     parser.add_argument("--plot", help="write a chart of step time per scenario to this PNG")
     parser.add_argument("--json", help="also write the summary to this JSON file")
     parser.add_argument(
-        "--merge", nargs="+", metavar="JSON", help="print and plot saved --json summaries, run nothing"
+        "--merge", nargs="+", metavar="JSON", help="print, plot and merge saved --json summaries, run nothing"
+    )
+    parser.add_argument(
+        "--write-docs",
+        metavar="MARKDOWN",
+        help="also write the table, machine, versions and dates between the compare-trl markers of this page",
     )
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "grpo-compare-trl"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -420,9 +437,14 @@ def main():
         for path in cli.merge:
             table.update(json.loads(Path(path).read_text()))
         for name, rows in table.items():
-            print_scenario(name, SCENARIOS[name], rows, len(next(iter(rows.values()))["runs"]), cli.peak_tflops)
+            repeats = len(next(iter(kinds_of(rows).values()))["runs"])
+            print_scenario(name, SCENARIOS[name], rows, repeats, cli.peak_tflops)
+        if cli.json:
+            Path(cli.json).write_text(json.dumps(table, indent=1))
         if cli.plot:
             plot(cli.plot, table)
+        if cli.write_docs:
+            write_docs(cli.write_docs, table)
         return
 
     import torch
@@ -430,11 +452,10 @@ def main():
     names = list(SCENARIOS) if cli.scenarios == "all" else cli.scenarios.split(",")
     kinds = cli.kinds.split(",")
     on_gpu = torch.cuda.is_available()
-    print(
-        f"{torch.cuda.get_device_name() if on_gpu else f'CPU, {cli.threads or torch.get_num_threads()} threads'}; "
-        f"torch {torch.__version__}, transformers {version('transformers')}, trl {version('trl')}; "
-        f"load average at start {os.getloadavg()[0]:.1f}"
-    )
+    machine = torch.cuda.get_device_name() if on_gpu else f"{cpu_name()}, {os.cpu_count()} cores"
+    threads = cli.threads or torch.get_num_threads()
+    versions = f"torch {torch.__version__}, transformers {version('transformers')}, trl {version('trl')}"
+    print(f"{machine}, {threads} threads per run; {versions}; load average at start {os.getloadavg()[0]:.1f}")
     table = {}
     for name in names:
         spec = SCENARIOS[name]
@@ -442,16 +463,87 @@ def main():
             print(f"\n{name}: skipped (needs a CUDA GPU; this machine has none)")
             continue
         results = {kind: [] for kind in kinds}
+        run = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "threads": threads, "versions": versions}
+        run |= {"steps": cli.steps, "repeats": cli.repeats, "load_start": os.getloadavg()[0]}
         for repeat in range(cli.repeats):  # alternated, the order reversed every repeat
             for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
                 results[kind].append(run_child(kind, name, cli.steps, cache, cli.threads))
         table[name] = {kind: summarise(spec, r) for kind, r in results.items()}
+        table[name]["_run"] = run | {"load_end": os.getloadavg()[0]}
         print_scenario(name, spec, table[name], cli.repeats, cli.peak_tflops)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     if cli.json:
         Path(cli.json).write_text(json.dumps(table, indent=1))
     if cli.plot and table:
         plot(cli.plot, table)
+    if cli.write_docs and table:
+        write_docs(cli.write_docs, table)
+
+
+BEGIN, END = "<!-- compare-trl:begin -->", "<!-- compare-trl:end -->"
+
+
+def docs_block(table: dict) -> str:
+    """The measured table as Markdown: per scenario ours against TRL in wall and CPU time and peak memory, how and
+    where it was measured, then where our step's time goes."""
+    lines = [
+        "| scenario | TRL s/step | ours s/step | **ours / TRL** | TRL CPU s/step | ours CPU s/step | CPU ratio "
+        "| TRL peak memory | ours peak memory | memory ratio | runs x steps | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    split = ["| scenario | " + " | ".join(PHASES) + " | rest |", "|---" * (len(PHASES) + 2) + "|"]
+    where = set()
+    for name, rows in table.items():
+        run, kinds = rows.get("_run", {}), kinds_of(rows)
+        if "trl" in kinds and "ours" in kinds:
+            trl, ours = kinds["trl"], kinds["ours"]
+            load = f"{run['load_start']:.1f}-{run['load_end']:.1f}" if run else "not recorded"
+            size = f"{run['repeats']} x {run['steps']}" if run else f"{len(ours['runs'])} x ?"
+            lines.append(
+                f"| {name} | {trl['step']:.2f} | {ours['step']:.2f} | **{ours['step'] / trl['step']:.2f}** "
+                f"| {trl['cpu']:.2f} | {ours['cpu']:.2f} | {ours['cpu'] / trl['cpu']:.2f} "
+                f"| {trl['peak'] / 2**20:,.0f} MiB | {ours['peak'] / 2**20:,.0f} MiB | {ours['peak'] / trl['peak']:.2f} "
+                f"| {size} | {load} |"
+            )
+        if "phases" in kinds.get("ours", {}):
+            phases = kinds["ours"]["phases"]
+            split.append(f"| {name} | " + " | ".join(f"{phases[k]:.2f}" for k in [*PHASES, "other"]) + " |")
+        if run:
+            where.add(f"{run['date']}: {run['machine']}, {run['threads']} thread(s) per run; {run['versions']}")
+    return "\n".join(
+        [
+            BEGIN,
+            "Measured " + "; ".join(sorted(where) or ["(no machine recorded)"]) + ".",
+            "",
+            *lines,
+            "",
+            "Where our step's time goes (wall seconds, medians over the same steps):",
+            "",
+            *split,
+            END,
+        ]
+    )
+
+
+def write_docs(path: str, table: dict) -> None:
+    """Replace the block between the compare-trl markers of the Markdown page `path` by `docs_block(table)`."""
+    page = Path(path).read_text()
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace; add the two markers where it goes.")
+    head, rest = page.split(BEGIN, 1)
+    Path(path).write_text(head + docs_block(table) + rest.split(END, 1)[1])
+    print(f"table written to {path}")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "CPU"
 
 
 def version(package: str) -> str:

@@ -220,3 +220,14 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """The model inside a DDP, DeepSpeed or `torch.compile` wrapper (`accelerate`'s `extract_model_from_parallel`),
+    or `model` itself when it is not wrapped. accelerate's function reads package metadata on every call (about 2 ms
+    on a CPU, several times per step), so it runs only on a wrapper: one with a `module` or `_orig_mod` attribute."""
+    if not (hasattr(model, "module") or hasattr(model, "_orig_mod")):
+        return model
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)

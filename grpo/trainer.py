@@ -37,7 +37,7 @@ from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.weights import zero3_gathered_for_generation
 from grpo.metrics import MetricsWindow
-from grpo.models import load_policy
+from grpo.models import load_policy, unwrap_parallel
 from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
@@ -220,7 +220,7 @@ class GRPOTrainer(ResumableTrainer):
         if not self._buffer:  # first call, also after resuming from a checkpoint
             self._step = self.state.global_step * args.gradient_accumulation_steps
         if self._async is not None:  # the sampler gets the weights of every optimizer step, not only at a round
-            self.generation.sync_weights(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+            self.generation.sync_weights(unwrap_parallel(self.model), version=self.state.global_step)
         if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
             rollout = self._generate_and_score(inputs, "train")
             window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
@@ -250,7 +250,7 @@ class GRPOTrainer(ResumableTrainer):
     def _generate_round(self, inputs: list[dict[str, Any]], mode: str) -> Rollout:
         """Steps 2-4: generate, cut and score this process's rows; rewards are gathered from all processes."""
         # A sampler with weights of its own (vLLM) first gets those of the latest optimizer step.
-        self.generation.sync_weights(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+        self.generation.sync_weights(unwrap_parallel(self.model), version=self.state.global_step)
         if self._async is not None and mode == "train":  # made ahead, this process's rows scored
             rollout, columns, scores = self._async.take(inputs, self._step)
         else:
@@ -265,7 +265,7 @@ class GRPOTrainer(ResumableTrainer):
         """Steps 2-3 with `backend` (`sample_rollout`), on this process's device; offline, the stored completions."""
         if self._offline is not None and self.model.training:
             return self._offline.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
-        policy, args = self.accelerator.unwrap_model(self.model), self.args
+        policy, args = unwrap_parallel(self.model), self.args
         own = isinstance(backend, TransformersGeneration)  # `model.generate` on the policy's own weights
         # ZeRO-3: the weights gathered whole (unless ds3_gather_for_generation=False). Mixed precision: one autocast
         # region around the round, so each weight is cast to bf16 / fp16 once, not at every generated token.
@@ -425,7 +425,7 @@ class GRPOTrainer(ResumableTrainer):
         if self.ref_model is not None:
             yield self.ref_model
             return
-        with self.accelerator.unwrap_model(self.model).disable_adapter():
+        with unwrap_parallel(self.model).disable_adapter():
             yield self.model
 
     def _logprobs(self, model, batch, with_entropy=False, batch_size=None):

@@ -275,3 +275,19 @@ def test_lora_adapters_get_the_same_gradients_as_through_full_logits(tokenizer):
     for name, param in model.named_parameters():
         if param.requires_grad:
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_unwrap_parallel_answers_as_accelerate_does(tokenizer):
+    """The trainer unwraps its model several times a step with `unwrap_parallel`, which skips accelerate's package
+    metadata lookups on a model that is not wrapped: the same answer as `extract_model_from_parallel` for a plain
+    model, a PEFT model and a `torch.compile` wrapper (which accelerate keeps)."""
+    from accelerate.utils import extract_model_from_parallel
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.models import unwrap_parallel
+
+    model = tiny_model(tokenizer)
+    peft_model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
+    for candidate in (model, peft_model, torch.compile(model)):
+        assert unwrap_parallel(candidate) is extract_model_from_parallel(candidate)
+    assert unwrap_parallel(model) is model and unwrap_parallel(peft_model) is peft_model

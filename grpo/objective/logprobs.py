@@ -10,10 +10,10 @@ O(chunk x V) instead of O(B x T x V), and padding and prompt positions never rea
 from __future__ import annotations
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from grpo.data import content_widths
+from grpo.models import unwrap_parallel
 from grpo.objective.shared_prompt import shared_prompt_hidden_states
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
@@ -196,7 +196,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def _language_model(model: nn.Module) -> nn.Module:
     """The causal LM inside DDP / DeepSpeed / compile wrappers and a PEFT model (whose layers carry the adapters)."""
-    model = extract_model_from_parallel(model)
+    model = unwrap_parallel(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 

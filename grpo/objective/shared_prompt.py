@@ -16,10 +16,11 @@ windows, linear attention).
 from __future__ import annotations
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from grpo.models import unwrap_parallel
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -40,7 +41,7 @@ def can_share(model: nn.Module, language_model: nn.Module) -> bool:
     if checkpointing and language_model.training:  # checkpointed layers drop the cache, with or without gradients
         return False
     if torch.is_grad_enabled():
-        if extract_model_from_parallel(model) is not model:  # DDP / DeepSpeed expect one forward per backward
+        if unwrap_parallel(model) is not model:  # DDP / DeepSpeed expect one forward per backward
             return False
         if any(type(p).__name__ == "DTensor" for p in language_model.parameters()):  # FSDP2
             return False
