@@ -7,8 +7,7 @@ Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the pa
 (gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as tests/fsdp_update.py
 does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
 whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
-different numbers of tokens; the parameters of 3 Adam steps saved every step and, with `--resume OUTPUT_DIR`, of the
-same run resumed from its checkpoint-2. accelerate 1.15 starts DeepSpeed
+different numbers of tokens. accelerate 1.15 starts DeepSpeed
 only on accelerator devices (`AcceleratorState` checks `not cpu`, `_prepare_backend` finds no CUDA), so the same
 routing patch applies: the processes report MULTI_GPU with the gloo backend."""
 
@@ -19,7 +18,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from grpo.generation import TransformersGeneration
 from grpo.generation.weights import _full, checkpoint_tensors, zero3_gathered_for_generation
-from tests.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
+from tests.fsdp_update import LOSS_TYPES, count_calls, describe, route_fsdp_to_cpu, trained
 
 # Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
 GENERATED = []
@@ -57,27 +56,14 @@ def uneven_generate(trainer, gather):
     return everyone
 
 
-def whole_parameters(trainer):
-    return {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
-
-
 if __name__ == "__main__":
     out_file = sys.argv[1]
     route_fsdp_to_cpu()
     count_calls()
     results = {}
-    if sys.argv[2:3] == ["--resume"]:  # OUT --resume OUTPUT_DIR: the saved run again, from its checkpoint-2
-        _, trainer = trained(sys.argv[3], 4, resume=f"{sys.argv[3]}/checkpoint-2", **SAVED)
-        results["resumed"] = (whole_parameters(trainer), describe(trainer))
-        if torch.distributed.get_rank() == 0:
-            torch.save(results, out_file)
-        torch.distributed.destroy_process_group()
-        sys.exit()
-    _, trainer = trained(f"{out_file}.c", 4, **SAVED)  # Adam, a checkpoint every step
-    results["saved"] = (whole_parameters(trainer), describe(trainer))
     for loss_type in LOSS_TYPES:
         _, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
-        params = whole_parameters(trainer)
+        params = {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
         info = describe(trainer)
         info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
         results[loss_type] = (params, info)
@@ -91,7 +77,7 @@ if __name__ == "__main__":
     for gather in (True, False):
         GENERATED.clear()
         _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2, ds3_gather_for_generation=gather)
-        params = whole_parameters(trainer)
+        params = {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
         results["generate", gather] = (params, describe(trainer), list(GENERATED))
         results["uneven", gather] = uneven_generate(trainer, gather)
     if torch.distributed.get_rank() == 0:
