@@ -56,6 +56,11 @@ def uneven_generate(trainer, gather):
     return everyone
 
 
+def whole_parameters(trainer):
+    """The policy's parameters gathered whole, under their checkpoint names (as the vLLM weight push reads them)."""
+    return {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
+
+
 if __name__ == "__main__":
     out_file = sys.argv[1]
     route_fsdp_to_cpu()
@@ -63,7 +68,7 @@ if __name__ == "__main__":
     results = {}
     for loss_type in LOSS_TYPES:
         _, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
-        params = {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
+        params = whole_parameters(trainer)
         info = describe(trainer)
         info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
         results[loss_type] = (params, info)
@@ -77,7 +82,7 @@ if __name__ == "__main__":
     for gather in (True, False):
         GENERATED.clear()
         _, trainer = trained(f"{out_file}.g", 4, scripted=False, max_steps=2, ds3_gather_for_generation=gather)
-        params = {name: tensor.detach().clone() for name, tensor in checkpoint_tensors(trainer.model)}
+        params = whole_parameters(trainer)
         results["generate", gather] = (params, describe(trainer), list(GENERATED))
         results["uneven", gather] = uneven_generate(trainer, gather)
     if torch.distributed.get_rank() == 0:

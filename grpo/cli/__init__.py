@@ -117,7 +117,7 @@ def _greedy_changes(samples_before: list[dict], samples_after: list[dict], shown
     completions of `shown` prompts: those whose answer turned right or wrong first, in data order, so that what is
     printed is what changed, in the proportions the counts give."""
     paired = len(samples_before) == len(samples_after)  # the same rows, in the same order (greedy_samples)
-    pairs = [(b if paired else None, a) for b, a in zip(samples_before if paired else samples_after, samples_after)]
+    pairs = list(zip(samples_before, samples_after)) if paired else [(None, a) for a in samples_after]
     lines = []
     if paired and pairs:
         kinds = [(b["reward"] >= 1, a["reward"] >= 1) for b, a in pairs]
