@@ -7,7 +7,8 @@ Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the pa
 (gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as tests/fsdp_update.py
 does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
 whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
-different numbers of tokens. accelerate 1.15 starts DeepSpeed
+different numbers of tokens; the parameters of 3 Adam steps saved every step and, with `--resume OUTPUT_DIR`, of the
+same run resumed from its checkpoint-2. accelerate 1.15 starts DeepSpeed
 only on accelerator devices (`AcceleratorState` checks `not cpu`, `_prepare_backend` finds no CUDA), so the same
 routing patch applies: the processes report MULTI_GPU with the gloo backend."""
 
@@ -18,7 +19,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from grpo.generation import TransformersGeneration
 from grpo.generation.weights import _full, checkpoint_tensors, zero3_gathered_for_generation
-from tests.fsdp_update import LOSS_TYPES, count_calls, describe, route_fsdp_to_cpu, trained
+from tests.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
+from tests.net import end_launched_process
 
 # Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
 GENERATED = []
@@ -66,6 +68,14 @@ if __name__ == "__main__":
     route_fsdp_to_cpu()
     count_calls()
     results = {}
+    if sys.argv[2:3] == ["--resume"]:  # OUT --resume OUTPUT_DIR: the saved run again, from its checkpoint-2
+        _, trainer = trained(sys.argv[3], 4, resume=f"{sys.argv[3]}/checkpoint-2", **SAVED)
+        results["resumed"] = (whole_parameters(trainer), describe(trainer))
+        if torch.distributed.get_rank() == 0:
+            torch.save(results, out_file)
+        end_launched_process()
+    _, trainer = trained(f"{out_file}.c", 4, **SAVED)  # Adam, a checkpoint every step
+    results["saved"] = (whole_parameters(trainer), describe(trainer))
     for loss_type in LOSS_TYPES:
         _, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
         params = whole_parameters(trainer)
@@ -87,4 +97,4 @@ if __name__ == "__main__":
         results["uneven", gather] = uneven_generate(trainer, gather)
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
-    torch.distributed.destroy_process_group()
+    end_launched_process()

@@ -13,6 +13,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.net import end_launched_process
 from tests.scripted import (
     TINY,
     ScriptedGeneration,
@@ -102,5 +103,4 @@ if __name__ == "__main__":
     }
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_launched_process()

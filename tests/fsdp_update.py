@@ -34,6 +34,7 @@ from grpo.generation.weights import checkpoint_tensors
 from grpo.objective.logprobs import _is_sharded, completion_logprobs
 from grpo.testing import tiny_config, tiny_model, tiny_tokenizer
 from tests.distributed_update import lora_config
+from tests.net import end_launched_process
 from tests.scripted import TINY, ScriptedGeneration, reward_len
 
 LOSS_TYPES = ("grpo", "dapo")
@@ -278,8 +279,7 @@ if __name__ == "__main__":
         kind = unpatched_distributed_type()
         if torch.distributed.get_rank() == 0:
             torch.save(kind, out_file)
-        torch.distributed.destroy_process_group()
-        sys.exit()
+        end_launched_process()
     route_fsdp_to_cpu()
     count_calls()
     results = {}
@@ -301,4 +301,4 @@ if __name__ == "__main__":
         results["logprobs"] = sharded_logprobs()
     if torch.distributed.get_rank() == 0:
         torch.save(results, out_file)
-    torch.distributed.destroy_process_group()
+    end_launched_process()

@@ -12,6 +12,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.net import end_launched_process
 from tests.scripted import TINY
 
 
@@ -62,5 +63,4 @@ if __name__ == "__main__":
     result = offline_update(f"{sys.argv[1]}.d")
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(result, sys.argv[1])
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_launched_process()

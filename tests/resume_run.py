@@ -27,6 +27,7 @@ import grpo.checkpoints  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
 from tests.distributed_update import lora_config  # noqa: E402
+from tests.net import end_launched_process  # noqa: E402
 
 
 def reward_parity(completions):
@@ -107,3 +108,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    end_launched_process()

@@ -19,14 +19,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None, "DS_ACCELERATOR": "cpu"}
 
 
+def launch(stage, out_file, *extra):
+    """Run tests/deepspeed_update.py on 2 processes under ZeRO stage `stage`'s config; its results."""
+    config = ROOT / "tests" / f"accelerate_cpu_zero{stage}.yaml"
+    launch_two_processes(ROOT / "tests" / "deepspeed_update.py", out_file, *extra, config=config, env=DS_ENV)
+    return torch.load(out_file, weights_only=False)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def zero(request, tmp_path_factory):
-    """(ZeRO stage, the results of tests/deepspeed_update.py on 2 processes under that stage's config)."""
+    """(ZeRO stage, the results of tests/deepspeed_update.py on 2 processes under that stage's config, where they
+    were written)."""
     stage = request.param
     out_file = tmp_path_factory.mktemp(f"zero{stage}") / "two.pt"
-    config = ROOT / "tests" / f"accelerate_cpu_zero{stage}.yaml"
-    launch_two_processes(ROOT / "tests" / "deepspeed_update.py", out_file, config=config, env=DS_ENV)
-    return stage, torch.load(out_file, weights_only=False)
+    return stage, {**launch(stage, out_file), "out_file": str(out_file)}
 
 
 @pytest.mark.distributed
@@ -81,3 +87,19 @@ def test_zero_generate_stops_unevenly(zero, gather):
     each decoding step gathers the weights, so process 0 keeps joining process 1's steps."""
     _, results = zero
     assert results["uneven", gather] == [(2, 3.0), (6, 3.0)]
+
+
+@pytest.mark.distributed
+def test_zero_resumes_from_a_checkpoint(zero, tmp_path):
+    """3 Adam steps saved every step; a second launch resumed from checkpoint-2 (DeepSpeed's partitioned weights and
+    optimizer state, and this trainer's own state) takes the one step left and ends with the same parameters."""
+    stage, results = zero
+    saved, info = results["saved"]
+    assert info["steps_run"] == 3
+    output_dir = results["out_file"] + ".c"  # where tests/deepspeed_update.py saved it
+    resumed, resumed_info = launch(stage, tmp_path / "resumed.pt", "--resume", output_dir)["resumed"]
+    assert resumed_info["steps_run"] == 1 and resumed_info["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)
+    assert sorted(resumed) == sorted(saved)
+    for key, value in saved.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=f"ZeRO-{stage} {key}")
