@@ -57,9 +57,12 @@ SCENARIOS = {
     "smol-16x8": dict(model="smollm2", rows=16, G=8, P=40, L=24, beta=0.0, loss="dapo"),
     # smol-8x4 with `bf16=True`: autocast over float32 weights, in both trainers (on a CPU also `use_cpu=True`)
     "smol-8x4-bf16": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo", amp=True),
+    # the demo's shape (examples/recipes/demo.yaml): 2 prompts x 8 completions of 12 tokens, beta 0; the chat prompt
+    # of "Calculate 6 + 3." is 37 tokens with SmolLM2's default system message
+    "smol-demo": dict(model="smollm2", rows=16, G=8, P=40, L=12, beta=0.0, loss="dapo"),
     "gpu-0.5b": dict(model="qwen-0.5b", rows=8, G=8, P=512, L=256, beta=0.04, loss="dapo", gpu=True),
 }
-CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16"]
+CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16", "smol-demo"]
 PHASES = ["prefill", "decode", "reward", "old/ref logps", "forward+backward", "optimizer"]
 
 
