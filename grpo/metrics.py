@@ -25,11 +25,13 @@ class MetricsWindow:
         self._last: dict[str, float] = {}
         self._totals: dict[str, float] = {}
 
-    def add_mean(self, name: str, total: float, weight: float = 1.0) -> None:
-        """Add `total` (a value already multiplied by its weight) and its `weight`."""
+    def add_mean(self, name: str, total: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> None:
+        """Add `total` (a value already multiplied by its weight) and its `weight`. Tensors are summed where they
+        live and read once, when the window is: on a GPU the trainer's micro-steps never wait for the device to
+        log a token-weighted metric (benchmarks/host_syncs.py)."""
         entry = self._sums.setdefault(name, [0.0, 0.0])
-        entry[0] += float(total)
-        entry[1] += float(weight)
+        entry[0] = entry[0] + (total.detach() if isinstance(total, torch.Tensor) else total)
+        entry[1] = entry[1] + (weight.detach() if isinstance(weight, torch.Tensor) else weight)
 
     def add_sum(self, name: str, value: float) -> None:
         """A count: the logged value is the total over the window."""
@@ -45,8 +47,11 @@ class MetricsWindow:
         self._last[name] = float(value)
 
     def state_dict(self) -> dict[str, dict]:
-        """What the window holds, as plain dicts (saved in checkpoints: a resumed run logs what it would have)."""
-        return {key: dict(value) for key, value in vars(self).items()}
+        """What the window holds, as plain dicts of floats (saved in checkpoints: a resumed run logs what it would
+        have)."""
+        state = {key: dict(value) for key, value in vars(self).items()}
+        state["_sums"] = {name: [float(total), float(weight)] for name, (total, weight) in self._sums.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         for key, value in state.items():
@@ -55,7 +60,8 @@ class MetricsWindow:
     def pop(self) -> dict[str, float]:
         """The reduced metrics of the window, then an empty window. A mean with zero weight is NaN (nothing was
         measured: e.g. no row had a reward from that function)."""
-        out = {name: (total / weight if weight > 0 else math.nan) for name, (total, weight) in self._sums.items()}
+        sums = {name: (float(total), float(weight)) for name, (total, weight) in self._sums.items()}
+        out = {name: (total / weight if weight > 0 else math.nan) for name, (total, weight) in sums.items()}
         out.update(self._mins)
         out.update(self._maxs)
         out.update(self._last)

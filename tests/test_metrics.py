@@ -34,6 +34,34 @@ def test_round_metrics_by_hand():
     assert logged["frac_reward_zero_std"] == 0.5
 
 
+def test_token_metrics_are_read_from_the_device_only_when_the_window_is():
+    """Per micro-step the trainer adds tensors; reading them (on a GPU, a wait for the device) happens once, at the
+    log or the checkpoint, and what is read is the same as adding the values one by one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    window, by_hand = MetricsWindow(), MetricsWindow()
+    micro_steps = [torch.tensor([4.0, 2.0, 0.5]), torch.tensor([6.0, 9.0, 1.5])]  # [tokens, entropy sum, kl sum]
+    with Reads():
+        for totals in micro_steps:
+            add_token_metrics(window, totals, ["entropy", "kl"])
+    assert Reads.count == 0
+    for totals in micro_steps:
+        add_token_metrics(by_hand, totals.tolist(), ["entropy", "kl"])
+    state = window.state_dict()
+    assert state["_sums"] == {"entropy": [11.0, 10.0], "kl": [2.0, 10.0]}
+    assert all(isinstance(x, float) for pair in state["_sums"].values() for x in pair)  # a checkpoint holds floats
+    restored = MetricsWindow()
+    restored.load_state_dict(state)
+    assert window.pop() == by_hand.pop() == restored.pop() == {"entropy": 1.1, "kl": 0.2}
+
+
 def test_sampling_summary_and_its_reduction_over_processes():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     stats = {
