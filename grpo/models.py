@@ -167,10 +167,20 @@ def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode with no gradients: the reference policy pi_ref."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    ref.requires_grad_(False)
-    return ref
+    return frozen(copy.deepcopy(model))
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    """`model` in eval mode with no gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters as it was loaded (`from_pretrained` under ZeRO-3):
+    each process then holds a shard in `param.ds_tensor` and `param` itself is empty."""
+    return any(hasattr(param, "ds_id") for param in model.parameters())
 
 
 def disable_dropout(model: nn.Module) -> None:

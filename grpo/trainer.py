@@ -47,7 +47,7 @@ from grpo.objective.loss import (
     policy_loss,
     window_token_totals,
 )
-from grpo.objective.reference import ReferenceUpdate, make_reference
+from grpo.objective.reference import ReferenceUpdate, make_reference, prepare_reference
 from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings
 from grpo.rollout import Rollout, gather_rows
@@ -112,7 +112,7 @@ class GRPOTrainer(ResumableTrainer):
         optimizers: tuple = (None, None),
         peft_config=None,
     ):
-        model = os.fspath(model) if isinstance(model, os.PathLike) else model
+        model = source = os.fspath(model) if isinstance(model, os.PathLike) else model
         args = GRPOConfig.for_model(model) if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
@@ -128,7 +128,7 @@ class GRPOTrainer(ResumableTrainer):
         self.rewards = RewardSet(*rewards)
 
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
-        self.ref_model, self._reference_moves = make_reference(model, args)
+        self.ref_model, self._reference_moves = make_reference(model, args, source)
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
@@ -160,7 +160,7 @@ class GRPOTrainer(ResumableTrainer):
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
         if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+            self.ref_model = prepare_reference(self.ref_model, self.accelerator)
         self.rewards.outcome_funcs = [
             self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
             for f in self.rewards.outcome_funcs

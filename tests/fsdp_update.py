@@ -92,10 +92,11 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
-def trained(output_dir, per_device, scripted=True, lora=False, resume=None, **config):
+def trained(output_dir, per_device, scripted=True, lora=False, resume=None, model=None, **config):
     """(parameters after training, trainer): plain SGD (no clipping, so a scale error shows), the KL term on (a frozen
     reference, or the adapter disabled with `lora`), STEPS optimizer steps; completions scripted unless `scripted` is
-    False (then `model.generate`); from the checkpoint folder `resume` when given."""
+    False (then `model.generate`); from the checkpoint folder `resume` when given; the tiny model built in code, or
+    loaded from the folder `model`."""
     tokenizer = tiny_tokenizer()
     settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(
@@ -104,7 +105,7 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, **co
     )
     torch.manual_seed(0)  # LoRA's A is drawn when the model is wrapped: the same on every process and every run
     trainer = GRPOTrainer(
-        tiny_model(tokenizer),
+        tiny_model(tokenizer) if model is None else model,
         reward_len,
         args=args,
         train_dataset=prompts(),

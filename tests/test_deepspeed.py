@@ -63,6 +63,20 @@ def test_zero_matches_one_process(zero, tmp_path, name):
 
 
 @pytest.mark.distributed
+def test_zero_trains_a_model_loaded_from_a_folder(zero):
+    """The dapo run again with the model given as a folder, the way users pass one: under ZeRO-3 `from_pretrained`
+    partitions the weights as it loads them and the reference is loaded from the folder (a partitioned model
+    cannot be copied); under ZeRO-2 it is a copy. Same losses and parameters as the model built in code."""
+    stage, results = zero
+    params, info = results["from_path"]
+    expected, expected_info = results["dapo"]
+    assert info["ref_partitioned"] == (stage == 3) and info["steps_run"] == 3
+    assert info["losses"] == pytest.approx(expected_info["losses"], rel=1e-6)
+    for key, value in expected.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=f"ZeRO-{stage} {key}")
+
+
+@pytest.mark.distributed
 def test_zero_generate_gathers_weights(zero):
     """2 steps that sample with the policy's own `model.generate`, with ds3_gather_for_generation on and off: under
     ZeRO-3 the weights are whole while sampling only with the gather (ZeRO-2 never partitions them); the draws, the

@@ -121,6 +121,27 @@ def test_a_moving_reference_needs_a_reference_copy(tmp_path, tokenizer, prompt_d
         GRPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.1, sync_ref_model=True, ref_model_reset_steps=2)
 
 
+def test_a_zero3_partitioned_model_needs_a_path_for_its_reference(tmp_path, tokenizer):
+    """A model whose parameters ZeRO-3 partitioned as it was loaded (marked here as DeepSpeed marks them, `ds_id`)
+    cannot be copied: the reference must be loaded from the path, and it cannot move yet. Refused at construction,
+    with the fix; a model that is not partitioned still gets its copy. (The real ZeRO-3 run: tests/test_deepspeed.py.)"""
+    from grpo.objective.reference import make_reference
+
+    model = tiny_model(tokenizer)
+    fixed = GRPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.1)
+    reference, moves = make_reference(model, fixed, source=model)
+    assert not moves and reference is not model and not reference.training
+    for i, param in enumerate(model.parameters()):
+        param.ds_id = i
+    with pytest.raises(ValueError, match=r"ZeRO-3 .*cannot be copied .*Pass the model as a path or hub id"):
+        make_reference(model, fixed, source=model)
+    moving = GRPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.1, sync_ref_model=True)
+    with pytest.raises(ValueError, match=r"not supported under DeepSpeed ZeRO-3 yet.*Use ZeRO-2"):
+        make_reference(model, moving, source="some/model")
+    no_kl = GRPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.0)
+    assert make_reference(model, no_kl, source=model) == (None, False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "moving",

@@ -12,19 +12,42 @@ examples/iterative_reward_model.py). `ReferenceResetCallback` is a base class wi
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from grpo.models import frozen_copy, is_peft_model
+from grpo.models import frozen, frozen_copy, is_peft_model, is_zero3_partitioned, load_causal_lm
 
 
-def make_reference(model: nn.Module, args) -> tuple[nn.Module | None, bool]:
+def make_reference(model: nn.Module, args, source: str | nn.Module | None = None) -> tuple[nn.Module | None, bool]:
     """The reference policy for `args`, and whether it moves. None when there is no KL term (beta == 0) or when
     `model` is a PEFT model: then pi_ref is the same network with its adapter disabled, which costs no memory but
-    cannot move, so a moving reference with PEFT is refused here, before any training."""
-    reference = frozen_copy(model) if args.beta != 0 and not is_peft_model(model) else None
+    cannot move, so a moving reference with PEFT is refused here, before any training. Otherwise a frozen copy of
+    the policy; under DeepSpeed ZeRO-3, whose `from_pretrained` partitions the weights as it loads them (a
+    partitioned model cannot be copied), the reference is loaded again from `source`, the path or hub id the policy
+    came from."""
     moves = bool(args.sync_ref_model or args.ref_model_reset_steps is not None)
+    if args.beta == 0 or is_peft_model(model):
+        reference = None
+    elif not is_zero3_partitioned(model):
+        reference = frozen_copy(model)
+    elif not isinstance(source, str):
+        raise ValueError(
+            "Under DeepSpeed ZeRO-3 the model's weights were partitioned across processes as it was loaded, and a "
+            "partitioned model cannot be copied for the reference policy (beta != 0). Pass the model as a path or "
+            "hub id (GRPOTrainer(model='org/name')) so that the reference is loaded the same way, or train with "
+            "beta=0."
+        )
+    elif moves:
+        raise ValueError(
+            "sync_ref_model / ref_model_reset_steps are not supported under DeepSpeed ZeRO-3 yet: the reference's "
+            "partitioned weights would have to be gathered to be mixed with the policy's and to be checkpointed. "
+            "Use ZeRO-2, or a fixed reference."
+        )
+    else:
+        reference = frozen(load_causal_lm(source, args.model_init_kwargs))
     if moves and reference is None:
         raise ValueError(
             "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
@@ -32,6 +55,26 @@ def make_reference(model: nn.Module, args) -> tuple[nn.Module | None, bool]:
             "adapter (model.merge_and_unload()) and train the full model."
         )
     return reference, moves
+
+
+def prepare_reference(reference: nn.Module, accelerator) -> nn.Module:
+    """The frozen reference, placed for the run: accelerate's evaluation-mode preparation, except for a reference
+    that ZeRO-3 partitioned as it was loaded. accelerate hands such a model back as it is (it prepares DeepSpeed
+    models only together with their optimizer), and its empty parameters would fail at the first forward; it gets
+    a DeepSpeed engine of its own, without an optimizer, under the run's ZeRO-3 settings, which gathers each layer's
+    weights for its forward as the policy's engine does."""
+    if not is_zero3_partitioned(reference):
+        return accelerator.prepare_model(reference, evaluation_mode=True)
+    import deepspeed
+
+    config = {
+        key: value
+        for key, value in accelerator.state.deepspeed_plugin.deepspeed_config.items()
+        if key not in ("optimizer", "scheduler")
+    }
+    engine, *_ = deepspeed.initialize(model=reference, config=copy.deepcopy(config))
+    engine.eval()
+    return engine
 
 
 @torch.no_grad()
