@@ -32,7 +32,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import pad
 from grpo.generation.weights import checkpoint_tensors
 from grpo.objective.logprobs import _is_sharded, completion_logprobs
-from grpo.testing import tiny_config, tiny_model, tiny_tokenizer
+from grpo.testing import save_tiny_model, tiny_config, tiny_model, tiny_tokenizer
 from tests.distributed_update import lora_config
 from tests.net import end_launched_process
 from tests.scripted import TINY, ScriptedGeneration, reward_len
@@ -291,6 +291,12 @@ if __name__ == "__main__":
         for loss_type in LOSS_TYPES:
             params, trainer = trained(f"{out_file}.d", 4, loss_type=loss_type)
             results[loss_type] = (params, describe(trainer))
+        # The dapo run from a folder, the way users pass a model (from_pretrained, the reference a copy of it).
+        if torch.distributed.get_rank() == 0:
+            save_tiny_model(f"{out_file}.model")
+        torch.distributed.barrier()
+        params, trainer = trained(f"{out_file}.p", 4, model=f"{out_file}.model", loss_type="dapo")
+        results["from_path"] = (params, describe(trainer))
         params, trainer = trained(f"{out_file}.l", 4, lora=True)
         results["lora"] = (params, describe(trainer))
         params, trainer = trained(f"{out_file}.c", 4, **SAVED)

@@ -102,6 +102,18 @@ def test_fsdp2_chunked_logprobs_match_one_process(fsdp2, kind, layout):
 
 
 @pytest.mark.distributed
+def test_fsdp2_trains_a_model_loaded_from_a_folder(fsdp2):
+    """The dapo run again with the model given as a folder, the way users pass one: the same sharded run, losses and
+    parameters as the model built in code."""
+    params, info = fsdp2["from_path"]
+    expected, expected_info = fsdp2["dapo"]
+    assert ran(info) == SHARDED and info["steps_run"] == 3
+    assert info["losses"] == pytest.approx(expected_info["losses"], rel=1e-6)
+    for key, value in expected.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
 def test_fsdp2_checkpoint_tensors_are_whole(fsdp2):
     """The vLLM weight export gathers FSDP2 shards: the same names and tensors as the unwrapped model."""
     result = fsdp2["checkpoint_tensors"]
