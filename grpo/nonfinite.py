@@ -69,19 +69,21 @@ def reward_overflow_message(rewards: torch.Tensor, num_generations: int, step: i
 
 
 def gradients_finite(parameters) -> torch.Tensor:
-    """A 0-d bool tensor: every gradient of `parameters` is finite (parameters without a gradient are ignored).
+    """A 0-d bool tensor: every gradient of `parameters` is finite (parameters without a gradient are ignored). For a
+    sharded gradient (a DTensor) the local shard is checked; the trainer all-reduces the answer over processes.
 
-    Each gradient's max-norm is inf or NaN exactly when one of its entries is, and it is computed by one fused
-    reduction that allocates nothing the size of the gradient (unlike `torch.isfinite(grad)`). For a sharded
-    gradient (a DTensor) the local shard is checked; the trainer all-reduces the answer over processes."""
-    norms = [
-        torch.linalg.vector_norm(getattr(p.grad, "_local_tensor", p.grad), math.inf)
-        for p in parameters
-        if p.grad is not None
-    ]
-    if not norms:
+    First the sum of all entries (accumulated in float32), one cheap pass: it is NaN or infinite when an entry is,
+    so a finite sum proves every entry finite. Only when it is not (a non-finite entry, or finite entries whose sum
+    overflowed) does each gradient's max-norm decide, which is exact but about 12x slower on a CPU (SmolLM2-135M's
+    gradients, one thread: 0.36 s against 0.03 s)."""
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
+    if not grads:
         return torch.tensor(True)
-    return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).max())
+    device = grads[0].device
+    total = torch.stack([grad.sum(dtype=torch.float32).to(device) for grad in grads]).sum()
+    if torch.isfinite(total):
+        return torch.tensor(True, device=device)
+    return torch.isfinite(torch.stack([torch.linalg.vector_norm(grad, math.inf).to(device) for grad in grads]).max())
 
 
 def nonfinite_terms(records: list[dict[str, torch.Tensor]]) -> list[str]:

@@ -231,3 +231,22 @@ def test_gradients_finite_by_hand():
     for bad in (nan, inf):
         params[1].grad = bad
         assert not gradients_finite(params)
+    params[0].grad, params[2].grad = torch.tensor([math.inf, 0.0]), torch.tensor([-math.inf, 0.0])  # sum: NaN
+    params[1].grad = finite
+    assert not gradients_finite(params)
+
+
+def test_gradients_finite_takes_the_exact_check_only_when_the_sum_is_not_finite(monkeypatch):
+    """The cheap sum decides for ordinary gradients; the per-gradient max-norm runs only when the sum overflowed or
+    is non-finite, and then decides exactly (finite float16 gradients whose sum overflows float16 stay finite)."""
+    calls = []
+    norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((4,), 60000.0, dtype=torch.float16)  # their sum overflows float16, not float32
+    assert gradients_finite(params) and not calls
+    big = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    for p in big:
+        p.grad = torch.tensor([3e38, 3e38])  # finite, but their float32 sum overflows
+    assert gradients_finite(big) and calls
