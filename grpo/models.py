@@ -177,6 +177,29 @@ def frozen(model: nn.Module) -> nn.Module:
     return model
 
 
+def prepare_frozen(model: nn.Module, accelerator, engines: list) -> nn.Module:
+    """A frozen model of the run (the reference, a reward model) placed for it: accelerate's evaluation-mode
+    preparation, except for a model that ZeRO-3 partitioned as it was loaded. accelerate hands such a model back as
+    it is (it prepares DeepSpeed models only together with their optimizer), and its empty parameters would fail at
+    the first forward. It gets a DeepSpeed engine of its own, without an optimizer, under the run's ZeRO-3 settings:
+    the engine's hooks on the model's modules gather each layer's weights as the model runs, so the model itself is
+    returned and called as before. The engine is appended to `engines`, which must live as long as the model is
+    used (a collected engine removes its hooks)."""
+    if not is_zero3_partitioned(model):
+        return accelerator.prepare_model(model, evaluation_mode=True)
+    import deepspeed
+
+    config = {
+        key: value
+        for key, value in accelerator.state.deepspeed_plugin.deepspeed_config.items()
+        if key not in ("optimizer", "scheduler")
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=copy.deepcopy(config))
+    engine.eval()
+    engines.append(engine)
+    return model
+
+
 def is_zero3_partitioned(model: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters as it was loaded (`from_pretrained` under ZeRO-3):
     each process then holds a shard in `param.ds_tensor` and `param` itself is empty."""

@@ -77,6 +77,19 @@ def tiny_model(
     return model
 
 
+def save_tiny_reward_model(path: str | Path, seed: int = 1) -> Path:
+    """Save a randomly initialised one-label reward model (`LlamaForSequenceClassification`, 1 layer) and the tiny
+    tokenizer to `path` and return it."""
+    from transformers import LlamaForSequenceClassification
+
+    path = Path(path)
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=1)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def save_tiny_model(path: str | Path, seed: int = 0, **config_overrides) -> Path:
     """Save a tiny model and its tokenizer to `path` and return it."""
     path = Path(path)

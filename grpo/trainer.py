@@ -37,7 +37,7 @@ from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.weights import zero3_gathered_for_generation
 from grpo.metrics import MetricsWindow
-from grpo.models import load_policy, unwrap_parallel
+from grpo.models import load_policy, prepare_frozen, unwrap_parallel
 from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
@@ -47,7 +47,7 @@ from grpo.objective.loss import (
     policy_loss,
     window_token_totals,
 )
-from grpo.objective.reference import ReferenceUpdate, make_reference, prepare_reference
+from grpo.objective.reference import ReferenceUpdate, make_reference
 from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings
 from grpo.rollout import Rollout, gather_rows
@@ -159,10 +159,11 @@ class GRPOTrainer(ResumableTrainer):
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
+        self._frozen_engines = []  # DeepSpeed engines of frozen ZeRO-3 models (grpo.models.prepare_frozen)
         if self.ref_model is not None:
-            self.ref_model = prepare_reference(self.ref_model, self.accelerator)
+            self.ref_model = prepare_frozen(self.ref_model, self.accelerator, self._frozen_engines)
         self.rewards.outcome_funcs = [
-            self.accelerator.prepare_model(f, evaluation_mode=True) if isinstance(f, PreTrainedModel) else f
+            prepare_frozen(f, self.accelerator, self._frozen_engines) if isinstance(f, PreTrainedModel) else f
             for f in self.rewards.outcome_funcs
         ]
         self.generation = make_generation_backend(

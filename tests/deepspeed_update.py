@@ -20,9 +20,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from grpo.generation import TransformersGeneration
 from grpo.generation.weights import _full, checkpoint_tensors, zero3_gathered_for_generation
 from grpo.models import is_zero3_partitioned
-from grpo.testing import save_tiny_model
 from tests.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
 from tests.net import end_launched_process
+from tests.scripted import reward_len
 
 # Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
 GENERATED = []
@@ -85,13 +85,17 @@ if __name__ == "__main__":
         info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
         results[loss_type] = (params, info)
     # The same dapo run from a folder, as users pass a model: under ZeRO-3 `from_pretrained` partitions the weights
-    # as it loads them, so the reference cannot be a copy of the policy and is loaded from the folder too.
-    if torch.distributed.get_rank() == 0:
-        save_tiny_model(f"{out_file}.model")
-    torch.distributed.barrier()
+    # as it loads them, so the reference cannot be a copy of the policy and is loaded from the folder too. The
+    # folders OUT.model and OUT.rm are written by tests/test_deepspeed.py before the launch: here, building a model
+    # on one process would wait for the other in ZeRO-3's partitioning.
     _, trainer = trained(f"{out_file}.p", 4, model=f"{out_file}.model", loss_type="dapo")
     info = {**describe(trainer), "ref_partitioned": is_zero3_partitioned(trainer.ref_model)}
     results["from_path"] = (whole_parameters(trainer), info)
+    # And scored by a reward model loaded from a folder too (partitioned at load under ZeRO-3, like the reference).
+    rewards = [f"{out_file}.rm", reward_len]
+    _, trainer = trained(f"{out_file}.r", 4, model=f"{out_file}.model", rewards=rewards, loss_type="dapo")
+    partitioned = is_zero3_partitioned(trainer.rewards.outcome_funcs[0])
+    results["reward_model"] = (whole_parameters(trainer), {**describe(trainer), "rm_partitioned": partitioned})
     _, trainer = trained(f"{out_file}.l", 4, lora=True)  # the parameters under their PEFT names, adapter unmerged
     params = {name: _full(param).clone() for name, param in trainer.model.named_parameters()}
     results["lora"] = (

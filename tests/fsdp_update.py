@@ -92,11 +92,11 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
-def trained(output_dir, per_device, scripted=True, lora=False, resume=None, model=None, **config):
+def trained(output_dir, per_device, scripted=True, lora=False, resume=None, model=None, rewards=reward_len, **config):
     """(parameters after training, trainer): plain SGD (no clipping, so a scale error shows), the KL term on (a frozen
     reference, or the adapter disabled with `lora`), STEPS optimizer steps; completions scripted unless `scripted` is
     False (then `model.generate`); from the checkpoint folder `resume` when given; the tiny model built in code, or
-    loaded from the folder `model`."""
+    loaded from the folder `model`; scored by `rewards`."""
     tokenizer = tiny_tokenizer()
     settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(
@@ -106,7 +106,7 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
     torch.manual_seed(0)  # LoRA's A is drawn when the model is wrapped: the same on every process and every run
     trainer = GRPOTrainer(
         tiny_model(tokenizer) if model is None else model,
-        reward_len,
+        rewards,
         args=args,
         train_dataset=prompts(),
         processing_class=tokenizer,
@@ -137,6 +137,7 @@ def describe(trainer):
         "world_size": trainer.accelerator.num_processes,
         "steps_run": trainer.counter.steps,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "rewards": [entry["reward"] for entry in trainer.state.log_history if "reward" in entry],
     }
 
 

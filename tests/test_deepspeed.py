@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.testing import save_tiny_model, save_tiny_reward_model
 from tests.fsdp_update import LOSS_TYPES, trained
 from tests.net import launch_two_processes
+from tests.scripted import reward_len
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'grpo[deepspeed]'")
 
@@ -29,9 +31,11 @@ def launch(stage, out_file, *extra):
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def zero(request, tmp_path_factory):
     """(ZeRO stage, the results of tests/deepspeed_update.py on 2 processes under that stage's config, where they
-    were written)."""
+    were written). The script also trains the tiny model and a reward model from folders, written here first."""
     stage = request.param
     out_file = tmp_path_factory.mktemp(f"zero{stage}") / "two.pt"
+    save_tiny_model(f"{out_file}.model")
+    save_tiny_reward_model(f"{out_file}.rm")
     return stage, {**launch(stage, out_file), "out_file": str(out_file)}
 
 
@@ -74,6 +78,22 @@ def test_zero_trains_a_model_loaded_from_a_folder(zero):
     assert info["losses"] == pytest.approx(expected_info["losses"], rel=1e-6)
     for key, value in expected.items():
         torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=f"ZeRO-{stage} {key}")
+
+
+@pytest.mark.distributed
+def test_zero_scores_with_a_reward_model_loaded_from_a_folder(zero, tmp_path):
+    """A reward model given as a folder (with a reward function beside it): under ZeRO-3 partitioned as it loads
+    and run by an engine of its own; the logged rewards, losses and parameters equal 1 process's with 8 rows."""
+    stage, results = zero
+    params, info = results["reward_model"]
+    assert info["rm_partitioned"] == (stage == 3) and info["steps_run"] == 3
+    folder = results["out_file"]
+    expected, trainer = trained(tmp_path, 8, model=f"{folder}.model", rewards=[f"{folder}.rm", reward_len])
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert info["rewards"] == pytest.approx([entry["reward"] for entry in logged], rel=1e-5)
+    assert info["losses"] == pytest.approx([entry["loss"] for entry in logged], rel=1e-4, abs=1e-6)
+    for key, value in expected.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {key}")
 
 
 @pytest.mark.distributed

@@ -12,8 +12,6 @@ examples/iterative_reward_model.py). `ReferenceResetCallback` is a base class wi
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from transformers import TrainerCallback
@@ -55,26 +53,6 @@ def make_reference(model: nn.Module, args, source: str | nn.Module | None = None
             "adapter (model.merge_and_unload()) and train the full model."
         )
     return reference, moves
-
-
-def prepare_reference(reference: nn.Module, accelerator) -> nn.Module:
-    """The frozen reference, placed for the run: accelerate's evaluation-mode preparation, except for a reference
-    that ZeRO-3 partitioned as it was loaded. accelerate hands such a model back as it is (it prepares DeepSpeed
-    models only together with their optimizer), and its empty parameters would fail at the first forward; it gets
-    a DeepSpeed engine of its own, without an optimizer, under the run's ZeRO-3 settings, which gathers each layer's
-    weights for its forward as the policy's engine does."""
-    if not is_zero3_partitioned(reference):
-        return accelerator.prepare_model(reference, evaluation_mode=True)
-    import deepspeed
-
-    config = {
-        key: value
-        for key, value in accelerator.state.deepspeed_plugin.deepspeed_config.items()
-        if key not in ("optimizer", "scheduler")
-    }
-    engine, *_ = deepspeed.initialize(model=reference, config=copy.deepcopy(config))
-    engine.eval()
-    return engine
 
 
 @torch.no_grad()
