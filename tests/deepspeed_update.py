@@ -8,7 +8,8 @@ Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the pa
 does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
 whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
 different numbers of tokens; the parameters of 3 Adam steps saved every step and, with `--resume OUTPUT_DIR`, of the
-same run resumed from its checkpoint-2. accelerate 1.15 starts DeepSpeed
+same run resumed from its checkpoint-2; and the dapo run with the model, then also a reward model, loaded from the
+folders OUT.model and OUT.rm that the test writes first. accelerate 1.15 starts DeepSpeed
 only on accelerator devices (`AcceleratorState` checks `not cpu`, `_prepare_backend` finds no CUDA), so the same
 routing patch applies: the processes report MULTI_GPU with the gloo backend."""
 
