@@ -31,7 +31,9 @@ markers with the table, so the published numbers are the benchmark's own output.
 Kinds: `trl`; `ours`; and ours with one of its two prompt-sharing paths switched off, for their before/after:
 `ours-noprefill` (`TransformersGeneration.share_prefill = False`: generation prefills every copy of a prompt, as
 `generate` alone does), `ours-noprompt` (the log-prob passes run every row whole instead of each distinct prompt
-once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer before this work).
+once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer before this work). `ours-prepass`:
+a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from the training pass of its first
+iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ SCENARIOS = {
     # the demo's shape (examples/recipes/demo.yaml): 2 prompts x 8 completions of 12 tokens, beta 0; the chat prompt
     # of "Calculate 6 + 3." is 37 tokens with SmolLM2's default system message
     "smol-demo": dict(model="smollm2", rows=16, G=8, P=40, L=12, beta=0.0, loss="dapo"),
+    # smol-8x4 with each round replayed once (`num_iterations=2`): an optimizer step on a fresh round, then one on its
+    # replay, where pi_old differs from the policy; step times are per round (the mean of its 2 steps)
+    "smol-8x4-mu2": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo", iterations=2),
     "gpu-0.5b": dict(model="qwen-0.5b", rows=8, G=8, P=512, L=256, beta=0.04, loss="dapo", gpu=True),
 }
-CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16", "smol-demo"]
+CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16", "smol-demo", "smol-8x4-mu2"]
 PHASES = ["prefill", "decode", "reward", "old/ref logps", "forward+backward", "optimizer"]
 
 
@@ -223,6 +228,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         learning_rate=1e-6,
         per_device_train_batch_size=spec["rows"],
         gradient_accumulation_steps=1,
+        num_iterations=spec.get("iterations", 1),
         num_generations=spec["G"],
         max_completion_length=spec["L"],
         generation_kwargs={"min_new_tokens": spec["L"]},
@@ -243,11 +249,14 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
     else:
         from grpo import GRPOConfig, GRPOTrainer
         from grpo.generation import TransformersGeneration
-        from grpo.objective import shared_prompt
+        from grpo.objective import old_policy, shared_prompt
 
-        TransformersGeneration.share_prefill = kind in ("ours", "ours-noprompt")
+        TransformersGeneration.share_prefill = kind in ("ours", "ours-noprompt", "ours-prepass")
         if kind in ("ours-noprompt", "ours-base"):
             shared_prompt.can_share = lambda *args: False
+        if kind in ("ours-prepass", "ours-base") and spec.get("iterations", 1) > 1:
+            # a replayed round's pi_old from a no-grad pass over it, as before grpo/objective/old_policy.py
+            old_policy.first_pass_micro_batches = lambda *args: 0
         args = GRPOConfig(**settings, max_prompt_length=None)
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
@@ -317,16 +326,28 @@ def run_child(kind: str, scenario: str, steps: int, cache: Path, threads: int | 
     return result
 
 
+def per_round(values: list, iterations: int) -> list:
+    """Per-step figures (numbers, or dicts of phase seconds) averaged over each generation round's `iterations`
+    steps, the first round dropped (it warms up); with one step per round, the steps after the first."""
+    rounds = [values[i : i + iterations] for i in range(iterations, len(values) - iterations + 1, iterations)]
+    rounds = rounds or [values]
+    if isinstance(values[0], dict):
+        return [{k: sum(step.get(k, 0.0) for step in r) / len(r) for k in PHASES + ["other"]} for r in rounds]
+    return [sum(r) / len(r) for r in rounds]
+
+
 def summarise(spec: dict, results: list[dict]) -> dict:
-    """Medians: of each run's steps after the first, then over runs."""
-    per_run = [statistics.median(r["step_times"][1:] or r["step_times"]) for r in results]
+    """Medians: of each run's rounds after the first (its steps after the first, at one step per round), then over
+    runs."""
+    mu = spec.get("iterations", 1)
+    per_run = [statistics.median(per_round(r["step_times"], mu)) for r in results]
     step = statistics.median(per_run)
     peak = statistics.median(r["gpu_peak"] if r["gpu_peak"] is not None else r["peak_rss"] for r in results)
-    cpu = statistics.median(statistics.median(r["cpu_times"][1:] or r["cpu_times"]) for r in results)
+    cpu = statistics.median(statistics.median(per_round(r["cpu_times"], mu)) for r in results)
     summary = {"step": step, "cpu": cpu, "runs": per_run, "tokens_per_s": spec["rows"] * spec["L"] / step}
     summary["peak"] = peak
     if results[0]["phases"]:
-        steps = [s for r in results for s in r["phases"][1:] or r["phases"]]
+        steps = [s for r in results for s in per_round(r["phases"], mu)]
         summary["phases"] = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in PHASES + ["other"]}
     summary["parameters"] = results[0]["parameters"]
     return summary
@@ -381,6 +402,7 @@ def plot(path: str, table: dict) -> None:
         "ours-base": "grpo without prompt sharing",
         "ours-noprefill": "grpo, generation prefills every copy",
         "ours-noprompt": "grpo, log-probs run every row whole",
+        "ours-prepass": "grpo, a pass of its own for pi_old",
         "ours": "grpo",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
@@ -410,7 +432,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", default="all", help=f"comma-separated, of {', '.join(SCENARIOS)}; or all")
     parser.add_argument(
-        "--kinds", default="trl,ours", help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-base"
+        "--kinds",
+        default="trl,ours",
+        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-base",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")

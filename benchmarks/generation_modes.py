@@ -16,7 +16,9 @@ builds the engine). The machine's cores are split the same way for every mode:
 
 `scripted` and `async-scripted` replace the sampler by one that returns fixed 32-token completions (and log-probs)
 at once: what is left is the trainer's own work, so their difference is what async generation costs the trainer
-(the producer thread, the locks, and at max_staleness 1 the extra forward pass for pi_old).
+(the producer thread and the locks). `async-scripted-prepass` is async-scripted with pi_old of every round from a
+no-grad pass of its own, as the trainer did before it took pi_old from the training pass
+(grpo/objective/old_policy.py): its difference to async-scripted is what that pass cost.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("generate", "server", "colocate", "async-server", "async-generate", "scripted", "async-scripted")
+MODES = (
+    "generate",
+    "server",
+    "colocate",
+    "async-server",
+    "async-generate",
+    "scripted",
+    "async-scripted",
+    "async-scripted-prepass",
+)
 QUESTIONS = [f"Tell a short story about a {thing}." for thing in ("cat", "ship", "tree", "robot", "city", "river")]
 
 
@@ -97,8 +108,12 @@ def train(mode: str, steps: int, port: int | None, out: str) -> None:
     trainer = GRPOTrainer(path, reward, args=GRPOConfig(**settings), train_dataset=data)
     if mode == "scripted":
         trainer.generation = Scripted()
-    if mode == "async-scripted":
+    if mode.startswith("async-scripted"):
         trainer.generation.backend = Scripted()  # inside the shared engine
+    if mode == "async-scripted-prepass":  # pi_old of a stale round from a pass of its own, as before old_policy.py
+        from grpo.objective import old_policy
+
+        old_policy.first_pass_micro_batches = lambda *args: 0
     timer = StepTimes()
     trainer.add_callback(timer)
     trainer.train()

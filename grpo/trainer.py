@@ -39,6 +39,7 @@ from grpo.generation.weights import zero3_gathered_for_generation
 from grpo.metrics import MetricsWindow
 from grpo.models import load_policy, prepare_frozen, unwrap_parallel
 from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
+from grpo.objective import old_policy
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
     combine_rewards,
@@ -72,7 +73,8 @@ class GRPOTrainer(ResumableTrainer):
          With `async_generation`, the next round's steps 2-4 on this process run in a producer thread while this one
          trains (grpo/async_rounds.py); the rewards are gathered when the trainer takes the round.
       5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
-      6. Old log-probs, only when the batch is reused or may be stale (async); otherwise old = logp.detach().
+      6. pi_old: a micro-batch trained before its round's first optimizer step has it in its own training pass
+         (old = logp.detach(), kept for replays); the others get old log-probs from a pass before any update.
       7. Reference log-probs, only when beta != 0.
       8. `compute_loss`: policy log-probs and the clipped objective, scaled once for gradient accumulation.
 
@@ -206,14 +208,6 @@ class GRPOTrainer(ResumableTrainer):
 
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
 
-    @property
-    def _reuses_batches(self) -> bool:
-        """A batch is off-policy for some micro-step when it is replayed, or when its round does not fit inside
-        one optimizer step (rounds tile the steps only if the accumulation count is a multiple of the round's
-        micro-steps); then the old log-probs must be recorded before any update."""
-        args = self.args
-        return args.num_iterations > 1 or args.gradient_accumulation_steps % args.steps_per_generation != 0
-
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not self.model.training:  # evaluation: every batch is generated and scored afresh
             return self._micro_batches(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
@@ -226,6 +220,10 @@ class GRPOTrainer(ResumableTrainer):
             rollout = self._generate_and_score(inputs, "train")
             window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
             self._buffer = self._micro_batches(rollout, num=args.steps_per_generation, window=window)
+            # Step 6: a pass for pi_old now, only for the micro-batches no training pass can give it to.
+            with torch.no_grad():
+                logprobs = lambda micro_batch: self._logprobs(self.model, micro_batch)[0]  # noqa: E731
+                old_policy.plan(self._buffer, self._step, args, self.state.global_step, logprobs)
         micro_batch = self._buffer[self._step % args.steps_per_generation]
         self._step += 1
         return micro_batch
@@ -346,8 +344,8 @@ class GRPOTrainer(ResumableTrainer):
         return Rollout.select(rounds, chosen, rollout.local_slice(self.accelerator.process_index), pad_id)
 
     def _prepare_rollout(self, rollout: Rollout, mode: str) -> Rollout:
-        """Steps 5-7 on a generated (and maybe resampled) rollout: this process's advantages, then the old and
-        reference log-probs, recorded once, before any update."""
+        """Steps 5 and 7 on a generated (and maybe resampled) rollout: this process's advantages, then the reference
+        log-probs, recorded once, before any update."""
         args = self.args
         advantages = self._advantages(rollout)
         local = advantages[rollout.local_slice(self.accelerator.process_index)]
@@ -357,14 +355,9 @@ class GRPOTrainer(ResumableTrainer):
             sampling_logps=rollout.sampling_logps if args.vllm_importance_sampling_correction else None,
         )
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-        with torch.no_grad():
-            # Async rounds may be stale: pi_old is then the policy now, and the sampler's log-probs the behaviour.
-            stale = self._async is not None and args.max_staleness > 0
-            if mode == "train" and (self._reuses_batches or stale) and rollout.old_logps is None:
-                rollout.old_logps, _ = self._logprobs(self.model, rollout.token_inputs(), batch_size=chunk)
-            if args.beta != 0:
-                with self._reference() as reference:
-                    rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
+        if args.beta != 0:
+            with torch.no_grad(), self._reference() as reference:
+                rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
         if args.log_completions and mode == "train":
             columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
             prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
@@ -392,6 +385,7 @@ class GRPOTrainer(ResumableTrainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
         logps, entropy = self._logprobs(model, inputs, with_entropy=True)
+        old_logps = old_policy.take(inputs, logps, self.state.global_step)  # None: on-policy, logps.detach()
         normalizer = None
         if self.args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
@@ -399,7 +393,7 @@ class GRPOTrainer(ResumableTrainer):
             normalizer = inputs["window_loss_tokens"] / self.accelerator.num_processes
         loss, stats = policy_loss(
             logps,
-            inputs.get("old_logps"),
+            old_logps,
             inputs.get("ref_logps"),
             inputs["advantages"],
             inputs["loss_mask"],

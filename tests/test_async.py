@@ -263,11 +263,13 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
         behaviour, current = logprobs_at(versions[r], batch), logprobs_at(r, batch)
         mask = batch["completion_mask"].bool()
         torch.testing.assert_close(batch["sampling_logps"][mask], behaviour[mask], rtol=0, atol=1e-5)
-        torch.testing.assert_close(batch["old_logps"][mask], current[mask], rtol=0, atol=1e-5)
+        # Each round trains in one step, so pi_old comes from its training pass (no pass of its own) and the
+        # importance weight pi_old / behaviour the loss logged is the current weights' over the sampler's.
+        assert "old_logps" not in batch
+        logged = trainer.state.log_history[r]["sampling/importance_sampling_ratio/max"]
+        assert logged == pytest.approx((current - behaviour)[mask].exp().max().item(), rel=1e-4)
         moved = max(moved, (current - behaviour)[mask].abs().max().item())
-    assert moved > 1e-3  # the weights really moved between sampling and training: the check above can fail
-    ratios = [h["sampling/importance_sampling_ratio/max"] for h in trainer.state.log_history if "sampling/" in str(h)]
-    assert ratios and max(ratios) != 1.0
+    assert moved > 1e-3  # the weights really moved between sampling and training: the checks above can fail
 
 
 def test_a_round_older_than_max_staleness_is_dropped_and_made_again(tmp_path, monkeypatch):

@@ -1,0 +1,72 @@
+"""pi_old, the policy of the clipped ratio pi_theta / pi_old, and the one forward pass it can save.
+
+pi_old is the policy as it was when a generation round was made (for an async round that may be stale: when the
+trainer takes it, the proximal policy of the decoupled objective, docs/method.md). Until the first optimizer step
+after that moment, the policy being trained *is* pi_old, so a micro-batch trained then has pi_old's log-probs in its
+own training forward pass: `logps.detach()`, which is what `policy_loss` uses when `old_logps` is None. Only the
+micro-batches first trained after an optimizer step of their round need pi_old's log-probs from a separate no-grad
+pass made before any update; a micro-batch that is replayed (`num_iterations > 1`) keeps the log-probs of its first
+pass for its replays.
+
+    round made at micro-step s, A micro-steps per optimizer step, S micro-batches per round:
+      the first min(S, A - s mod A) micro-batches: pi_old from their first training pass (recorded if replayed)
+      the rest: a no-grad pass over them before any update
+
+So a replayed round that fits in one optimizer step (`steps_per_generation` dividing
+`gradient_accumulation_steps`, the usual `num_iterations > 1` setting) and an async round trained in one step cost
+no pass for pi_old at all; a round spanning several steps costs one for the micro-batches after the first step.
+The recorded log-probs are those that computed the first update, so the ratio of a first pass is exactly 1, as
+on-policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# A micro-batch that takes pi_old from its first training pass and is replayed: the optimizer step (global_step)
+# its first pass must come in, checked when it does (`take`).
+RECORD_AT_STEP = "record_old_logps_at_step"
+
+
+def first_pass_micro_batches(step: int, steps_per_generation: int, accumulation: int) -> int:
+    """How many micro-batches of a round made at micro-step `step` (counted over the run, `accumulation` of them
+    per optimizer step) are first trained before the next optimizer step, i.e. with the weights of pi_old."""
+    return min(steps_per_generation, accumulation - step % accumulation)
+
+
+def plan(
+    micro_batches: list[dict], step: int, args, global_step: int, logprobs: Callable[[dict], torch.Tensor]
+) -> None:
+    """Give each micro-batch of a round made at micro-step `step` its pi_old, in place. They are trained in the order
+    `step % steps_per_generation`, ..., wrapping around (the buffer's index is the micro-step's); the first
+    `first_pass_micro_batches` of that order take pi_old from their training pass (marked `RECORD_AT_STEP` when
+    the round is replayed, left alone otherwise); the others get `old_logps` from `logprobs(micro_batch)`, a no-grad
+    pass run now, before any update. A micro-batch that already holds `old_logps` (offline data: the stored
+    behaviour policy's) is left as it is. `args`: the run's GRPOConfig."""
+    start = step % args.steps_per_generation
+    first = first_pass_micro_batches(step, args.steps_per_generation, args.gradient_accumulation_steps)
+    for i, micro_batch in enumerate(micro_batches[start:] + micro_batches[:start]):
+        if "old_logps" in micro_batch:
+            continue
+        if i >= first:
+            micro_batch["old_logps"] = logprobs(micro_batch)
+        elif args.num_iterations > 1:
+            micro_batch[RECORD_AT_STEP] = global_step
+
+
+def take(inputs: dict, logps: torch.Tensor, global_step: int) -> torch.Tensor | None:
+    """pi_old's log-probs for the micro-batch `inputs` whose training pass gave `logps`; None means `logps.detach()`
+    (on-policy). A micro-batch marked by `plan` records `logps.detach()` as its `old_logps` (in place: its replays
+    read them), after checking that no optimizer step came between its round and this pass."""
+    step = inputs.pop(RECORD_AT_STEP, None)
+    if step is not None:
+        if step != global_step:
+            raise RuntimeError(
+                f"A micro-batch whose pi_old was planned to come from its first training pass at optimizer step "
+                f"{step} was first trained at step {global_step}, after an update: its old log-probs would be wrong. "
+                "This is a bug in grpo's step accounting; please report it with your GRPOConfig."
+            )
+        inputs["old_logps"] = logps.detach()
+    return inputs.get("old_logps")
