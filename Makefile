@@ -91,11 +91,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format grpo tests examples benchmarks
 
 # Benchmarks print ratios against a baseline measured in the same run (docs/performance.md).
-# The comparison with TRL (scenarios tiny, smol-8x4, smol-16x8, smol-8x4-bf16, smol-200, smol-demo) runs in .venv-trl (tens of
+# The comparison with TRL (scenarios tiny, smol-8x4, smol-16x8, smol-8x4-bf16, smol-200, smol-demo, smol-8x4-mu2) runs in .venv-trl (tens of
 # minutes here) and writes its table, chart and numbers into docs/performance.md and docs/images/.
 bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/logprobs_memory.py
-	$(TRL_PY) benchmarks/compare_trl.py --scenarios tiny,smol-8x4,smol-16x8,smol-8x4-bf16,smol-200,smol-demo --threads 1 \
+	$(TRL_PY) benchmarks/compare_trl.py --scenarios tiny,smol-8x4,smol-16x8,smol-8x4-bf16,smol-200,smol-demo,smol-8x4-mu2 --threads 1 \
 		--json docs/images/compare-trl.json --plot docs/images/compare-trl.png --write-docs docs/performance.md
 
 # One GRPO step with LoRA (adapter-disabled reference) against full fine-tuning with a reference copy: peak RSS and

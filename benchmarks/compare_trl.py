@@ -34,6 +34,8 @@ Kinds: `trl`; `ours`; and ours with one of its two prompt-sharing paths switched
 once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer before this work). `ours-prepass`:
 a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from the training pass of its first
 iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
+`ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
+(grpo/cpu_memory.py).
 """
 
 from __future__ import annotations
@@ -257,7 +259,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         if kind in ("ours-prepass", "ours-base") and spec.get("iterations", 1) > 1:
             # a replayed round's pi_old from a no-grad pass over it, as before grpo/objective/old_policy.py
             old_policy.first_pass_micro_batches = lambda *args: 0
-        args = GRPOConfig(**settings, max_prompt_length=None)
+        args = GRPOConfig(**settings, max_prompt_length=None, keep_freed_cpu_memory=kind != "ours-nokeep")
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
 
@@ -361,9 +363,11 @@ def kinds_of(rows: dict) -> dict:
 def print_scenario(name: str, spec: dict, rows: dict, repeats: int, peak_tflops: float) -> None:
     rows = kinds_of(rows)
     memory = "GPU max allocated" if spec.get("gpu") else "peak RSS"
+    mu = spec.get("iterations", 1)
+    per = "steps" if mu == 1 else f"rounds (each the mean of its {mu} optimizer steps)"
     print(
         f"\n{name}: {spec['rows']} rows, G={spec['G']}, prompts ~{spec['P']} tokens, completions {spec['L']} tokens, "
-        f"beta {spec['beta']}, {spec['loss']}; median of the steps after the first, median of {repeats} runs each"
+        f"beta {spec['beta']}, {spec['loss']}; median of the {per} after the first, median of {repeats} runs each"
     )
     print(f"{'':14} {'s/step':>8} {'runs':>22} {'CPU s/step':>10} {'tokens/s':>9} {memory + ' MiB':>22}")
     for kind, s in rows.items():
@@ -403,11 +407,12 @@ def plot(path: str, table: dict) -> None:
         "ours-noprefill": "grpo, generation prefills every copy",
         "ours-noprompt": "grpo, log-probs run every row whole",
         "ours-prepass": "grpo, a pass of its own for pi_old",
+        "ours-nokeep": "grpo, freed memory handed back to the OS",
         "ours": "grpo",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
     kinds = [k for k in labels if any(k in table[n] for n in names)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / len(kinds)
     for ax, key, label in zip(axes, ("step", "cpu"), ("seconds per step (wall)", "CPU seconds per step")):
         for i, kind in enumerate(kinds):
@@ -418,12 +423,13 @@ def plot(path: str, table: dict) -> None:
                 if kind != "trl" and table[n].get("trl", {}).get(key) and y:
                     ratio = y / table[n]["trl"][key]
                     ax.annotate(f"x{ratio:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=25, ha="right")
         ax.set_ylabel(f"{label}, median (log scale)", fontsize=8)
         ax.set_yscale("log")  # the tiny model's milliseconds and SmolLM2's minutes on one axis
-    axes[0].legend(fontsize=7, loc="lower right")
+    handles, texts = axes[0].get_legend_handles_labels()
+    fig.legend(handles, texts, fontsize=8, loc="lower center", ncol=len(kinds), frameon=False)
     fig.suptitle("GRPO step, same machine, weights, data and settings (ours / TRL above the bars)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"\nchart written to {path}")
 
@@ -434,7 +440,7 @@ def main():
     parser.add_argument(
         "--kinds",
         default="trl,ours",
-        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-base",
+        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-base",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")

@@ -204,11 +204,14 @@ def report(run: dict, plot_path: str | None) -> None:
     print(
         f"\nSmolLM2-135M, 16 completions of <= 32 tokens per step, cores {run['cores']}; medians of steps 2..{steps}"
     )
-    print(f"{'mode':<16}{'s/step':>9}{'vs ' + first:>16}{'mean length':>13}   steps (s)")
+    width = max(16, *(len(mode) + 2 for mode in medians))
+    print(f"{'mode':<{width}}{'s/step':>9}{'vs ' + first:>16}{'mean length':>13}   steps (s)")
     for mode, result in run["results"].items():
         median = medians[mode]
         times = " ".join(f"{t:.1f}" for t in result["step_seconds"])
-        print(f"{mode:<16}{median:>9.2f}{medians[first] / median:>15.2f}x{result['mean_length']:>13.1f}   {times}")
+        print(
+            f"{mode:<{width}}{median:>9.2f}{medians[first] / median:>15.2f}x{result['mean_length']:>13.1f}   {times}"
+        )
     for faster, slower in (("async-server", "server"), ("colocate", "server")):
         if faster in medians and slower in medians:
             print(f"{faster} against {slower}: {medians[slower] / medians[faster]:.2f}x faster")

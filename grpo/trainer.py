@@ -31,6 +31,7 @@ from grpo.checkpoints import (
     save_state,
 )
 from grpo.config import GRPOConfig
+from grpo.cpu_memory import keep_freed_memory
 from grpo.data import check_prompt_dataset, offline
 from grpo.data.sampler import RepeatSampler, eval_sampler, train_batch_size, train_sampler
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
@@ -157,6 +158,8 @@ class GRPOTrainer(ResumableTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if args.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
+            keep_freed_memory()  # no page faults for every gradient at every step (grpo/cpu_memory.py)
         self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self._metrics["train"])
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
