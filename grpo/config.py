@@ -187,7 +187,8 @@ class GRPOConfig(TrainingArguments):
             "help": "Training on a CPU under Linux (glibc): keep freed memory in the process for reuse (blocks up to "
             "32 MiB from the heap, up to 1 GiB of free heap kept) rather than handing it back to the OS, which saves "
             "the page faults of allocating every gradient anew at each step (a tenth of a step on SmolLM2-135M). "
-            "Process-wide; peak memory is unchanged. False leaves the C library's settings alone."
+            "Process-wide; the peak resident size barely changes (0.7% more measured). False leaves the C library's "
+            "settings alone."
         },
     )
     padding_free: bool | None = field(
