@@ -270,6 +270,8 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
         assert logged == pytest.approx((current - behaviour)[mask].exp().max().item(), rel=1e-4)
         moved = max(moved, (current - behaviour)[mask].abs().max().item())
     assert moved > 1e-3  # the weights really moved between sampling and training: the checks above can fail
+    ratios = [h["sampling/importance_sampling_ratio/max"] for h in trainer.state.log_history if "sampling/" in str(h)]
+    assert ratios and max(ratios) != 1.0
 
 
 def test_a_round_older_than_max_staleness_is_dropped_and_made_again(tmp_path, monkeypatch):
