@@ -35,7 +35,8 @@ once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer be
 a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from the training pass of its first
 iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
 `ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
-(grpo/cpu_memory.py).
+(grpo/cpu_memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
+still maps each of those afresh: `grpo.cpu_memory.MMAP_MAX = None`).
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
 
         args = GRPOConfig(**settings, model_init_kwargs={"dtype": dtype})
     else:
-        from grpo import GRPOConfig, GRPOTrainer
+        from grpo import GRPOConfig, GRPOTrainer, cpu_memory
         from grpo.generation import TransformersGeneration
         from grpo.objective import old_policy, shared_prompt
 
@@ -259,6 +260,8 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         if kind in ("ours-prepass", "ours-base") and spec.get("iterations", 1) > 1:
             # a replayed round's pi_old from a no-grad pass over it, as before grpo/objective/old_policy.py
             old_policy.first_pass_micro_batches = lambda *args: 0
+        if kind == "ours-mmap":
+            cpu_memory.MMAP_MAX = None
         args = GRPOConfig(**settings, max_prompt_length=None, keep_freed_cpu_memory=kind != "ours-nokeep")
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
@@ -408,6 +411,7 @@ def plot(path: str, table: dict) -> None:
         "ours-noprompt": "grpo, log-probs run every row whole",
         "ours-prepass": "grpo, a pass of its own for pi_old",
         "ours-nokeep": "grpo, freed memory handed back to the OS",
+        "ours-mmap": "grpo, blocks above 32 MiB mapped afresh",
         "ours": "grpo",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
@@ -440,7 +444,7 @@ def main():
     parser.add_argument(
         "--kinds",
         default="trl,ours",
-        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-base",
+        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-base",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")

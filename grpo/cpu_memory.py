@@ -8,13 +8,14 @@ to the OS once more than `M_TRIM_THRESHOLD` bytes are free there; either way the
 new pages, and the kernel zero-fills each 4 KiB page on first touch (a page fault). On SmolLM2-135M that was about
 200,000 page faults per optimizer step, 0.5 to 0.7 s of a 5.5 s step (docs/performance.md).
 
-`keep_freed_memory` raises both thresholds: blocks up to 32 MiB (glibc's largest allowed mmap threshold) come
-from the heap, and up to 1 GiB of freed heap stays mapped, so a step reuses the pages of the step before. The peak
-resident size barely changes (blocks are reused, not added; 0.7% more on SmolLM2, from freed blocks left mapped);
-what changes is that up to 1 GiB of memory freed at the end of a step stays counted in the process's resident size
-until it is used again or the process ends. Larger blocks (the
-embedding's gradient, 113 MiB here) still get fresh pages. Only glibc is tuned; elsewhere (macOS, musl, a
-preloaded jemalloc or tcmalloc, which reuse memory by themselves) it does nothing.
+`keep_freed_memory` changes three settings: blocks up to 32 MiB (glibc's largest allowed mmap threshold) come from
+the heap, larger blocks too (no `mmap` at all: `M_MMAP_MAX` 0; on SmolLM2 the embedding's 113 MiB gradient and
+the log-probs' 50 MiB logit chunks, several times a step), and up to 1 GiB of freed heap stays mapped, so a step
+reuses the pages of the step before. The peak resident size barely changes (blocks are reused, not added; 0.7% more
+on SmolLM2, from freed blocks left mapped); what changes is that up to 1 GiB of memory freed at the end of a step
+stays counted in the process's resident size until it is used again or the process ends, and that a large block
+freed below the top of the heap is kept for the next allocation instead of being unmapped. Only glibc is tuned;
+elsewhere (macOS, musl, a preloaded jemalloc or tcmalloc, which reuse memory by themselves) it does nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ import platform
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 * 2**20  # the largest value glibc accepts on 64-bit machines
 TRIM_THRESHOLD = 2**30
+# Blocks above MMAP_THRESHOLD may still be mapped this many at a time: 0 serves them from the heap too. None leaves
+# glibc's own limit (benchmarks/compare_trl.py's `ours-mmap` sets it to measure the difference).
+MMAP_MAX: int | None = 0
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process (see the module docstring); True if they were set.
+    """Raise glibc's mmap and trim thresholds and stop its use of `mmap` for this process (see the module
+    docstring); True if they were set.
     Process-wide and idempotent; a no-op returning False where the C library is not glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -41,4 +47,7 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success, 0 for a value it refuses.
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    settings = [(M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)]
+    if MMAP_MAX is not None:
+        settings.append((M_MMAP_MAX, MMAP_MAX))
+    return all([mallopt(parameter, value) for parameter, value in settings])

@@ -23,23 +23,29 @@ def _huge_pages_always() -> bool:
         return False
 
 
-# A training loop's pattern: 8 MLP blocks whose gradients (16 weights of 3.5 MiB) are set to None after every
-# backward, as Trainer's zero_grad does, and allocated again by the next. Prints the minor page faults of steps 2-8.
+# A training loop's pattern: an embedding of 72 MiB (above glibc's largest mmap threshold, as SmolLM2's 113 MiB one)
+# and 8 MLP blocks (16 weights of 3.5 MiB), whose gradients are set to None after every backward, as Trainer's
+# zero_grad does, and allocated again by the next. Prints the minor page faults of steps 3-8.
 FAULTS = """
 import resource, sys, torch
-if sys.argv[1] == "keep":
-    from grpo.cpu_memory import keep_freed_memory
-    assert keep_freed_memory()
+if sys.argv[1] != "default":
+    from grpo import cpu_memory
+    if sys.argv[1] == "keep-mmap":  # the setting without M_MMAP_MAX: blocks above 32 MiB mapped afresh
+        cpu_memory.MMAP_MAX = None
+    assert cpu_memory.keep_freed_memory()
 torch.manual_seed(0)
 mlp = lambda: torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.SiLU(), torch.nn.Linear(1536, 576))
-model, x = torch.nn.Sequential(*[mlp() for _ in range(8)]), torch.randn(64, 576)
+model = torch.nn.Sequential(torch.nn.Embedding(32768, 576), *[mlp() for _ in range(8)])
+tokens = torch.randint(0, 32768, (64,))
 for step in range(8):
-    if step == 1:
+    if step == 2:
         start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    model(x).square().mean().backward()
+    model(tokens).square().mean().backward()
     model.zero_grad(set_to_none=True)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
 """
+MLP_PAGES = 16 * 1536 * 576 * 4 // 4096  # 13,824 pages of MLP gradients per step
+EMBEDDING_PAGES = 32768 * 576 * 4 // 4096  # 18,432 pages of the embedding's gradient per step
 
 
 def _faults(mode: str) -> int:
@@ -47,14 +53,17 @@ def _faults(mode: str) -> int:
     return int(out.split()[-1])
 
 
-@pytest.mark.slow  # two fresh interpreters that import torch
+@pytest.mark.slow  # three fresh interpreters that import torch
 @pytest.mark.skipif(not GLIBC, reason="tunes glibc's malloc only")
 @pytest.mark.skipif(_huge_pages_always(), reason="transparent huge pages for every mapping: few faults either way")
 def test_freed_blocks_are_reused_without_page_faults():
-    pages = 16 * 1536 * 576 * 4 // 4096  # 13,824 pages of gradients per step
-    kept, default = _faults("keep"), _faults("default")
-    assert default > 2 * pages  # in 7 steps glibc handed the freed gradients back and faulted them in again
-    assert kept < pages // 4  # reused: the 7 steps together fault less than a quarter of one step's gradients
+    default, thresholds_only, kept = _faults("default"), _faults("keep-mmap"), _faults("keep")
+    # In 6 steps glibc handed the freed gradients back and faulted them in again.
+    assert default > 5 * EMBEDDING_PAGES + 2 * MLP_PAGES
+    # With the thresholds raised but mmap allowed, the MLP gradients are reused, the embedding's is mapped afresh.
+    assert 5 * EMBEDDING_PAGES < thresholds_only < 7 * EMBEDDING_PAGES + MLP_PAGES // 4
+    # With the setting, all are reused: the 6 steps together fault less than a quarter of one step's gradients.
+    assert kept < (EMBEDDING_PAGES + MLP_PAGES) // 4
 
 
 def test_the_trainer_keeps_freed_memory_on_a_cpu_unless_told_not_to(
