@@ -182,3 +182,15 @@ def test_demo_reward_does_not_pay_for_restating_the_question():
     reward = resolve_reward(spec, [recipe.parent])
     # A demo run with math-verify's `accuracy` learned the second reply, which evaluates "1 + 9" to the answer.
     assert reward(["1 + 9 = 10", "To calculate 1 + 9, you simply add them"], answer=["10", "10"]) == [1.0, 0.0]
+
+
+def test_yes_no_on_off_stay_strings_as_in_yaml_1_2(tmp_path):
+    # YAML 1.1 reads `no` as False, which made `--save_strategy no` fail as "False is not a valid SaveStrategy".
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dataset: {reasoning_gym: basic_arithmetic, size: 8}\nrewards: [reasoning_gym]\neval_strategy: no\n")
+    recipe = load_recipe(path, ["--save_strategy", "no", "--bf16", "false", "--use_cpu", "true"])
+    assert recipe.config["save_strategy"] == "no" and recipe.config["eval_strategy"] == "no"
+    assert recipe.config["bf16"] is False and recipe.config["use_cpu"] is True
+    assert recipe.grpo_config().save_strategy == "no"
+    with pytest.raises(RecipeError, match=r"bf16='yes' \(str\) must be True or False"):
+        load_recipe(path, ["--bf16", "yes"]).grpo_config()

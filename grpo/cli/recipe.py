@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import numbers
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -238,7 +240,7 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
             value = argv[i + 1]
             i += 1
         try:
-            parsed = yaml.safe_load(value) if value != "" else ""
+            parsed = yaml.load(value, Loader=_loader()) if value != "" else ""
         except yaml.YAMLError as e:
             raise RecipeError(
                 f"The override --{key} {value!r} is not valid YAML ({getattr(e, 'problem', e)}); quote the value, "
@@ -262,6 +264,25 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> di
     return raw
 
 
+@functools.cache
+def _loader() -> type:
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false. YAML 1.1 also reads yes, no, on and off
+    as booleans, so `save_strategy: no` (or `--save_strategy no`) became False and failed as "False is not a valid
+    SaveStrategy"; here they stay strings, and a bool field given one says it wants true or false."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    bool_tag = "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag != bool_tag]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Loader
+
+
 def _read_yaml(source: Path) -> dict[str, Any]:
     """The top-level mapping of a recipe file; a missing file or a YAML error names the line and the usual fix."""
     import yaml
@@ -270,7 +291,7 @@ def _read_yaml(source: Path) -> dict[str, Any]:
         raise RecipeError(f"Recipe file {str(source)!r} not found.")
     text = source.read_text()
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_loader()) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
