@@ -36,7 +36,8 @@ a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from
 iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
 `ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
 (grpo/cpu_memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
-still maps each of those afresh: `grpo.cpu_memory.MMAP_MAX = None`).
+still maps each of those afresh: `grpo.cpu_memory.MMAP_MAX = None`). `ours-mkl`: `cpu_decode_kernel=False`, the decoding
+steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/generation/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -262,7 +263,12 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
             old_policy.first_pass_micro_batches = lambda *args: 0
         if kind == "ours-mmap":
             cpu_memory.MMAP_MAX = None
-        args = GRPOConfig(**settings, max_prompt_length=None, keep_freed_cpu_memory=kind != "ours-nokeep")
+        args = GRPOConfig(
+            **settings,
+            max_prompt_length=None,
+            keep_freed_cpu_memory=kind != "ours-nokeep",
+            cpu_decode_kernel=kind != "ours-mkl",
+        )
         phases = Phases(spec["L"])
         phases.instrument(GRPOTrainer, TransformersGeneration)
 
@@ -412,6 +418,7 @@ def plot(path: str, table: dict) -> None:
         "ours-prepass": "grpo, a pass of its own for pi_old",
         "ours-nokeep": "grpo, freed memory handed back to the OS",
         "ours-mmap": "grpo, blocks above 32 MiB mapped afresh",
+        "ours-mkl": "grpo, decoding products by MKL",
         "ours": "grpo",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
@@ -444,7 +451,7 @@ def main():
     parser.add_argument(
         "--kinds",
         default="trl,ours",
-        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-base",
+        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-mkl, ours-base",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")

@@ -38,6 +38,7 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         pad_token_id=trainer.processing_class.pad_token_id,
         eos_token_ids=trainer.eos_token_ids,
         greedy=True,
+        cpu_decode_kernel=trainer.args.cpu_decode_kernel,
     )
     samples, size = [], max(1, trainer.args.per_device_eval_batch_size)
     for start in range(0, count, size):

@@ -46,6 +46,7 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
+            cpu_decode_kernel=args.cpu_decode_kernel,
             **sampling,
         )
     if args.vllm_mode == "colocate":

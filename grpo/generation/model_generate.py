@@ -8,6 +8,7 @@ computed per row as before, so each row is the same draw from the same distribut
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
 from grpo.generation.base import Completions, equal_runs
+from grpo.generation.cpu_linear import few_row_linear
 
 
 class TransformersGeneration:
@@ -41,8 +43,10 @@ class TransformersGeneration:
         repetition_penalty: float = 1.0,
         generation_kwargs: dict | None = None,
         greedy: bool = False,
+        cpu_decode_kernel: bool = True,
     ):
         self.pad_token_id = pad_token_id
+        self.cpu_decode_kernel = cpu_decode_kernel  # few-row products by grpo's kernel on a CPU (cpu_linear.py)
         settings = {
             "max_new_tokens": max_completion_length,
             "do_sample": not greedy,
@@ -72,16 +76,18 @@ class TransformersGeneration:
         firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
+        kernel = device.type == "cpu" and self.cpu_decode_kernel
         try:
-            cache = None
-            if self._shares(model, len(firsts), *input_ids.shape):
-                cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
-            output = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                generation_config=self.generation_config,
-            )
+            with few_row_linear() if kernel else contextlib.nullcontext():
+                cache = None
+                if self._shares(model, len(firsts), *input_ids.shape):
+                    cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
+                output = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    past_key_values=cache,
+                    generation_config=self.generation_config,
+                )
         finally:
             model.train(was_training)
         return Completions(output[:, input_ids.shape[1] :].tolist())

@@ -1,0 +1,221 @@
+"""Few-row matrix products on a CPU: the linear layers of a decoding step.
+
+Each step of `generate` multiplies a handful of rows (one new token per sequence) by every weight matrix of the
+model. torch hands `F.linear` to MKL's sgemm, which at 8 rows reaches a fraction of the machine's memory bandwidth:
+on this project's AMD EPYC (Zen 4, AVX-512), SmolLM2-135M's 513 MiB of float32 weights took 73 ms per decoding step
+at 8 rows, while a plain read of the same bytes takes 20 ms (docs/performance.md). The step is bound by streaming
+the weights, so a kernel that reads each weight row once, for all the step's rows at a time, is what it needs.
+
+`few_row_linear()` is a context in which `F.linear` calls with at most `MAX_ROWS` rows run such a kernel: for each
+block of 3 weight rows, the dot products with up to 8 input rows at once, 16 floats per AVX-512 instruction, the
+blocks split among torch's intra-op threads (OpenMP, the same runtime torch uses). It applies only where the result
+is the same product (float32 tensors on the CPU, contiguous, no gradient, no autocast; anything else goes to
+torch); the sums are taken in another order than MKL's, so results differ from torch's in the last bits (about
+1e-6 relative), and do not depend on the number of threads. The C source below is compiled once per machine with
+the system's C compiler into the user's cache directory; without a compiler, off Linux x86-64, or on a CPU
+without AVX-512, the context changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+# Products with more rows than this go to torch: from about 16 rows on, sgemm's blocking pays for its packing.
+MAX_ROWS = 16
+
+_SOURCE = r"""
+#include <immintrin.h>
+
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] with x (M, K), w (N, K), y (M, N), float32, row-major. */
+#define NB 3 /* weight rows per block */
+#define MB 8 /* input rows per block: 8 x 3 accumulators, 3 weight vectors and 1 input vector in 32 registers */
+
+/* One step of 16 k's: the block's NB weight vectors against each of its mc input rows. */
+#define STEP(LOAD)                                                                                         \
+    {                                                                                                      \
+        __m512 b[NB];                                                                                      \
+        for (int j = 0; j < NB; j++) b[j] = j < nc ? LOAD(w + (n0 + j) * K + k) : _mm512_setzero_ps();     \
+        for (int i = 0; i < MB; i++)                                                                       \
+            if (i < mc) {                                                                                  \
+                const __m512 v = LOAD(x + (m0 + i) * K + k);                                               \
+                for (int j = 0; j < NB; j++)                                                               \
+                    if (j < nc) acc[i][j] = _mm512_fmadd_ps(v, b[j], acc[i][j]);                           \
+            }                                                                                              \
+    }
+#define WHOLE(p) _mm512_loadu_ps(p)
+#define MASKED(p) _mm512_maskz_loadu_ps(tail, p)
+
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, const float *bias,
+        float *y, long m0, const long mc, long n0, const int nc, long N, long K) {
+    __m512 acc[MB][NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const long whole = K & ~15L;
+    long k = 0;
+    for (; k < whole; k += 16) {
+        /* the rows of the block after next: the weights stream from memory, read once */
+        for (int j = 0; j < nc; j++) _mm_prefetch((const char *)(w + (n0 + j + 2 * NB) * K + k), _MM_HINT_T0);
+        STEP(WHOLE)
+    }
+    if (k < K) {
+        const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1u);
+        STEP(MASKED)
+    }
+    for (int i = 0; i < mc; i++)
+        for (int j = 0; j < nc; j++)
+            y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);
+}
+
+/* nc and a full mc as constants, so that the compiler drops the tests on them from the inner loop */
+static inline __attribute__((always_inline)) void rows(const float *x, const float *w, const float *bias,
+        float *y, long m0, long mc, long n0, const int nc, long N, long K) {
+    if (mc == MB) block(x, w, bias, y, m0, MB, n0, nc, N, K);
+    else block(x, w, bias, y, m0, mc, n0, nc, N, K);
+}
+
+void grpo_few_row_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K,
+                         int threads) {
+    const long blocks = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        const long n0 = b * NB;
+        for (long m0 = 0; m0 < M; m0 += MB) { /* the block's weight rows stay in L1 for the next 8 input rows */
+            const long mc = M - m0 < MB ? M - m0 : MB;
+            if (N - n0 >= 3) rows(x, w, bias, y, m0, mc, n0, 3, N, K);
+            else if (N - n0 == 2) rows(x, w, bias, y, m0, mc, n0, 2, N, K);
+            else rows(x, w, bias, y, m0, mc, n0, 1, N, K);
+        }
+    }
+}
+"""
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+@functools.cache
+def _kernel():
+    """The compiled kernel as a ctypes function, or None where it cannot run here (see the module docstring)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or not _cpu_has_avx512():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.info("No C compiler found: decoding on the CPU uses torch's matrix products.")
+        return None
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo" / "kernels"
+    library = cache / f"few_row_linear-{digest}.so"
+    try:
+        if not library.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as build:  # compiled aside, then renamed: never half-written
+                source, output = Path(build) / "kernel.c", Path(build) / "kernel.so"
+                source.write_text(_SOURCE)
+                subprocess.run(
+                    [compiler, *_FLAGS, str(source), "-o", str(output)], check=True, capture_output=True, timeout=120
+                )
+                os.replace(output, library)
+        function = ctypes.CDLL(str(library)).grpo_few_row_linear
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.info(
+            "The few-row CPU kernel could not be built (%s %s): torch's matrix products are used.",
+            e,
+            detail.decode(errors="replace")[-500:],
+        )
+        return None
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def available() -> bool:
+    """Whether the kernel runs on this machine (compiling it on first use)."""
+    return _kernel() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by the kernel; the caller checks `_applies` (float32, contiguous, CPU)."""
+    rows = x.numel() // x.shape[-1]
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    bias_pointer = None if bias is None else bias.data_ptr()
+    _kernel()(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias_pointer,
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        x.shape[-1],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is None or (
+        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+    )
+
+
+def _applies(x, weight, bias) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and _plain(x)
+        and _plain(weight)
+        and _plain(bias)
+        and x.dim() >= 1
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1] > 0
+        and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
+        and (bias is None or bias.shape == (weight.shape[0],))
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+class _FewRowLinear(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            if _applies(x, weight, bias):
+                return linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def few_row_linear() -> Iterator[None]:
+    """Within it, in this thread, `F.linear` with at most `MAX_ROWS` rows runs the kernel where it applies (module
+    docstring); a no-op where the kernel cannot run."""
+    if _kernel() is None:
+        yield
+        return
+    with _FewRowLinear():
+        yield

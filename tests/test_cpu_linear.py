@@ -1,0 +1,110 @@
+"""grpo/generation/cpu_linear.py: the few-row CPU kernel computes F.linear, is used only where it applies, and
+generation with it gives what generation with torch's products gives."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo.generation import TransformersGeneration, cpu_linear, make_generation_backend
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_linear.available(), reason="needs Linux x86-64 with AVX-512 and a C compiler"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (2, 15), (7, 33), (1536, 576), (5, 1536)])
+def test_kernel_matches_torch(rows, out_features, in_features):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, in_features), torch.randn(out_features, in_features), torch.randn(out_features)
+    for b in (None, bias):
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
+        got = cpu_linear.linear(x, weight, b)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+@needs_kernel
+def test_kernel_keeps_leading_dimensions_and_does_not_depend_on_threads():
+    x, weight = torch.randn(2, 4, 576), torch.randn(1000, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_linear.linear(x, weight)
+        torch.set_num_threads(2)
+        two = cpu_linear.linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (2, 4, 1000)
+    assert torch.equal(one, two)  # each output's sum is taken in the same order whatever the split
+    torch.testing.assert_close(one, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_only_plain_few_row_products_without_gradient_go_to_the_kernel(monkeypatch):
+    calls = []
+    kernel_linear = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(a[0].shape) or kernel_linear(*a))
+    weight = torch.nn.Parameter(torch.randn(64, 32))  # as in nn.Linear
+    cases = {
+        "few rows": (torch.randn(8, 32), True),
+        "3-d, 16 rows": (torch.randn(2, 8, 32), True),
+        "17 rows": (torch.randn(17, 32), False),
+        "float64": (torch.randn(4, 32, dtype=torch.float64), False),
+        "not contiguous": (torch.randn(32, 4).t(), False),
+    }
+    with torch.no_grad(), cpu_linear.few_row_linear():
+        for name, (x, routed) in cases.items():
+            calls.clear()
+            w = weight if x.dtype == torch.float32 else weight.to(x.dtype)
+            out = F.linear(x, w)
+            assert bool(calls) == routed, name
+            torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype: torch's product
+            F.linear(torch.randn(4, 32), weight)
+        assert not calls
+    x = torch.randn(4, 32, requires_grad=True)
+    with cpu_linear.few_row_linear():
+        F.linear(x, weight).sum().backward()  # a gradient is wanted: torch's product
+    assert not calls and x.grad is not None
+    with torch.no_grad():
+        F.linear(torch.randn(4, 32), weight)  # outside the context
+    assert not calls
+
+
+def test_without_the_kernel_the_context_changes_nothing(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_kernel", lambda: None)
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: pytest.fail("kernel used without a kernel"))
+    with torch.no_grad(), cpu_linear.few_row_linear():
+        F.linear(torch.randn(4, 8), torch.randn(3, 8))
+
+
+@needs_kernel
+def test_generation_with_the_kernel_gives_torch_s_greedy_tokens(tiny_model_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    calls = []
+    kernel_linear = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(1) or kernel_linear(*a))
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11], [9, 10, 11]]
+    outputs = {}
+    for kernel in (True, False):
+        sampler = TransformersGeneration(
+            max_completion_length=12, pad_token_id=0, eos_token_ids=[1], greedy=True, cpu_decode_kernel=kernel
+        )
+        calls.clear()
+        outputs[kernel] = sampler.generate(model, prompts).ids
+        assert bool(calls) == kernel
+    assert outputs[True] == outputs[False]
+
+
+def test_the_config_switch_reaches_the_sampler(tmp_path):
+    from grpo import GRPOConfig
+
+    for value in (True, False):
+        args = GRPOConfig(output_dir=str(tmp_path), cpu_decode_kernel=value, report_to="none")
+        backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
+        assert backend.cpu_decode_kernel is value
