@@ -187,7 +187,9 @@ def test_demo_reward_does_not_pay_for_restating_the_question():
 def test_yes_no_on_off_stay_strings_as_in_yaml_1_2(tmp_path):
     # YAML 1.1 reads `no` as False, which made `--save_strategy no` fail as "False is not a valid SaveStrategy".
     path = tmp_path / "recipe.yaml"
-    path.write_text("dataset: {reasoning_gym: basic_arithmetic, size: 8}\nrewards: [reasoning_gym]\neval_strategy: no\n")
+    path.write_text(
+        "dataset: {reasoning_gym: basic_arithmetic, size: 8}\nrewards: [reasoning_gym]\neval_strategy: no\n"
+    )
     recipe = load_recipe(path, ["--save_strategy", "no", "--bf16", "false", "--use_cpu", "true"])
     assert recipe.config["save_strategy"] == "no" and recipe.config["eval_strategy"] == "no"
     assert recipe.config["bf16"] is False and recipe.config["use_cpu"] is True

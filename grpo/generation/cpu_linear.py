@@ -71,8 +71,8 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     const long whole = K & ~15L;
     long k = 0;
     for (; k < whole; k += 16) {
-        /* the rows of the block after next: the weights stream from memory, read once */
-        for (int j = 0; j < nc; j++) _mm_prefetch((const char *)(w + (n0 + j + 2 * NB) * K + k), _MM_HINT_T0);
+        /* the block after next into L2: the weights stream from memory, read once (into L1 instead: 1.3x slower) */
+        for (int j = 0; j < nc; j++) _mm_prefetch((const char *)(w + (n0 + j + 2 * NB) * K + k), _MM_HINT_T1);
         STEP(WHOLE)
     }
     if (k < K) {
@@ -178,7 +178,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _plain(t: torch.Tensor | None) -> bool:
     return t is None or (
-        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        type(t) in (torch.Tensor, nn.Parameter)
+        and t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.is_contiguous()
     )
 
 
