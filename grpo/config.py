@@ -186,8 +186,9 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Sampling with `model.generate` on a CPU: the decoding steps' matrix products of at most 16 rows "
             "(one new token per sequence) run grpo's own AVX-512 kernel, which reads each weight once for all rows, "
-            "compiled once with the system's C compiler into ~/.cache/grpo. Results differ from torch's in the last "
-            "bits. False, or a machine without a C compiler or AVX-512, uses torch's (MKL) products."
+            "compiled once with the system's C compiler into ~/.cache/grpo. Only for float32 models with at least "
+            "64 MiB of weight matrices and without autocast (bf16); results differ from torch's in the last bits. "
+            "False, or a machine without a C compiler or AVX-512, uses torch's (MKL) products."
         },
     )
     keep_freed_cpu_memory: bool = field(
@@ -196,7 +197,7 @@ class GRPOConfig(TrainingArguments):
             "help": "Training on a CPU under Linux (glibc): keep freed memory in the process for reuse (every block "
             "from the heap, none mapped afresh; up to 1 GiB of free heap kept) rather than handing it back to the OS, "
             "which saves the page faults of allocating every gradient anew at each step (a tenth of a step on "
-            "SmolLM2-135M). Process-wide; the peak resident size barely changes (under 1% more measured). False "
+            "SmolLM2-135M). Process-wide; the peak resident size changes little (up to 2% more measured). False "
             "leaves the C library's settings alone."
         },
     )

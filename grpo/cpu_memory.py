@@ -11,8 +11,9 @@ new pages, and the kernel zero-fills each 4 KiB page on first touch (a page faul
 `keep_freed_memory` changes three settings: blocks up to 32 MiB (glibc's largest allowed mmap threshold) come from
 the heap, larger blocks too (no `mmap` at all: `M_MMAP_MAX` 0; on SmolLM2 the embedding's 113 MiB gradient and
 the log-probs' 50 MiB logit chunks, several times a step), and up to 1 GiB of freed heap stays mapped, so a step
-reuses the pages of the step before. The peak resident size barely changes (blocks are reused, not added; 0.7% more
-on SmolLM2, from freed blocks left mapped); what changes is that up to 1 GiB of memory freed at the end of a step
+reuses the pages of the step before. The peak resident size changes little (blocks are reused, not added; on
+SmolLM2 0.5% more in the benchmark's smol-8x4, 1.9% in a 40-step run with sampled lengths, from freed blocks left in
+the heap); what changes is that up to 1 GiB of memory freed at the end of a step
 stays counted in the process's resident size until it is used again or the process ends, and that a large block
 freed below the top of the heap is kept for the next allocation instead of being unmapped. Only glibc is tuned;
 elsewhere (macOS, musl, a preloaded jemalloc or tcmalloc, which reuse memory by themselves) it does nothing.

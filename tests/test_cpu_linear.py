@@ -86,6 +86,11 @@ def test_generation_with_the_kernel_gives_torch_s_greedy_tokens(tiny_model_path,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    assert not cpu_linear.pays_for(model)  # its weights fit in the caches: left to torch
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_BYTES", 0)  # as if they did not
+    assert cpu_linear.pays_for(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not cpu_linear.pays_for(model)  # bf16 products: left to autocast
     calls = []
     kernel_linear = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(1) or kernel_linear(*a))

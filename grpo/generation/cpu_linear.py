@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Products with more rows than this go to torch: from about 16 rows on, sgemm's blocking pays for its packing.
 MAX_ROWS = 16
+# Models with fewer bytes of float32 weight matrices are left to torch: their weights stay in the CPU's caches, where
+# sgemm is not starved, and the context's per-operation cost is not repaid (the 2-layer test model: 1.08x TRL's step).
+MIN_WEIGHT_BYTES = 64 * 2**20
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -213,10 +216,19 @@ class _FewRowLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def pays_for(model: nn.Module) -> bool:
+    """Whether sampling from `model` in this thread should use the kernel: float32 weight matrices of at least
+    `MIN_WEIGHT_BYTES` (weights streamed from memory), no autocast (whose products are bf16), and a kernel here."""
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    size = sum(p.numel() * 4 for p in model.parameters() if p.dtype == torch.float32 and p.dim() == 2)
+    return size >= MIN_WEIGHT_BYTES and _kernel() is not None
+
+
 @contextlib.contextmanager
 def few_row_linear() -> Iterator[None]:
     """Within it, in this thread, `F.linear` with at most `MAX_ROWS` rows runs the kernel where it applies (module
-    docstring); a no-op where the kernel cannot run."""
+    docstring); a no-op where the kernel cannot run. Callers open it where `pays_for` says so."""
     if _kernel() is None:
         yield
         return

@@ -18,8 +18,8 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
+from grpo.generation import cpu_linear
 from grpo.generation.base import Completions, equal_runs
-from grpo.generation.cpu_linear import few_row_linear
 
 
 class TransformersGeneration:
@@ -76,9 +76,9 @@ class TransformersGeneration:
         firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
-        kernel = device.type == "cpu" and self.cpu_decode_kernel
+        kernel = device.type == "cpu" and self.cpu_decode_kernel and cpu_linear.pays_for(model)
         try:
-            with few_row_linear() if kernel else contextlib.nullcontext():
+            with cpu_linear.few_row_linear() if kernel else contextlib.nullcontext():
                 cache = None
                 if self._shares(model, len(firsts), *input_ids.shape):
                     cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
