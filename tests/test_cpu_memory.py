@@ -2,6 +2,7 @@
 CPU unless told not to."""
 
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ def _huge_pages_always() -> bool:
 
 # A training loop's pattern: an embedding of 72 MiB (above glibc's largest mmap threshold, as SmolLM2's 113 MiB one)
 # and 8 MLP blocks (16 weights of 3.5 MiB), whose gradients are set to None after every backward, as Trainer's
-# zero_grad does, and allocated again by the next. Prints the minor page faults of steps 3-8.
+# zero_grad does, and allocated again by the next. Prints the minor page faults of each of 16 steps.
 FAULTS = """
 import resource, sys, torch
 if sys.argv[1] != "default":
@@ -37,20 +38,22 @@ torch.manual_seed(0)
 mlp = lambda: torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.SiLU(), torch.nn.Linear(1536, 576))
 model = torch.nn.Sequential(torch.nn.Embedding(32768, 576), *[mlp() for _ in range(8)])
 tokens = torch.randint(0, 32768, (64,))
-for step in range(8):
-    if step == 2:
-        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
+for step in range(16):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model(tokens).square().mean().backward()
     model.zero_grad(set_to_none=True)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(*faults)
 """
 MLP_PAGES = 16 * 1536 * 576 * 4 // 4096  # 13,824 pages of MLP gradients per step
 EMBEDDING_PAGES = 32768 * 576 * 4 // 4096  # 18,432 pages of the embedding's gradient per step
 
 
-def _faults(mode: str) -> int:
+def _faults(mode: str) -> list[int]:
+    """Page faults of steps 3-16 (the first two grow the heap to its size in every mode)."""
     out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[-1])
+    return [int(n) for n in out.split()[2:]]
 
 
 @pytest.mark.slow  # three fresh interpreters that import torch
@@ -58,12 +61,17 @@ def _faults(mode: str) -> int:
 @pytest.mark.skipif(_huge_pages_always(), reason="transparent huge pages for every mapping: few faults either way")
 def test_freed_blocks_are_reused_without_page_faults():
     default, thresholds_only, kept = _faults("default"), _faults("keep-mmap"), _faults("keep")
-    # In 6 steps glibc handed the freed gradients back and faulted them in again.
-    assert default > 5 * EMBEDDING_PAGES + 2 * MLP_PAGES
+    # glibc's defaults map the embedding's gradient afresh at every step, and some of the MLP ones too.
+    assert min(default) >= EMBEDDING_PAGES
+    assert statistics.median(default) > EMBEDDING_PAGES + MLP_PAGES // 4
     # With the thresholds raised but mmap allowed, the MLP gradients are reused, the embedding's is mapped afresh.
-    assert 5 * EMBEDDING_PAGES < thresholds_only < 7 * EMBEDDING_PAGES + MLP_PAGES // 4
-    # With the setting, all are reused: the 6 steps together fault less than a quarter of one step's gradients.
-    assert kept < (EMBEDDING_PAGES + MLP_PAGES) // 4
+    assert EMBEDDING_PAGES <= statistics.median(thresholds_only) < EMBEDDING_PAGES + MLP_PAGES // 4
+    # With the setting, a step reuses the pages of the step before. The heap still settles into its size: in one or
+    # two of the steps (which ones varies from run to run, with the heap's addresses) the embedding's gradient
+    # no longer fits the free space that other blocks left and is faulted in at the top once more; in a 1,000-step
+    # loop that happened 3 times, so the median step faults nothing and the sum is a fraction of the default's.
+    assert statistics.median(kept) < MLP_PAGES // 100
+    assert sum(kept) < sum(default) / 4
 
 
 def test_the_trainer_keeps_freed_memory_on_a_cpu_unless_told_not_to(
