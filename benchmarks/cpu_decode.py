@@ -1,4 +1,5 @@
-"""Decoding on a CPU: grpo's few-row kernel (grpo/generation/cpu_linear.py) against torch's products (MKL).
+"""Decoding on a CPU: grpo's few-row kernel and single draws (grpo/generation/cpu_linear.py) against torch's
+products (MKL) and `torch.multinomial`.
 
     python benchmarks/cpu_decode.py                      # torch's thread count
     OMP_NUM_THREADS=1 python benchmarks/cpu_decode.py    # one thread, as benchmarks/compare_trl.py --threads 1
@@ -8,13 +9,17 @@ Three measurements, each alternating the two variants in this process, medians o
 2. the products of one decoding step at --rows rows: every weight matrix of SmolLM2-135M's shape (30 layers of
    q, k, v, o, gate, up and down, and the 49,152 x 576 output projection) times --rows input rows, `F.linear`
    against `cpu_linear.linear`;
-3. sampling itself: `TransformersGeneration.generate` on SmolLM2-135M-Instruct (the offline model), 2 prompts of
-   40 tokens x 4 copies (8 rows, compare_trl.py's smol-8x4), 32 tokens forced, `cpu_decode_kernel` off and on.
+3. one step's draw of the next tokens at --rows rows of a 49,152-token vocabulary: `torch.multinomial(probs, 1)`
+   against `cpu_linear.categorical`;
+4. sampling itself: `TransformersGeneration.generate` on SmolLM2-135M-Instruct (the offline model), 2 prompts of
+   40 tokens x 4 copies (8 rows, compare_trl.py's smol-8x4), 32 tokens forced: `cpu_decode_kernel` off, on with
+   torch's draws (the kernel alone), and on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -68,6 +73,19 @@ def main() -> None:
         print(f"  {name:7s} {seconds * 1e3:7.1f} ms  ({size / seconds / 1e9:5.1f} GB/s of weights)")
     print(f"  kernel / torch: {products['kernel'] / products['torch']:.2f}")
 
+    probs = torch.softmax(torch.randn(cli.rows, SHAPES[-1][0]) * 3, dim=-1)
+    draws = alternate(
+        {
+            "torch": lambda: [torch.multinomial(probs, 1) for _ in range(10)],
+            "grpo": lambda: [cpu_linear.categorical(probs) for _ in range(10)],
+        },
+        cli.repeats,
+    )
+    print(f"\none step's draw at {cli.rows} rows x {SHAPES[-1][0]:,} tokens:")
+    for name, seconds in draws.items():
+        print(f"  {name:7s} {seconds / 10 * 1e3:7.2f} ms")
+    print(f"  grpo / torch: {draws['grpo'] / draws['torch']:.2f}")
+
     from transformers import AutoModelForCausalLM
 
     from grpo.models import smollm2_path
@@ -89,14 +107,23 @@ def main() -> None:
     generation = alternate(
         {
             "torch": lambda: samplers[False].generate(model, rows),
-            "kernel": lambda: samplers[True].generate(model, rows),
+            "kernel": lambda: _torch_draws(lambda: samplers[True].generate(model, rows)),
+            "kernel and draws": lambda: samplers[True].generate(model, rows),
         },
         cli.generate_repeats,
     )
     print("\nTransformersGeneration.generate, 8 rows (2 prompts of 40 tokens x 4), 32 tokens:")
     for name, seconds in generation.items():
-        print(f"  {name:7s} {seconds:7.2f} s")
-    print(f"  kernel / torch: {generation['kernel'] / generation['torch']:.2f}")
+        print(f"  {name:16s} {seconds:7.2f} s  ({seconds / generation['torch']:.2f} of torch's)")
+
+
+def _torch_draws(fn):
+    """fn() with the context's draws left to torch.multinomial: the kernel's products alone."""
+    with contextlib.ExitStack() as stack:
+        original = cpu_linear._single_draw
+        cpu_linear._single_draw = lambda *args, **kwargs: None
+        stack.callback(setattr, cpu_linear, "_single_draw", original)
+        return fn()
 
 
 if __name__ == "__main__":

@@ -113,3 +113,85 @@ def test_the_config_switch_reaches_the_sampler(tmp_path):
         args = GRPOConfig(output_dir=str(tmp_path), cpu_decode_kernel=value, report_to="none")
         backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
         assert backend.cpu_decode_kernel is value
+
+
+def test_categorical_draws_from_the_rows_distribution():
+    # Zero weights first, inside and last: never drawn. Unnormalised rows, as torch.multinomial accepts them.
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [2.0, 0.0, 1.0, 0.0, 0.0, 1.0]], dtype=torch.float32)
+    draws = 200_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros_like(probs, dtype=torch.float64)
+    for _ in range(draws // 1000):
+        picked = cpu_linear.categorical(probs.repeat(500, 1), generator)
+        assert picked.shape == (1000, 1) and picked.dtype == torch.int64
+        rows = torch.arange(1000) % 2
+        counts.index_put_((rows, picked[:, 0]), torch.ones(1000, dtype=torch.float64), accumulate=True)
+    expected = probs.double() / probs.double().sum(1, keepdim=True)
+    assert (counts[expected == 0] == 0).all()
+    share = counts / counts.sum(1, keepdim=True)
+    # Each share within 5 standard errors of its probability (about 0.005 at 100,000 draws per row).
+    se = (expected * (1 - expected) / (draws / 2)).sqrt()
+    assert ((share - expected).abs() <= 5 * se + 1e-12).all(), share
+
+
+def test_categorical_is_seeded_and_picks_by_the_cumulative_sum():
+    probs = torch.softmax(torch.randn(8, 1000), -1)
+    one = cpu_linear.categorical(probs, torch.Generator().manual_seed(3))
+    assert torch.equal(one, cpu_linear.categorical(probs, torch.Generator().manual_seed(3)))
+    u = torch.rand(8, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    cdf = probs.double().cumsum(-1)
+    for r in range(8):  # the first index whose cumulative sum exceeds u x total
+        v = int(one[r])
+        assert cdf[r, v] > u[r] * cdf[r, -1] and (v == 0 or cdf[r, v - 1] <= u[r] * cdf[r, -1])
+
+
+def test_categorical_leaves_invalid_weights_to_torch_s_error():
+    for bad in (float("nan"), float("inf"), -0.1):
+        probs = torch.tensor([[0.5, bad, 0.5]])
+        assert cpu_linear.categorical(probs) is None
+        with pytest.raises(RuntimeError):
+            torch.multinomial(probs, 1)
+    assert cpu_linear.categorical(torch.zeros(2, 3)) is None
+
+
+@needs_kernel
+def test_the_context_answers_single_draws_and_leaves_the_rest_to_torch(monkeypatch):
+    calls = []
+    draw = cpu_linear.categorical
+    monkeypatch.setattr(cpu_linear, "categorical", lambda *a: calls.append(a[0].shape) or draw(*a))
+    probs = torch.softmax(torch.randn(4, 50), -1)
+    with cpu_linear.few_row_linear():
+        assert torch.multinomial(probs, num_samples=1).shape == (4, 1)
+        assert probs.multinomial(1).shape == (4, 1)
+        assert len(calls) == 2
+        assert torch.multinomial(probs, 3).shape == (4, 3)  # several samples: torch's
+        assert torch.multinomial(probs[0], 1).shape == (1,)  # one row, 1-d: torch's
+        assert len(calls) == 2
+        with pytest.raises(RuntimeError):  # `categorical` declines a NaN row: torch's own error, not a silent draw
+            torch.multinomial(torch.tensor([[0.5, float("nan")]]), 1)
+        assert len(calls) == 3
+    torch.multinomial(probs, 1)  # outside the context
+    assert len(calls) == 3
+
+
+@needs_kernel
+def test_sampled_generation_with_the_context_draws_only_allowed_tokens(tiny_model_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_BYTES", 0)
+    calls = []
+    draw = cpu_linear.categorical
+    monkeypatch.setattr(cpu_linear, "categorical", lambda *a: calls.append(1) or draw(*a))
+    sampler = TransformersGeneration(
+        max_completion_length=8, pad_token_id=0, eos_token_ids=[1], temperature=1.0, top_k=3
+    )
+    torch.manual_seed(0)
+    completions = sampler.generate(model, [[5, 6, 7, 8], [9, 10, 11]])
+    assert calls  # the draws went through `categorical`
+    # top_k=3: every drawn token is among the 3 most likely after its prefix
+    for prompt, ids in zip([[5, 6, 7, 8], [9, 10, 11]], completions.ids):
+        for t, token in enumerate(ids):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + ids[:t]])).logits[0, -1]
+            assert token in logits.topk(3).indices.tolist()

@@ -231,6 +231,25 @@ def test_padding_free_equals_padded(tokenizer):
     torch.testing.assert_close(packed_entropy, padded_entropy, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["padded", "padding_free", "shared_prompt"])
+def test_the_models_own_head_runs_on_no_position(tokenizer, path):
+    """The passes read the decoder's hidden states; the model's head, whose logits nobody reads, projects nothing
+    (on a CPU its last-position product under autograd cost 80 ms a pass on SmolLM2), and is itself again after."""
+    model = tiny_model(tokenizer)
+    _, _, batch = _batch()
+    if path == "shared_prompt":  # rows 0-1 share a prompt, so the prompt pass runs once for them
+        batch = tuple(torch.cat([t[:1], t]) for t in batch)
+    projected = []
+    model.lm_head.register_forward_hook(lambda module, args, output: projected.append(args[0].shape[-2]))
+    logps, _ = completion_logprobs(model, *batch, padding_free=path == "padding_free")
+    assert projected and set(projected) == {0}
+    logps.sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0  # the chunked projection still trains the head
+    hidden = torch.randn(2, 3, model.config.hidden_size)
+    assert model.lm_head(hidden).shape == (2, 3, model.config.vocab_size)
+    assert len(projected) == (2 if path == "shared_prompt" else 1) + 1
+
+
 def test_extra_padding_columns_change_nothing(tokenizer):
     model = tiny_model(tokenizer).eval()
     _, _, (prompt_ids, prompt_mask, completion_ids, completion_mask) = _batch()

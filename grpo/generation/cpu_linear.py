@@ -14,6 +14,10 @@ torch); the sums are taken in another order than MKL's, so results differ from t
 1e-6 relative), and do not depend on the number of threads. The C source below is compiled once per machine with
 the system's C compiler into the user's cache directory; without a compiler, off Linux x86-64, or on a CPU
 without AVX-512, the context changes nothing.
+
+The same context draws the step's next tokens: `torch.multinomial(probs, 1)`, which `generate` samples with, takes
+rows x vocabulary exponential draws on a CPU (7.7 ms a step at 8 x 49,152, a tenth of the step once the products
+are fast); `categorical` draws from the same distribution with one uniform number per row.
 """
 
 from __future__ import annotations
@@ -205,6 +209,38 @@ def _applies(x, weight, bias) -> bool:
     )
 
 
+def categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | None:
+    """One draw per row of `probs` (R, V), non-negative weights, as `torch.multinomial(probs, 1)` draws it: (R, 1)
+    int64, index v with probability probs[r, v] / sum(probs[r]). None where torch must answer instead (weights that
+    are negative, infinite, NaN or all zero, for which torch.multinomial raises its error).
+
+    By the inverse of the cumulative distribution: the first v whose cumulative sum (float64) exceeds u x total, u
+    uniform in [0, 1), so a weight of 0 is never drawn. It takes one random number per row, where torch's CPU draw
+    takes R x V exponentials: 7.7 ms for 8 x 49,152 on this project's CPU, against 0.4 ms."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    if not (bool(torch.isfinite(total).all()) and bool((total > 0).all()) and bool((probs >= 0).all())):
+        return None
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
+    index = torch.searchsorted(cdf, u, right=True)
+    past = index == probs.shape[-1]  # u x total rounded up to the total itself: the last index with a weight
+    if bool(past.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1, keepdim=True)
+        index = torch.where(past, last, index)
+    return index
+
+
+def _single_draw(input, num_samples, replacement=False, *, generator=None, out=None) -> torch.Tensor | None:  # noqa: A002
+    """`categorical` for a `torch.multinomial` call it answers (one sample of a 2-d float tensor on the CPU)."""
+    probs = input
+    plain = (
+        type(probs) is torch.Tensor and probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64)
+    )
+    if out is not None or num_samples != 1 or not plain or probs.dim() != 2 or probs.shape[-1] == 0:
+        return None
+    return categorical(probs, generator)
+
+
 class _FewRowLinear(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -213,6 +249,13 @@ class _FewRowLinear(TorchFunctionMode):
             bias = rest[0] if rest else kwargs.get("bias")
             if _applies(x, weight, bias):
                 return linear(x, weight, bias)
+        elif func is torch.multinomial or func is torch.Tensor.multinomial:
+            try:
+                draw = _single_draw(*args, **kwargs)
+            except TypeError:  # a call torch itself will answer, or reject with its own message
+                draw = None
+            if draw is not None:
+                return draw
         return func(*args, **kwargs)
 
 
@@ -228,7 +271,8 @@ def pays_for(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def few_row_linear() -> Iterator[None]:
     """Within it, in this thread, `F.linear` with at most `MAX_ROWS` rows runs the kernel where it applies (module
-    docstring); a no-op where the kernel cannot run. Callers open it where `pays_for` says so."""
+    docstring), and `torch.multinomial`'s single draws on the CPU are `categorical`'s; a no-op where the kernel
+    cannot run. Callers open it where `pays_for` says so."""
     if _kernel() is None:
         yield
         return
