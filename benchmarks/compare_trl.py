@@ -37,7 +37,10 @@ iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are repl
 `ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
 (grpo/cpu_memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
 still maps each of those afresh: `grpo.cpu_memory.MMAP_MAX = None`). `ours-mkl`: `cpu_decode_kernel=False`, the decoding
-steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/generation/cpu_linear.py).
+steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/generation/cpu_linear.py). `ours-head-draw`:
+the trainer before two changes of 2026-11-24 evening: the next tokens drawn by `torch.multinomial` inside the
+kernel's context (not `cpu_linear.categorical`), and the model's own head run on the last position of every log-prob
+pass (not on none, grpo/objective/logprobs.py).
 """
 
 from __future__ import annotations
@@ -255,7 +258,9 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         from grpo.generation import TransformersGeneration
         from grpo.objective import old_policy, shared_prompt
 
-        TransformersGeneration.share_prefill = kind in ("ours", "ours-noprompt", "ours-prepass")
+        # Only the two kinds that measure it turn the shared prefill off (before 2026-11-24 evening every kind but
+        # ours, ours-noprompt and ours-prepass did, so ours-nokeep, ours-mmap and ours-mkl ran without it too).
+        TransformersGeneration.share_prefill = kind not in ("ours-noprefill", "ours-base")
         if kind in ("ours-noprompt", "ours-base"):
             shared_prompt.can_share = lambda *args: False
         if kind in ("ours-prepass", "ours-base") and spec.get("iterations", 1) > 1:
@@ -263,6 +268,14 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
             old_policy.first_pass_micro_batches = lambda *args: 0
         if kind == "ours-mmap":
             cpu_memory.MMAP_MAX = None
+        if kind == "ours-head-draw":
+            import contextlib
+
+            from grpo.generation import cpu_linear
+            from grpo.objective import logprobs
+
+            cpu_linear._single_draw = lambda *args, **kwargs: None
+            logprobs._head_on_no_positions = lambda model: contextlib.nullcontext()
         args = GRPOConfig(
             **settings,
             max_prompt_length=None,
@@ -419,6 +432,7 @@ def plot(path: str, table: dict) -> None:
         "ours-nokeep": "grpo, freed memory handed back to the OS",
         "ours-mmap": "grpo, blocks above 32 MiB mapped afresh",
         "ours-mkl": "grpo, decoding products by MKL",
+        "ours-head-draw": "grpo, torch's draws, head on the last position",
         "ours": "grpo",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
@@ -451,7 +465,7 @@ def main():
     parser.add_argument(
         "--kinds",
         default="trl,ours",
-        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-mkl, ours-base",
+        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-mkl, ours-head-draw, ours-base",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")

@@ -188,7 +188,10 @@ class GRPOConfig(TrainingArguments):
             "(one new token per sequence) run grpo's own AVX-512 kernel, which reads each weight once for all rows, "
             "compiled once with the system's C compiler into ~/.cache/grpo. Only for float32 models with at least "
             "64 MiB of weight matrices and without autocast (bf16); results differ from torch's in the last bits. "
-            "False, or a machine without a C compiler or AVX-512, uses torch's (MKL) products."
+            "There the next tokens are also drawn with one uniform number per row (the inverse of the cumulative "
+            "distribution) instead of torch.multinomial's row x vocabulary exponentials: the same distribution, "
+            "another random stream. False, or a machine without a C compiler or AVX-512, uses torch's (MKL) "
+            "products and torch.multinomial."
         },
     )
     keep_freed_cpu_memory: bool = field(
