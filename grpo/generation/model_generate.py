@@ -5,8 +5,9 @@ sampler runs each distinct prompt through the model once (all of it but its last
 times along the batch, and lets `generate` continue from it: the last prompt token and every completion token are
 computed per row as before, so each row is the same draw from the same distribution, for a G-th of the prefill.
 
-On a CPU, with `cpu_decode_kernel`, the decoding steps' few-row matrix products run grpo's own kernel
-(cpu_linear.py) where it pays: float32 models with weights too large for the CPU's caches, no autocast.
+On a CPU, with `cpu_decode_kernel`, the decoding steps' few-row matrix products run grpo's own kernel and their
+draws take one uniform number per row (cpu_linear.py) where it pays: float32 models with weights too large for the
+CPU's caches, no autocast.
 """
 
 from __future__ import annotations
