@@ -74,8 +74,8 @@ class AsyncRounds:
         self.producer: RoundProducer | None = None
 
     def first_step(self, round_index: int) -> int:
-        """The optimizer step that first trains on round `round_index`."""
-        return round_index * self.per_round // self.trainer.args.gradient_accumulation_steps
+        """The optimizer step that first trains on round `round_index` (short steps at epoch ends included)."""
+        return self.trainer.step_schedule.optimizer_step(round_index * self.per_round)
 
     def produce(self, round_index: int) -> dict[str, Any]:
         """Round `round_index`, generated and scored on this process's rows (in the producer thread)."""

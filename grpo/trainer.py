@@ -33,7 +33,14 @@ from grpo.checkpoints import (
 from grpo.config import GRPOConfig
 from grpo.cpu_memory import keep_freed_memory
 from grpo.data import check_prompt_dataset, offline
-from grpo.data.sampler import RepeatSampler, eval_sampler, train_batch_size, train_sampler
+from grpo.data.sampler import (
+    RepeatSampler,
+    StepSchedule,
+    eval_sampler,
+    step_schedule,
+    train_batch_size,
+    train_sampler,
+)
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.weights import zero3_gathered_for_generation
@@ -209,14 +216,20 @@ class GRPOTrainer(ResumableTrainer):
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
         return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
 
+    @property
+    def step_schedule(self) -> StepSchedule:
+        """Where Trainer's optimizer steps fall among this run's micro-steps, epoch by epoch (short last steps
+        included): what pi_old's accounting and the async producer's forecast follow."""
+        return step_schedule(self.args, len(self.train_dataset))
+
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not self.model.training:  # evaluation: every batch is generated and scored afresh
             return self._micro_batches(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
-        args = self.args
-        if not self._buffer:  # first call, also after resuming from a checkpoint
-            self._step = self.state.global_step * args.gradient_accumulation_steps
+        args, schedule = self.args, self.step_schedule
+        if not self._buffer:  # first call; after a resume only when the checkpoint held no buffer (another trainer's)
+            self._step = schedule.first_micro_step(self.state.global_step)
         if self._async is not None:  # the sampler gets the weights of every optimizer step, not only at a round
             self.generation.sync_weights(unwrap_parallel(self.model), version=self.state.global_step)
         if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
@@ -226,7 +239,8 @@ class GRPOTrainer(ResumableTrainer):
             # Step 6: a pass for pi_old now, only for the micro-batches no training pass can give it to.
             with torch.no_grad():
                 logprobs = lambda micro_batch: self._logprobs(self.model, micro_batch)[0]  # noqa: E731
-                old_policy.plan(self._buffer, self._step, args, self.state.global_step, logprobs)
+                steps_left = schedule.steps_left(self._step)
+                old_policy.plan(self._buffer, self._step, steps_left, args, self.state.global_step, logprobs)
         micro_batch = self._buffer[self._step % args.steps_per_generation]
         self._step += 1
         return micro_batch

@@ -1,13 +1,13 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
     python tests/resume_run.py SETTINGS_JSON OUTPUT_DIR [--kill-after-micro-step K | --kill-in-save STEP] [--resume]
-                               [--lora]
+                               [--lora] [--prompts N]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
 micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
 being written: every file is written, the rename that publishes it has not happened. `--lora` trains a LoRA adapter
-(rank 4 on every linear layer) instead of every weight.
+(rank 4 on every linear layer) instead of every weight. `--prompts N` trains on N prompts (default 24).
 """
 
 import argparse
@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--prompts", type=int, default=24)
     cli = parser.parse_args()
 
     if cli.kill_in_save is not None:
@@ -76,7 +77,7 @@ def main():
         grpo.checkpoints.publish = publish_or_die
 
     tokenizer = tiny_tokenizer()
-    dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(24)]})
+    dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})
     args = GRPOConfig(
         output_dir=cli.output_dir,
         report_to="none",

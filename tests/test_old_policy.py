@@ -3,8 +3,10 @@ that taking the others' from their first training pass changes no update."""
 
 import pytest
 import torch
+from datasets import Dataset
 
-from grpo import GRPOConfig
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.data.sampler import StepSchedule
 from grpo.objective import old_policy
 from grpo.objective.old_policy import RECORD_AT_STEP, first_pass_micro_batches, plan, take
 from tests.scripted import sgd_step_update
@@ -23,7 +25,19 @@ from tests.scripted import sgd_step_update
     ],
 )
 def test_first_pass_micro_batches(step, steps_per_generation, accumulation, expected):
-    assert first_pass_micro_batches(step, steps_per_generation, accumulation) == expected
+    schedule = StepSchedule(micro_steps_per_epoch=1200, accumulation=accumulation)  # no epoch end near `step`
+    assert first_pass_micro_batches(steps_per_generation, schedule.steps_left(step)) == expected
+
+
+def test_step_schedule_follows_short_steps_at_epoch_ends():
+    # 8 micro-steps per epoch, 3 per optimizer step:  0 1 2 | 3 4 5 | 6 7 || 8 9 10 | 11 12 13 | 14 15 || 16 ...
+    schedule = StepSchedule(micro_steps_per_epoch=8, accumulation=3)
+    assert schedule.steps_per_epoch == 3
+    assert [schedule.steps_left(s) for s in range(17)] == [3, 2, 1, 3, 2, 1, 2, 1, 3, 2, 1, 3, 2, 1, 2, 1, 3]
+    assert [schedule.optimizer_step(s) for s in range(17)] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 6]
+    assert [schedule.first_micro_step(k) for k in range(7)] == [0, 3, 6, 8, 11, 14, 16]
+    # The issue's case: a round of 2 micro-batches made at micro-step 10 has one before the update, not two.
+    assert first_pass_micro_batches(2, schedule.steps_left(10)) == 1
 
 
 def _args(**kwargs):
@@ -41,7 +55,7 @@ def test_plan_passes_only_the_micro_batches_after_an_update_in_training_order():
         passed.append(int(micro_batch["id"]))
         return torch.full((1,), float(micro_batch["id"]))
 
-    plan(batches, 6, _args(), global_step=3, logprobs=logprobs)
+    plan(batches, 6, 2, _args(), global_step=3, logprobs=logprobs)
     assert passed == [0, 1]
     assert [RECORD_AT_STEP in b for b in batches] == [False, False, True, True]
     assert batches[2][RECORD_AT_STEP] == 3 and batches[0]["old_logps"].item() == 0.0
@@ -50,7 +64,7 @@ def test_plan_passes_only_the_micro_batches_after_an_update_in_training_order():
 def test_plan_marks_nothing_without_replays_and_keeps_given_old_logps():
     given = torch.tensor([-1.0])
     batches = [{"old_logps": given}, {}, {}, {}]
-    plan(batches, 0, _args(num_iterations=1), global_step=0, logprobs=lambda mb: torch.zeros(1))
+    plan(batches, 0, 2, _args(num_iterations=1), global_step=0, logprobs=lambda mb: torch.zeros(1))
     assert batches[0]["old_logps"] is given  # offline: the stored behaviour policy's, kept
     assert batches[1] == {}  # on-policy and trained once: nothing to record
     assert all("old_logps" in b for b in batches[2:])
@@ -72,12 +86,12 @@ def _counted_passes(monkeypatch) -> list[int]:
     """Record, per pi_old pass the trainer runs, the micro-step of its round."""
     passes, real = [], old_policy.plan
 
-    def counted(micro_batches, step, args, global_step, logprobs):
+    def counted(micro_batches, step, steps_left, args, global_step, logprobs):
         def counting(micro_batch):
             passes.append(step)
             return logprobs(micro_batch)
 
-        return real(micro_batches, step, args, global_step, counting)
+        return real(micro_batches, step, steps_left, args, global_step, counting)
 
     monkeypatch.setattr(old_policy, "plan", counted)
     return passes
@@ -132,3 +146,63 @@ def test_the_comparison_fails_when_replays_forget_pi_old(tmp_path, monkeypatch):
     monkeypatch.setattr(old_policy, "take", lambda inputs, logps, global_step: None)
     wrong, _ = sgd_step_update(tmp_path / "wrong", **settings)
     assert max((right[n] - wrong[n]).abs().max().item() for n in right) > 1e-4
+
+
+# (gradient_accumulation_steps, steps_per_generation, num_iterations) on 8 prompts, G = 4 and 4 rows per micro-step
+# (a round holds steps_per_generation prompts): every epoch's micro-steps leave a remainder modulo the accumulation,
+# so each epoch ends with a short optimizer step and the next starts a new one.
+EPOCH_LAYOUTS = [
+    (3, 2, 1),  # 8 micro-steps an epoch: steps of 3, 3, 2 (a round at micro-step 10 straddles an update)
+    (3, 2, 2),  # 16: 3, 3, 3, 3, 3, 1
+    (3, 1, 2),  # 16, a round of one micro-batch, replayed
+    (5, 2, 2),  # 16: 5, 5, 5, 1
+    (4, 3, 1),  # 2 rounds of 3 prompts, 6: 4, 2
+    (4, 4, 2),  # 2 rounds of 4 prompts replayed, 16: 4, 4, 4, 4 (no remainder: the control)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation, steps_per_generation, iterations", EPOCH_LAYOUTS)
+def test_pi_old_over_epochs_ending_with_a_short_step(
+    tmp_path, monkeypatch, accumulation, steps_per_generation, iterations
+):
+    """Three epochs; pi_old from first training passes gives the update of a run where every micro-batch gets pi_old
+    from a no-grad pass made before any update (right by construction), and every micro-step's optimizer step is
+    the one `StepSchedule` says."""
+    settings = dict(
+        dataset=Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(8)]}),
+        loss_type="grpo",
+        beta=0.04,
+        num_iterations=iterations,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps_per_generation,
+        max_steps=-1,
+        num_train_epochs=3,
+        learning_rate=0.05,  # steps large enough that pi_old differs visibly one step later, over 10-18 steps
+        epsilon=0.02,
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(old_policy, "first_pass_micro_batches", lambda *args: 0)  # a pass for every micro-batch
+        every, _ = sgd_step_update(tmp_path / "every", **settings)
+    seen = []  # (global_step, micro-steps in this optimizer step) of every training pass, in order
+    real_loss = GRPOTrainer.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        seen.append((self.state.global_step, self.current_gradient_accumulation_steps))
+        return real_loss(self, model, inputs, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GRPOTrainer, "compute_loss", compute_loss)
+        update, trainer = sgd_step_update(tmp_path / "first", **settings)
+    schedule = trainer.step_schedule
+    assert schedule.micro_steps_per_epoch == len(trainer.get_train_dataloader())
+    assert len(seen) == 3 * schedule.micro_steps_per_epoch
+    for step, (global_step, in_this_step) in enumerate(seen):
+        assert schedule.optimizer_step(step) == global_step, step
+        # steps_left counts down to 1 within each optimizer step, from the step's real (maybe short) length.
+        first = schedule.first_micro_step(global_step)
+        assert schedule.steps_left(first) == in_this_step, step
+    clipped = [h["clip_ratio/region_mean"] for h in trainer.state.log_history if "clip_ratio/region_mean" in h]
+    assert max(clipped) > 0  # pi_old really differs from the policy in some micro-step
+    for name in update:
+        torch.testing.assert_close(update[name], every[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -58,6 +58,22 @@ SCENARIOS = {
         ),
         kill=["--kill-after-micro-step", "2"],
     ),
+    # Epochs of 8 micro-steps (4 prompts, rounds of 2 replayed once) in optimizer steps of 3: each epoch ends with a
+    # short step of 2. Killed in the first micro-step after it, so the resume starts a new epoch from checkpoint-3
+    # and pi_old's accounting must follow the short step (a replayed round's first pass is recorded).
+    "short_step": dict(
+        settings=dict(
+            per_device_train_batch_size=4,
+            loss_type="grpo",  # dapo needs rounds of whole optimizer steps
+            gradient_accumulation_steps=3,
+            steps_per_generation=2,
+            num_iterations=2,
+            beta=0.04,
+            max_steps=6,
+        ),
+        kill=["--kill-after-micro-step", "9"],
+        flags=["--prompts", "4"],
+    ),
     # A LoRA adapter (only it is in the checkpoint, adapter_model.safetensors) with the KL term, whose reference is
     # the adapter disabled; killed in the middle of a round, after checkpoint 1.
     "lora": dict(
@@ -110,6 +126,8 @@ def test_killed_run_resumes_exactly(tmp_path, name):
         # The checkpoint being written when the process died is not visible as one; the previous one is taken.
         assert resume_step == 2 and (out / "tmp-checkpoint-3" / "checkpoint-3").is_dir()
         assert not (out / "checkpoint-3").exists()
+    if name == "short_step":  # the newest checkpoint is the one written after the epoch's short step
+        assert resume_step == 3
     if name == "lora":  # the checkpoint holds the adapter, not the whole model
         assert (Path(resume_point) / "adapter_model.safetensors").is_file()
         assert not (Path(resume_point) / "model.safetensors").exists()

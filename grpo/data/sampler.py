@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Sampler
@@ -112,6 +113,51 @@ def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
         prompts_per_round=rows // args.num_generations,
         shuffle=False,
     )
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """Where `transformers.Trainer` puts its optimizer steps among a run's micro-steps (counted over the whole run).
+
+    Trainer cuts each epoch (the loader's `micro_steps_per_epoch` batches) into optimizer steps of `accumulation`
+    micro-steps; when the epoch is not a multiple, its last step is short, and the next epoch starts a new step:
+
+        8 micro-steps per epoch, accumulation 3:   0 1 2 | 3 4 5 | 6 7 || 8 9 10 | 11 12 13 | 14 15 || ...
+
+    Every epoch has the same length and starts a new generation round (the sampler's rounds do not cross epochs),
+    so a micro-step's place in its round and in its optimizer step both follow from its run-wide index.
+    """
+
+    micro_steps_per_epoch: int
+    accumulation: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.micro_steps_per_epoch // self.accumulation)
+
+    def steps_left(self, micro_step: int) -> int:
+        """Micro-steps from `micro_step` (included) to the end of its optimizer step."""
+        within = micro_step % self.micro_steps_per_epoch
+        return min(self.accumulation - within % self.accumulation, self.micro_steps_per_epoch - within)
+
+    def optimizer_step(self, micro_step: int) -> int:
+        """The optimizer steps completed when `micro_step` is trained (Trainer's `global_step` then)."""
+        epoch, within = divmod(micro_step, self.micro_steps_per_epoch)
+        return epoch * self.steps_per_epoch + within // self.accumulation
+
+    def first_micro_step(self, optimizer_step: int) -> int:
+        """The first micro-step trained after `optimizer_step` optimizer steps: where a resumed run continues."""
+        epoch, within = divmod(optimizer_step, self.steps_per_epoch)
+        return epoch * self.micro_steps_per_epoch + within * self.accumulation
+
+
+def step_schedule(args, num_samples: int) -> StepSchedule:
+    """The `StepSchedule` of training a `GRPOConfig` on `num_samples` prompts (or stored groups): one epoch is its
+    whole rounds, each feeding `steps_per_generation x num_iterations` micro-steps, which is `len(dataloader)` on
+    every process."""
+    rounds = num_samples // (args.generation_batch_size // args.num_generations)
+    per_round = args.steps_per_generation * args.num_iterations
+    return StepSchedule(rounds * per_round, args.gradient_accumulation_steps)
 
 
 def round_indices(args, num_samples: int, round_index: int, process_index: int, num_processes: int) -> list[int]:

@@ -8,9 +8,13 @@ micro-batches first trained after an optimizer step of their round need pi_old's
 pass made before any update; a micro-batch that is replayed (`num_iterations > 1`) keeps the log-probs of its first
 pass for its replays.
 
-    round made at micro-step s, A micro-steps per optimizer step, S micro-batches per round:
-      the first min(S, A - s mod A) micro-batches: pi_old from their first training pass (recorded if replayed)
+    a round of S micro-batches made at a micro-step with L micro-steps left in its optimizer step:
+      the first min(S, L) micro-batches: pi_old from their first training pass (recorded if replayed)
       the rest: a no-grad pass over them before any update
+
+L is not simply `A - s mod A` (A micro-steps per optimizer step): Trainer ends an epoch whose micro-steps are not a
+multiple of A with a short optimizer step and starts the next epoch with a new one, so the trainer reads L from the
+run's `StepSchedule` (grpo/data/sampler.py), which follows the steps Trainer takes over every epoch.
 
 So a replayed round that fits in one optimizer step (`steps_per_generation` dividing
 `gradient_accumulation_steps`, the usual `num_iterations > 1` setting) and an async round trained in one step cost
@@ -30,23 +34,29 @@ import torch
 RECORD_AT_STEP = "record_old_logps_at_step"
 
 
-def first_pass_micro_batches(step: int, steps_per_generation: int, accumulation: int) -> int:
-    """How many micro-batches of a round made at micro-step `step` (counted over the run, `accumulation` of them
-    per optimizer step) are first trained before the next optimizer step, i.e. with the weights of pi_old."""
-    return min(steps_per_generation, accumulation - step % accumulation)
+def first_pass_micro_batches(steps_per_generation: int, steps_left: int) -> int:
+    """How many micro-batches of a round are first trained before the next optimizer step, i.e. with the weights of
+    pi_old, when the round starts with `steps_left` micro-steps left in its optimizer step (`StepSchedule.steps_left`)."""
+    return min(steps_per_generation, steps_left)
 
 
 def plan(
-    micro_batches: list[dict], step: int, args, global_step: int, logprobs: Callable[[dict], torch.Tensor]
+    micro_batches: list[dict],
+    step: int,
+    steps_left: int,
+    args,
+    global_step: int,
+    logprobs: Callable[[dict], torch.Tensor],
 ) -> None:
     """Give each micro-batch of a round made at micro-step `step` its pi_old, in place. They are trained in the order
     `step % steps_per_generation`, ..., wrapping around (the buffer's index is the micro-step's); the first
-    `first_pass_micro_batches` of that order take pi_old from their training pass (marked `RECORD_AT_STEP` when
-    the round is replayed, left alone otherwise); the others get `old_logps` from `logprobs(micro_batch)`, a no-grad
-    pass run now, before any update. A micro-batch that already holds `old_logps` (offline data: the stored
-    behaviour policy's) is left as it is. `args`: the run's GRPOConfig."""
+    `first_pass_micro_batches` of that order (`steps_left`: micro-steps left in the optimizer step of `step`) take
+    pi_old from their training pass (marked `RECORD_AT_STEP` when the round is replayed, left alone otherwise); the
+    others get `old_logps` from `logprobs(micro_batch)`, a no-grad pass run now, before any update. A micro-batch that
+    already holds `old_logps` (offline data: the stored behaviour policy's) is left as it is. `args`: the run's
+    GRPOConfig."""
     start = step % args.steps_per_generation
-    first = first_pass_micro_batches(step, args.steps_per_generation, args.gradient_accumulation_steps)
+    first = first_pass_micro_batches(args.steps_per_generation, steps_left)
     for i, micro_batch in enumerate(micro_batches[start:] + micro_batches[:start]):
         if "old_logps" in micro_batch:
             continue
