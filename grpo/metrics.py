@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 
 import torch
 
@@ -99,6 +100,31 @@ def add_round_metrics(
     window.add_mean("reward", valid.sum(), valid.numel())
     for key, value in group_reward_stats(rewards, num_generations).items():
         window.add_mean(key, value, 1)
+    # Unscored rows (NaN: None, a failed call, or +-inf under nonfinite="skip") get nothing from that function.
+    missing = torch.isnan(torch.cat([reward_columns, rewards.unsqueeze(1)], dim=1)).float().mean(dim=0).tolist()
+    unscored, none = dict(zip(names, missing[:-1])), missing[-1]  # by function; by every function
+    for name, fraction in unscored.items():
+        window.add_mean(f"rewards/{name}/unscored_ratio", fraction, 1)
+    window.add_mean("frac_reward_unscored", none, 1)
+    warn_mostly_unscored(unscored, none, rewards.numel())
+
+
+def warn_mostly_unscored(unscored: dict[str, float], none: float, rows: int) -> None:
+    """A `UserWarning` for a generation round of `rows` rows in which most rewards are missing: more than half of
+    the rows unscored by some function (`unscored`: each function's fraction of unscored rows), or by every function
+    (`none`; then by each, too). NaN rewards are not an error (they mark rows a function does not apply to), but a
+    round where most are NaN usually means a broken function, and a row no function scores gets advantage 0."""
+    mostly = [f"by reward function '{name}' {fraction:.0%}" for name, fraction in unscored.items() if fraction > 0.5]
+    if not mostly and none <= 0.5:
+        return
+    warnings.warn(
+        f"Most rewards of a generation round of {rows} rows are missing. Rows unscored: "
+        f"{'; '.join(mostly + [f'by every function {none:.0%}'])} (the function returned None, failed, or gave an "
+        "infinite reward under nonfinite='skip'). A row no function scores gets advantage 0 and trains nothing: "
+        "check that these functions apply to the data (logged as rewards/<name>/unscored_ratio and "
+        "frac_reward_unscored).",
+        stacklevel=3,
+    )
 
 
 def sampling_summary(stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,14 @@ def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None)
 def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_config=None, dropout: bool = True):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
     with `model_init_kwargs`) or a loaded model; the tokenizer loaded from the model's path when not given (its pad
-    token defaults to EOS); wrapped with `peft_config` when given; dropout off unless `dropout`."""
+    token defaults to EOS); wrapped with `peft_config` when given; dropout off unless `dropout`. The arguments are
+    checked before any weight loads."""
+    if model_init_kwargs is not None and not isinstance(model, str):
+        raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
+    if peft_config is not None:
+        check_peft_config(model, peft_config)  # as apply_peft does, but before the weights load
     if isinstance(model, str):
         model = load_causal_lm(model, model_init_kwargs)
-    elif model_init_kwargs is not None:
-        raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
     if tokenizer is None:
         path = model.config._name_or_path
         if not path:
@@ -144,15 +147,16 @@ def is_peft_model(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None and hasattr(model, "disable_adapter")
 
 
-def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
-    """`peft.get_peft_model(model, peft_config)`: only the adapter's weights train."""
+def check_peft_config(model: PreTrainedModel | str, peft_config) -> None:
+    """Refuse a `peft_config` that `apply_peft` cannot use on `model` (loaded, or a path: never a PEFT model); needs
+    no weights."""
     if is_peft_model(model):
         raise InputError(
             "`model` is already a PeftModel and `peft_config` was given too. Pass the PeftModel alone (its adapters "
             "train), or the base model with `peft_config`."
         )
     try:
-        from peft import PeftConfig, get_peft_model
+        from peft import PeftConfig
     except ImportError as e:
         raise ImportError(
             "peft_config needs the `peft` package: pip install 'grpo[peft]' (or pip install peft)."
@@ -162,6 +166,13 @@ def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
             f"peft_config must be a peft.PeftConfig such as peft.LoraConfig(r=16, lora_alpha=32, "
             f"target_modules='all-linear'), got {type(peft_config).__name__}."
         )
+
+
+def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
+    """`peft.get_peft_model(model, peft_config)`: only the adapter's weights train."""
+    check_peft_config(model, peft_config)
+    from peft import get_peft_model
+
     return get_peft_model(model, peft_config)
 
 

@@ -33,20 +33,13 @@ from grpo.checkpoints import (
 from grpo.config import GRPOConfig
 from grpo.cpu_memory import keep_freed_memory
 from grpo.data import check_prompt_dataset, offline
-from grpo.data.sampler import (
-    RepeatSampler,
-    StepSchedule,
-    eval_sampler,
-    step_schedule,
-    train_batch_size,
-    train_sampler,
-)
+from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
 from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.weights import zero3_gathered_for_generation
 from grpo.metrics import MetricsWindow
-from grpo.models import load_policy, prepare_frozen, unwrap_parallel
-from grpo.nonfinite import GradientGuard, NonFiniteError, finite_rewards, reward_overflow_message
+from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
+from grpo.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 from grpo.objective import old_policy
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
@@ -56,7 +49,7 @@ from grpo.objective.loss import (
     policy_loss,
     window_token_totals,
 )
-from grpo.objective.reference import ReferenceUpdate, make_reference
+from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves
 from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings
 from grpo.rollout import Rollout, gather_rows
@@ -127,16 +120,20 @@ class GRPOTrainer(ResumableTrainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
 
-        # Stored, scored completions to train on (grpo/data/offline.py) as a data set of groups; None: prompts.
+        # Checks needing no weights come first. self._offline: stored, scored completions as groups (data/offline.py).
         self._offline = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
         train_dataset = self._offline if self._offline is not None else train_dataset
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_prompt_dataset(dataset, name)
+        if hasattr(train_dataset, "__len__"):  # too few prompts (or groups) for one round: here, not at train()
+            train_sampler(args, len(train_dataset), groups=self._offline is not None)
+        reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
+        # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self._offline, reward_funcs, reward_processing_classes, args)
+        self.rewards = RewardSet(*rewards)
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
         )
-        # Reward functions (reward models loaded from paths, names, weights), split into outcome and process ones.
-        self.rewards = RewardSet(*rewards)
-
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
@@ -150,10 +147,6 @@ class GRPOTrainer(ResumableTrainer):
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self._refill = RefillPrompts(args)  # extra prompts for dynamic sampling
         self._staging_run_dir: str | None = None  # set while a checkpoint is written (see _save_checkpoint)
-
-        # Reserved column names and bad prompts stop here, not when a bad row is drawn hours into the run.
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_prompt_dataset(dataset, name)
 
         super().__init__(
             model=model,
@@ -218,8 +211,7 @@ class GRPOTrainer(ResumableTrainer):
 
     @property
     def step_schedule(self) -> StepSchedule:
-        """Where Trainer's optimizer steps fall among this run's micro-steps, epoch by epoch (short last steps
-        included): what pi_old's accounting and the async producer's forecast follow."""
+        """Where Trainer's optimizer steps fall among the run's micro-steps (short epoch-end steps included)."""
         return step_schedule(self.args, len(self.train_dataset))
 
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
@@ -315,11 +307,10 @@ class GRPOTrainer(ResumableTrainer):
             metrics.add_reward_call_metrics(
                 self._metrics[mode], errors, slowest, self.rewards.names, count_errors=skip
             )
-        num_outcome = len(self.rewards.outcome_funcs)
         rewards = self._finite_rewards(scores.rewards.to(device), self.rewards.names, rollout.num_rows)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
         steps = self.accelerator.pad_across_processes(scores.step_rewards.to(device), dim=2, pad_index=torch.nan)
-        steps = self._finite_rewards(steps, self.rewards.names[num_outcome:], rollout.num_rows)
+        steps = self._finite_rewards(steps, self.rewards.names[len(self.rewards.outcome_funcs) :], rollout.num_rows)
         return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
 
     def _finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int) -> torch.Tensor:
@@ -334,9 +325,7 @@ class GRPOTrainer(ResumableTrainer):
         """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
         groups = rollout.groups(self.args.num_generations)  # G, or each group's size (offline)
-        problem = reward_overflow_message(rewards, groups, self.state.global_step)
-        if problem is not None:
-            raise NonFiniteError(problem)
+        check_reward_spread(rewards, groups, self.state.global_step)
         weights, scale = self.rewards.process_weights.to(rewards.device), self.args.scale_rewards
         return mixed_advantages(
             rewards, rollout.step_rewards, weights, groups, scale, baseline=self.args.offline_baseline
@@ -424,8 +413,9 @@ class GRPOTrainer(ResumableTrainer):
                 # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
                 # (dapo's normaliser spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
                 loss = loss / self.current_gradient_accumulation_steps
-            masked_logps = torch.where(inputs["loss_mask"].bool(), logps.detach(), 0.0)
-            self.gradient_guard.record({"loss": loss.detach(), "logps": masked_logps, **stats})
+            # Checked at the optimizer step, with what names the row of a non-finite term (grpo/nonfinite.py).
+            terms = {"loss": loss.detach(), **stats}
+            self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))
         # Token-weighted metrics, summed over processes.
         totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
         metrics.add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
@@ -502,7 +492,7 @@ class GRPOTrainer(ResumableTrainer):
         logged = self._metrics[mode].pop()
         if mode == "eval":
             logged = {f"eval_{k}": v for k, v in logged.items()}
-        logs.update(logged)  # in place: `evaluate()` returns this dict to the caller
+        logs.update(logged)  # in place: `evaluate()` returns it; a skipped step's inf loss replaces Trainer's stand-in
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             path, step = os.path.join(self.args.output_dir, "completions.jsonl"), self.state.global_step

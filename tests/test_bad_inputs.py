@@ -17,7 +17,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main
 from grpo.config import FIELD_RANGES
 from grpo.data import RESERVED_COLUMNS, InputError, check_prompt_dataset
-from grpo.rewards.scoring import load_reward_funcs, score_completions
+from grpo.rewards.scoring import RewardSet, check_reward_funcs, load_reward_funcs, score_completions
 from grpo.testing import save_tiny_model, tiny_config, tiny_model
 
 NAN, INF = math.nan, math.inf
@@ -303,6 +303,169 @@ def test_model_path_that_does_not_exist(tmp_path):
     with pytest.raises(FileNotFoundError) as raised:
         GRPOTrainer(str(tmp_path / "no-model"), lambda completions, **kw: [0.0], args=config())
     check(raised, r"Model path '.*no-model' does not exist", "Fix the path, or give a hub id")
+
+
+# ---- Every check that needs no weights runs before any weight loads ----
+
+
+def positional_only(prompts, completions, /):
+    return [0.0] * len(completions)
+
+
+def star_args(*args):
+    return [0.0]
+
+
+SIGNATURES = r"Supported signatures: def \w+\(prompts, completions, \*\*kwargs\).* or async def the same; the keywords"
+
+BEFORE_LOADING_CASES = {
+    "misspelt-reward": (dict(reward_funcs="acuracy"), InputError, r"Unknown reward 'acuracy'", "Did you mean"),
+    # A reward model named by path is not loaded before a misspelt name after it is refused.
+    "misspelt-after-a-reward-model": (
+        dict(reward_funcs=["{tmp_path}", "acuracy"]),
+        InputError,
+        r"Unknown reward 'acuracy'",
+        "Did you mean",
+    ),
+    "reward-weights-count": (
+        dict(reward_weights=[1.0, 2.0]),
+        ValueError,
+        r"reward_weights has 2 entries but there are 1 reward functions \(\['<lambda>'\]\)",
+        "one weight per function",
+    ),
+    "no-prompt-column": (
+        dict(train_dataset={"question": ["q"] * 4}),
+        InputError,
+        r"train_dataset needs a 'prompt' column",
+        r"rename_column\('question', 'prompt'\)",
+    ),
+    "bad-eval-prompt": (dict(eval_dataset={"prompt": ["q", ""]}), InputError, r"eval_dataset row 1", GOOD),
+    "positional-only-reward": (
+        dict(reward_funcs=positional_only),
+        InputError,
+        r"Reward function 'positional_only\(prompts, completions, /\)' cannot receive its arguments: .* so its "
+        r"positional-only parameter\(s\) \['prompts', 'completions'\] would never be given",
+        SIGNATURES,
+    ),
+    "star-args-reward": (
+        dict(reward_funcs=star_args),
+        InputError,
+        r"Reward function 'star_args\(\*args\)' cannot receive its arguments: .* and it takes none",
+        SIGNATURES,
+    ),
+    "too-few-prompts": (
+        dict(train_dataset={"prompt": ["q"]}),
+        ValueError,
+        r"The dataset has 1 prompts but one generation round needs 2",
+        "Use more prompts",
+    ),
+    "peft-with-moving-reference": (
+        dict(peft_config=object(), beta=0.04, sync_ref_model=True),
+        ValueError,
+        r"move the reference, but with a PEFT model",
+        r"merge_and_unload",
+    ),
+    "peft-config-type": (
+        dict(peft_config={"r": 8}),
+        InputError,
+        r"peft_config must be a peft.PeftConfig",
+        "LoraConfig",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_LOADING_CASES))
+def test_inputs_are_checked_before_any_weight_loads(tmp_path, monkeypatch, case):
+    """The spies stand for every weight load: the policy's (`load_causal_lm`, which `load_policy` calls for a path),
+    the reference's (`make_reference`) and the reward models' (`load_reward_model`). None may run before the error."""
+    import grpo.models
+    import grpo.rewards.scoring
+    import grpo.trainer
+
+    kwargs, error, problem, fix = BEFORE_LOADING_CASES[case]
+    loaded = []
+
+    def spy(name):
+        def loads(*args, **kwargs):
+            loaded.append(name)
+            raise AssertionError(f"{name} ran before the {case} error")
+
+        return loads
+
+    monkeypatch.setattr(grpo.models, "load_causal_lm", spy("load_causal_lm"))
+    monkeypatch.setattr(grpo.trainer, "make_reference", spy("make_reference"))
+    monkeypatch.setattr(grpo.rewards.scoring, "load_reward_model", spy("load_reward_model"))
+    kwargs = dict(kwargs)
+    settings = {k: kwargs.pop(k) for k in ("reward_weights", "beta", "sync_ref_model") if k in kwargs}
+    # 2 prompts per round (4 rows per round, G = 2): one prompt is too few.
+    args = config(num_generations=2, per_device_train_batch_size=4, **settings)
+    if isinstance(kwargs.get("reward_funcs"), list):
+        kwargs["reward_funcs"] = [f.format(tmp_path=tmp_path) for f in kwargs["reward_funcs"]]
+    for which in ("train_dataset", "eval_dataset"):
+        if which in kwargs:
+            kwargs[which] = Dataset.from_dict(kwargs[which])
+    kwargs.setdefault("reward_funcs", lambda completions, **kw: [0.0] * len(completions))
+    kwargs.setdefault("train_dataset", Dataset.from_dict({"prompt": ["q1", "q2"]}))
+    with pytest.raises(error) as raised:
+        GRPOTrainer("never-loaded", args=args, **kwargs)
+    check(raised, problem, fix)
+    assert loaded == [] and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "func, problem",
+    [
+        (positional_only, r"'positional_only\(prompts, completions, /\)' cannot .* positional-only parameter"),
+        (star_args, r"'star_args\(\*args\)' cannot receive its arguments: .* it takes none"),
+    ],
+    ids=["positional-only", "star-args"],
+)
+def test_reward_signature_that_cannot_receive_its_arguments(func, problem):
+    # Refused when the set is built, not at the first reward call hours later.
+    with pytest.raises(InputError) as raised:
+        RewardSet([func])
+    check(raised, problem, SIGNATURES + r" are prompts, completions, completion_ids, trainer_state and every other")
+
+
+def test_reward_signatures_that_receive_their_arguments():
+    async def judged(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    class Callable:
+        def __call__(self, completions, *, answer):
+            return [0.0] * len(completions)
+
+    accepted = [
+        judged,
+        Callable(),
+        lambda *args, **kwargs: [0.0],
+        lambda completions, *args: [0.0],
+        lambda scale=1.0, /, **kwargs: [0.0],  # a positional-only parameter with a default is left alone
+        print,  # a signature that cannot be read is not checked
+    ]
+    funcs, _ = check_reward_funcs(accepted)
+    assert funcs == accepted
+
+
+def test_a_completion_column_says_it_switched_to_stored_completions(tmp_path, caplog):
+    """A prompt data set with a reference `completion` column is read as stored completions; the log says so, and
+    the error about them (one completion per prompt) starts with why it was read that way."""
+    data = Dataset.from_dict({"prompt": ["q1", "q2"], "completion": ["a1", "a2"]})
+    switched = (
+        r"^train_dataset was read as stored, scored completions to train on without generation \(offline training, "
+        r"docs/offline.md\) because it has a 'completion' column"
+    )
+    with caplog.at_level("INFO", logger="grpo.data.offline"), pytest.raises(InputError) as raised:
+        GRPOTrainer(
+            "never-loaded", lambda completions, **kw: [0.0] * len(completions), args=config(), train_dataset=data
+        )
+    check(raised, switched + r"; if it holds prompts to generate from, rename that column", "offline_baseline")
+    check(
+        raised,
+        r"2 prompt\(s\) have a single scored completion",
+        r"rename_column\('completion', 'reference_completion'\)",
+    )
+    assert [r.levelname for r in caplog.records if re.search(switched, r.getMessage())] == ["INFO"]
 
 
 # ---- Recipes through `grpo train`: exit status 2 and one line on stderr ----

@@ -1,10 +1,12 @@
-"""Faults that must not lose a run or poison its weights: non-finite rewards and gradients (`nonfinite`), a disk
-that fills while a checkpoint is written, resuming from a wrong or half-written checkpoint, and a new run started
-over an earlier one. Exact resume after SIGKILL is in tests/test_resume.py."""
+"""Faults that must not lose a run or poison its weights: non-finite rewards, loss terms and gradients
+(`nonfinite`), rounds whose rewards are mostly missing, a disk that fills while a checkpoint is written, resuming
+from a wrong or half-written checkpoint, and a new run started over an earlier one. Exact resume after SIGKILL is in
+tests/test_resume.py."""
 
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -13,7 +15,19 @@ from transformers import TrainerCallback
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.data import InputError
-from grpo.nonfinite import NonFiniteError, gradients_finite, infinite_rewards, reward_overflow_message
+from grpo.metrics import MetricsWindow, add_round_metrics
+from grpo.nonfinite import (
+    GradientGuard,
+    LossRecord,
+    NonFiniteError,
+    gradients_finite,
+    infinite_rewards,
+    nonfinite_findings,
+    nonfinite_message,
+    reward_overflow_message,
+    terms_finite,
+)
+from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
 from tests.scripted import TINY, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
@@ -99,6 +113,38 @@ def test_reward_checks_by_hand():
     assert "spread overflows" in reward_overflow_message(torch.tensor([0.0, 3e19, 1.0, 2.0]), 2, step=4)
 
 
+def test_a_round_with_mostly_missing_rewards_is_reported_by_name():
+    """NaN marks an unscored row, not an error; but a round in which most rows are unscored by a function (or by
+    every one) warns with the function's name and the fraction, and the fractions are logged every round."""
+    lengths, truncated = torch.tensor([2, 4, 6, 8]), torch.zeros(4)
+    columns = torch.tensor([[1.0, math.nan], [0.0, math.nan], [math.nan, math.nan], [math.nan, 2.0]])
+    rewards = torch.tensor([1.0, 0.0, math.nan, 2.0])
+    window = MetricsWindow()
+    with pytest.warns(
+        UserWarning,
+        match=r"round of 4 rows are missing\. Rows unscored: by reward function 'fmt' 75%; by every function 25%",
+    ):
+        add_round_metrics(window, lengths, truncated, columns, rewards, ["acc", "fmt"], num_generations=2)
+    logged = window.pop()
+    assert logged["rewards/acc/unscored_ratio"] == 0.5 and logged["rewards/fmt/unscored_ratio"] == 0.75
+    assert logged["frac_reward_unscored"] == 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # half is not most: no warning
+        add_round_metrics(window, lengths, truncated, columns[:, :1], rewards, ["acc"], num_generations=2)
+
+
+def test_mostly_unscored_rewards_warn_during_training(tmp_path, tokenizer, prompt_dataset):
+    def rarely(completions):  # scores one row in four
+        return [1.0 if i % 4 == 0 else None for i in range(len(completions))]
+
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len, rarely], max_steps=1)
+    with pytest.warns(UserWarning, match=r"by reward function 'rarely' 75%; by every function 0%"):
+        trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/rarely/unscored_ratio"] == 0.75 and logged["rewards/reward_len/unscored_ratio"] == 0.0
+    assert logged["frac_reward_unscored"] == 0.0
+
+
 # ---- Non-finite gradients ----
 
 
@@ -128,6 +174,163 @@ def test_nonfinite_gradient_step_is_skipped_and_counted(tmp_path, tokenizer, pro
     assert any(not torch.equal(poison.after[3][n], v) for n, v in poison.after[2].items())  # ... step 3 did
     logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
     assert logged[2]["nonfinite/skipped_steps"] == 1 and "nonfinite/skipped_steps" not in logged[3]
+
+
+# ---- A non-finite loss with finite gradients (issue 37) ----
+
+
+class InfiniteReference(TrainerCallback):
+    """Makes the reference log-prob of one loss token (round row `row`, first completion token) -inf in the round
+    generated for optimizer step `step` (1-based), as for a token the reference cannot produce: the KL term is then
+    inf while its gradient, 1 - exp(ref - logp), stays finite. Records the parameters after every step."""
+
+    def __init__(self, trainer, step, row):
+        self.after = {}
+        logprobs = trainer._logprobs
+
+        def with_minus_inf(model, batch, **kwargs):
+            logps, entropy = logprobs(model, batch, **kwargs)
+            if model is trainer.ref_model and trainer.state.global_step + 1 == step:
+                logps = logps.clone()
+                logps[row, 0] = -math.inf
+            return logps, entropy
+
+        trainer._logprobs = with_minus_inf
+        trainer.add_callback(self)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after[state.global_step] = params_of(model)
+
+
+def test_infinite_kl_stops_before_the_update_naming_term_and_row(tmp_path, tokenizer, prompt_dataset):
+    # Two micro-steps per optimizer step (a round of 8 rows): round row 5 is row 1 of the second micro-batch.
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        [reward_len],
+        beta=0.04,
+        gradient_accumulation_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    poison = InfiniteReference(trainer, step=2, row=5)
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "Non-finite loss at optimizer step 2 (its gradients were finite)" in message
+    assert "kl = inf at row 1 (token 0) of micro-step 2 of 2" in message
+    assert "reference log-prob of -inf" in message and "nonfinite='skip'" in message
+    assert "weights and the last checkpoint are unchanged" in message
+    for name, value in params_of(trainer.model).items():  # still the weights of step 1
+        assert torch.equal(value, poison.after[1][name]), name
+    assert newest_checkpoint(str(tmp_path / "out")).endswith("checkpoint-1")
+    assert not (tmp_path / "out" / "checkpoint-2").exists()
+
+
+def test_infinite_kl_step_is_skipped_counted_and_logged_as_it_was(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], beta=0.04, nonfinite="skip")
+    poison = InfiniteReference(trainer, step=2, row=1)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    for name, value in poison.after[2].items():  # step 2 made no update ...
+        assert torch.equal(value, poison.after[1][name]), name
+    assert any(not torch.equal(poison.after[3][n], v) for n, v in poison.after[2].items())  # ... step 3 did
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+    # Not Trainer's logging_nan_inf_filter stand-in (the average of earlier losses, 0 at a window's first step).
+    assert logged[2]["loss"] == math.inf and logged[2]["kl"] == math.inf
+    assert logged[2]["nonfinite/skipped_steps"] == 1 and "nonfinite/skipped_steps" not in logged[3]
+    assert math.isfinite(logged[3]["loss"]) and math.isfinite(logged[3]["kl"])
+
+
+def loss_record(logps, old_logps=None, ref_logps=None, advantages=None, **settings):
+    """`policy_loss` on one micro-batch of hand-made log-probs (every token a loss token), recorded as the trainer
+    does; returns the loss (with its graph) and the record."""
+    mask = torch.ones_like(logps)
+    advantages = torch.ones(logps.shape[0]) if advantages is None else advantages
+    loss, stats = policy_loss(logps, old_logps, ref_logps, advantages, mask, **settings)
+    level = settings.get("importance_sampling_level", "token")
+    record = LossRecord(
+        {"loss": loss.detach(), **stats}, logps.detach(), old_logps, ref_logps, advantages, mask, level
+    )
+    return loss, record
+
+
+def named(records):
+    """`nonfinite_findings` as (term, micro-step, row, token, value as text, rows): NaN == NaN as text."""
+    return [(f.term, f.micro_step, f.row, f.token, str(f.value), f.rows) for f in nonfinite_findings(records)]
+
+
+def test_nonfinite_loss_terms_are_named_by_term_row_and_micro_step():
+    finite = loss_record(torch.tensor([[-0.1, -0.2], [-0.3, -0.4]]), beta=0.04, ref_logps=torch.zeros(2, 2))[1]
+    assert terms_finite([finite]) and named([finite]) == []
+
+    # A ratio that overflows float32: logp - old = 99.7 > 88.7 at row 1, token 0. With A < 0 the loss is inf;
+    # with A > 0 the min() picks the clipped term, the loss stays finite and the gradient is NaN (0 * inf).
+    logps, old = torch.tensor([[-0.1, -0.2], [-0.3, -0.4]]), torch.tensor([[-0.1, -0.2], [-100.0, -0.4]])
+    loss, overflow = loss_record(logps, old, advantages=torch.tensor([1.0, -1.0]))
+    assert loss == math.inf and not terms_finite([finite, overflow])
+    logps.requires_grad_(True)
+    loss, clipped = loss_record(logps, old, advantages=torch.tensor([1.0, 1.0]))
+    loss.backward()
+    assert math.isfinite(loss) and terms_finite([clipped]) and torch.isnan(logps.grad[1, 0])
+    assert named([finite, clipped]) == [("ratio", 1, 1, 0, "inf", [1])]
+    message = nonfinite_message(4, nonfinite_findings([finite, overflow]), True, False, micro_steps=2)
+    assert message.startswith(
+        "Non-finite loss at optimizer step 5 (its gradients were finite), on process 0: ratio = inf at row 1 "
+        "(token 0) of micro-step 2 of 2. The step was not applied"
+    )
+    assert "exp(logp - old) overflowed" in message and "nonfinite='skip'" in message
+
+    # A sequence-level ratio (GSPO) is one per row, named without a token; a NaN advantage makes the loss NaN.
+    old = torch.tensor([[-0.1, -0.2], [-100.0, -100.0]])  # row 1's mean log-ratio: 99.65
+    sequence = loss_record(logps.detach(), old, importance_sampling_level="sequence")[1]
+    assert named([sequence]) == [("ratio", 0, 1, None, "inf", [1])]
+    loss, nan_advantage = loss_record(logps.detach(), advantages=torch.tensor([0.5, math.nan]))
+    assert math.isnan(loss) and named([nan_advantage]) == [("advantages", 0, 1, None, "nan", [1])]
+
+    # A -inf reference log-prob: kl is inf at that token; a NaN policy log-prob is named as logps, not also as kl.
+    ref = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])
+    kl = loss_record(torch.tensor([[-0.1, -0.2], [-0.3, -0.4]]), ref_logps=ref, beta=0.04)[1]
+    assert named([kl]) == [("kl", 0, 0, 1, "inf", [0])]
+    nan_logps = loss_record(torch.tensor([[-0.1, math.nan], [-0.3, -0.4]]), ref_logps=torch.zeros(2, 2), beta=0.04)[1]
+    assert named([nan_logps]) == [("logps", 0, 0, 1, "nan", [0])]
+    message = nonfinite_message(0, [], False, False, micro_steps=1, process=1)
+    assert "Non-finite gradients at optimizer step 1, in the loss of another process than process 1" in message
+
+
+class OneProcess:
+    device, num_processes, process_index = torch.device("cpu"), 1, 0
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+
+def test_the_loss_check_adds_no_device_read_per_micro_step():
+    """On the good path the guard reads the device the same number of times however many micro-steps and terms it
+    recorded: the loss terms' flag is read with the gradients' (on a GPU, each read is a wait for the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    record = loss_record(torch.tensor([[-0.1, -0.2]]), ref_logps=torch.zeros(1, 2), beta=0.04)[1]
+    reads = []
+    for micro_steps in (1, 8):
+        guard = GradientGuard(OneProcess(), "error", metrics=None)
+        for _ in range(micro_steps):
+            guard.record(record)
+        Reads.count = 0
+        with Reads():
+            guard.on_pre_optimizer_step(None, None, None, model=model)
+        reads.append(Reads.count)
+    assert reads[0] == reads[1] <= 2
 
 
 # ---- Checkpoints ----

@@ -2,7 +2,8 @@
 
 The training set selects the mode: a `completion` column (one row per completion) or a `completions` column (one row
 per prompt, with lists) makes `GRPOTrainer` train on the stored completions; the names follow
-`GRPOConfig.offline_completion_column` (the per-prompt column is that name plus "s").
+`GRPOConfig.offline_completion_column` (the per-prompt column is that name plus "s"). The switch is logged, and
+errors about the stored data say that the column caused it (`offline_groups`).
 
     prompt                  completion          reward                      one row per completion
     "What is 2 + 2?"        "4"                 1.0
@@ -28,6 +29,7 @@ stored completions too and are added with their weights.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -39,11 +41,14 @@ import torch
 from accelerate.utils import gather_object
 
 from grpo.data import InputError, check_prompt_dataset, render_prompt, tokenize_prompts
+from grpo.data.sampler import train_batch_size
 from grpo.rollout import Rollout, gather_rows
 
 ROLLOUTS_FILE = "rollouts.jsonl"  # what `save_rollouts` writes in output_dir
 TRUNCATED = "truncated"  # optional bool column: the stored completion was cut off, so no EOS is appended
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+logger = logging.getLogger(__name__)
 
 
 def offline_form(dataset: Any, args) -> str | None:
@@ -291,15 +296,31 @@ def group_rows(dataset, form: str, list_column: str, baseline: float | None) -> 
 
 def offline_groups(train_dataset, eval_dataset, args, reward_funcs) -> OfflineGroups | None:
     """The training set as groups of scored completions when it holds them (`offline_form`), else None (online
-    training on prompts)."""
-    if offline_form(train_dataset, args) is None:
+    training on prompts). The switch is logged, and every error about the stored completions starts by saying why
+    the data set was read that way: a prompt data set with a reference `completion` column is read so too."""
+    form = offline_form(train_dataset, args)
+    if form is None:
         return None
-    if eval_dataset is not None:
+    column = args.offline_completion_column + ("s" if form == "lists" else "")
+    switched = (
+        f"train_dataset was read as stored, scored completions to train on without generation (offline training, "
+        f"docs/offline.md) because it has a {column!r} column"
+    )
+    logger.info("%s.", switched)
+    try:
+        if eval_dataset is not None:
+            raise InputError(
+                "eval_dataset is not supported when train_dataset holds stored completions (offline training): "
+                "evaluate the trained model separately, e.g. with a GRPOTrainer on prompts and trainer.evaluate()."
+            )
+        groups = OfflineGroups(train_dataset, args, bool(reward_funcs))
+        train_batch_size(args, args.world_size, groups=True)  # whole groups per process: fails now, not at training
+    except ValueError as e:  # InputError, and the sampler's ValueError
         raise InputError(
-            "eval_dataset is not supported when train_dataset holds stored completions (offline training): evaluate "
-            "the trained model separately, e.g. with a GRPOTrainer on prompts and trainer.evaluate()."
-        )
-    return OfflineGroups(train_dataset, args, bool(reward_funcs))
+            f"{switched}; if it holds prompts to generate from, rename that column, e.g. "
+            f"train_dataset.rename_column({column!r}, 'reference_{column}'). {e}"
+        ) from e
+    return groups
 
 
 def offline_rewards(offline: OfflineGroups | None, reward_funcs, processing_classes, args):

@@ -19,14 +19,27 @@ from transformers import TrainerCallback
 from grpo.models import frozen, frozen_copy, is_peft_model, is_zero3_partitioned, load_causal_lm
 
 
-def make_reference(model: nn.Module, args, source: str | nn.Module | None = None) -> tuple[nn.Module | None, bool]:
-    """The reference policy for `args`, and whether it moves. None when there is no KL term (beta == 0) or when
-    `model` is a PEFT model: then pi_ref is the same network with its adapter disabled, which costs no memory but
-    cannot move, so a moving reference with PEFT is refused here, before any training. Otherwise a frozen copy of
-    the policy; under DeepSpeed ZeRO-3, whose `from_pretrained` partitions the weights as it loads them (a
-    partitioned model cannot be copied), the reference is loaded again from `source`, the path or hub id the policy
-    came from."""
+def reference_moves(args, peft: bool) -> bool:
+    """Whether the reference policy moves (`sync_ref_model`, `ref_model_reset_steps`). With a PEFT model (`peft`)
+    pi_ref is the same network with its adapter disabled, which cannot move, so a moving reference is refused; this
+    needs no weights, and the trainer asks before it loads the model."""
     moves = bool(args.sync_ref_model or args.ref_model_reset_steps is not None)
+    if moves and peft:
+        raise ValueError(
+            "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
+            "the base model with the adapter disabled, which cannot move. Train without them, or merge the "
+            "adapter (model.merge_and_unload()) and train the full model."
+        )
+    return moves
+
+
+def make_reference(model: nn.Module, args, source: str | nn.Module | None = None) -> tuple[nn.Module | None, bool]:
+    """The reference policy for `args`, and whether it moves (`reference_moves`). None when there is no KL term
+    (beta == 0) or when `model` is a PEFT model: then pi_ref is the same network with its adapter disabled, which
+    costs no memory but cannot move. Otherwise a frozen copy of the policy; under DeepSpeed ZeRO-3, whose
+    `from_pretrained` partitions the weights as it loads them (a partitioned model cannot be copied), the reference
+    is loaded again from `source`, the path or hub id the policy came from."""
+    moves = reference_moves(args, is_peft_model(model))
     if args.beta == 0 or is_peft_model(model):
         reference = None
     elif not is_zero3_partitioned(model):
@@ -46,12 +59,6 @@ def make_reference(model: nn.Module, args, source: str | nn.Module | None = None
         )
     else:
         reference = frozen(load_causal_lm(source, args.model_init_kwargs))
-    if moves and reference is None:
-        raise ValueError(
-            "sync_ref_model / ref_model_reset_steps move the reference, but with a PEFT model the reference is "
-            "the base model with the adapter disabled, which cannot move. Train without them, or merge the "
-            "adapter (model.merge_and_unload()) and train the full model."
-        )
     return reference, moves
 
 

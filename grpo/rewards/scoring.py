@@ -2,8 +2,9 @@
 
 A reward function is a plain callable `f(prompts, completions, **kwargs) -> list[float | None]`, or an `async def`
 one. It receives, as keyword arguments and only if its signature accepts them (or it takes `**kwargs`): `prompts`,
-`completions`, `completion_ids`, `trainer_state`, and every other dataset column as a list with one entry per row.
-`None` means "does not apply to this row" and becomes NaN, which the advantage computation ignores.
+`completions`, `completion_ids`, `trainer_state`, and every other dataset column as a list with one entry per row
+(a positional-only parameter, or `*args` alone, is refused by `check_reward_signature`). `None` means "does not
+apply to this row" and becomes NaN, which the advantage computation ignores.
 
 A reward model is a `PreTrainedModel` with one output label (`AutoModelForSequenceClassification`); it scores the
 prompt and completion text, rendered with the chat template for conversational data, using its own tokenizer.
@@ -52,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
-from grpo.data import InputError, is_conversational
+from grpo.data import RESERVED_COLUMNS, InputError, is_conversational
 from grpo.models import check_reward_model, load_reward_model, looks_local
 from grpo.objective.loss import combine_rewards, step_reward_sums
 from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps
@@ -82,8 +83,11 @@ class RewardScores(NamedTuple):
     step_rewards: torch.Tensor | None = None
 
 
-def reward_name(func: Callable | PreTrainedModel) -> str:
-    """The name used in metrics (`rewards/<name>/mean`) and error messages."""
+def reward_name(func: Callable | PreTrainedModel | str) -> str:
+    """The name used in metrics (`rewards/<name>/mean`) and error messages; for a reward model named by path or hub
+    id and not loaded yet, the name it will have."""
+    if isinstance(func, str):
+        return func.rstrip("/").split("/")[-1]
     if isinstance(func, PreTrainedModel):
         return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
     return getattr(func, "__name__", None) or type(func).__name__
@@ -176,19 +180,31 @@ def resolve_reward_name(
         ) from e
 
 
-def load_reward_funcs(reward_funcs, reward_processing_classes=None) -> tuple[list, list]:
-    """Check the rewards given to the trainer; resolve those given as strings (`resolve_reward_name`) and load the
-    tokenizers of reward models given without one. Returns (reward functions and models, tokenizers aligned with
-    them)."""
+def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+    """Every check of the rewards given to the trainer that needs no weights, so that a misspelt name, a bad
+    signature or a miscounted `reward_weights` fails before any model loads: every string is checked
+    (`reward_kind`) before any is resolved, built-ins and `module:function` are resolved (an import, no weights),
+    each function's signature is checked (`check_reward_signature`), and `reward_processing_classes` and
+    `reward_weights` must have one entry per reward. Returns (the rewards, reward models named by path or hub id
+    still as strings; the tokenizers given, aligned with them)."""
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if not reward_funcs:
         raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
-    reward_funcs = [resolve_reward_name(f) if isinstance(f, str) else f for f in reward_funcs]
+    kinds = [reward_kind(f) if isinstance(f, str) else None for f in reward_funcs]
+    reward_funcs = [resolve_reward_name(f) if k in ("builtin", "function") else f for f, k in zip(reward_funcs, kinds)]
     for f in reward_funcs:
-        if not (callable(f) or isinstance(f, PreTrainedModel)):
-            raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
         if isinstance(f, PreTrainedModel):
             check_reward_model(f, reward_name(f))
+            if is_process_reward(f):
+                raise TypeError(
+                    f"Reward model '{reward_name(f)}' is marked @process_reward, but a reward model scores whole "
+                    "completions. Wrap it in a @process_reward function that splits the completion into steps, "
+                    "scores them and returns StepRewards."
+                )
+        elif callable(f):
+            check_reward_signature(f)
+        elif not isinstance(f, str):
+            raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
     given = reward_processing_classes
     if given is None:
         given = [None] * len(reward_funcs)
@@ -199,6 +215,20 @@ def load_reward_funcs(reward_funcs, reward_processing_classes=None) -> tuple[lis
             f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
             "functions; align them (None for plain functions)."
         )
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries but there are {len(reward_funcs)} reward functions "
+            f"({[reward_name(f) for f in reward_funcs]}); give one weight per function."
+        )
+    return reward_funcs, given
+
+
+def load_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+    """Check the rewards given to the trainer (`check_reward_funcs`), then load the reward models named by path or
+    hub id (`resolve_reward_name`) and the tokenizers of reward models given without one. Returns (reward functions
+    and models, tokenizers aligned with them)."""
+    reward_funcs, given = check_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
+    reward_funcs = [resolve_reward_name(f) if isinstance(f, str) else f for f in reward_funcs]
     tokenizers = []
     for func, tokenizer in zip(reward_funcs, given):
         if isinstance(func, PreTrainedModel) and tokenizer is None:
@@ -215,6 +245,32 @@ def load_reward_funcs(reward_funcs, reward_processing_classes=None) -> tuple[lis
             func.config.pad_token_id = tokenizer.pad_token_id
         tokenizers.append(tokenizer)
     return reward_funcs, tokenizers
+
+
+def check_reward_signature(func: Callable) -> None:
+    """Refuse a reward function that cannot receive its arguments: they are all passed by keyword
+    (`_accepted_kwargs`), so a positional-only parameter without a default is never filled, and a function with no
+    keyword parameter and no `**kwargs` (e.g. only `*args`) receives nothing. A signature that cannot be read (some
+    built-in callables) is not checked."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        problem = f"so its positional-only parameter(s) {positional} would never be given"
+    elif not any(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params):
+        problem = "and it takes none (no named parameter, no **kwargs)"
+    else:
+        return
+    name = reward_name(func)
+    raise InputError(
+        f"Reward function '{name}{signature}' cannot receive its arguments: reward functions are called with keyword "
+        f"arguments only, {problem}. Supported signatures: def {name}(prompts, completions, **kwargs) -> "
+        f"list[float | None], or async def the same; the keywords are {', '.join(RESERVED_COLUMNS)} and every other "
+        "dataset column (name those you use, **kwargs takes the rest)."
+    )
 
 
 def is_async(func: Callable) -> bool:
@@ -630,9 +686,10 @@ def score_completions(
 
 
 class RewardSet:
-    """The trainer's reward functions, built once: rewards given as strings resolved and reward-model tokenizers
-    loaded (`load_reward_funcs`), weights checked, and the functions split by kind, since outcome and process
-    functions give different advantages (grpo/objective/loss.py `mixed_advantages`) but are called the same way (`score`).
+    """The trainer's reward functions, built once: names, signatures and weights checked before any reward model
+    loads, then rewards given as strings resolved and reward-model tokenizers loaded (`load_reward_funcs`), and the
+    functions split by kind, since outcome and process functions give different advantages (grpo/objective/loss.py
+    `mixed_advantages`) but are called the same way (`score`).
 
     Attributes: `names` (outcome functions first, then process functions: the order of the reward columns in
     metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward functions and reward
@@ -640,14 +697,9 @@ class RewardSet:
     `outcome_weights` and `process_weights` (float32 tensors) and `process_funcs` (`@process_reward` functions)."""
 
     def __init__(self, reward_funcs, reward_processing_classes=None, reward_weights: Sequence[float] | None = None):
-        funcs, tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes)
+        funcs, tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
-        if len(weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward functions "
-                f"({[reward_name(f) for f in funcs]}); give one weight per function."
-            )
-        is_process = [_is_process_function(f) for f in funcs]
+        is_process = [is_process_reward(f) for f in funcs]
         self.outcome_funcs = [f for f, p in zip(funcs, is_process) if not p]
         self.outcome_tokenizers = [t for t, p in zip(tokenizers, is_process) if not p]
         self.outcome_weights = torch.tensor([w for w, p in zip(weights, is_process) if not p], dtype=torch.float32)
@@ -678,17 +730,3 @@ def call_settings(args, mode: str) -> dict[str, Any]:
         "worker_type": args.reward_worker_type,
         "model_batch_size": args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
     }
-
-
-def _is_process_function(func: Callable | PreTrainedModel) -> bool:
-    """Whether `func` is a process reward function; a reward model marked as one is refused (models give one
-    number per completion)."""
-    if not is_process_reward(func):
-        return False
-    if isinstance(func, PreTrainedModel):
-        raise TypeError(
-            f"Reward model '{reward_name(func)}' is marked @process_reward, but a reward model scores whole "
-            "completions. Wrap it in a @process_reward function that splits the completion into steps, scores them "
-            "and returns StepRewards."
-        )
-    return True
