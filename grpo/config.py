@@ -299,11 +299,11 @@ class GRPOConfig(TrainingArguments):
     nonfinite: str = field(
         default="error",
         metadata={
-            "help": "What a non-finite reward (+-inf) or non-finite gradient does: 'error' stops training before the "
-            "optimizer step with an error naming the step, the reward function or loss term and the likely fix "
-            "(weights and checkpoints untouched); 'skip' treats such reward rows as unscored and skips such steps "
-            "(no update), counting them in `nonfinite/reward_rows` and `nonfinite/skipped_steps`. Rewards whose "
-            "spread overflows float32 are an error either way."
+            "help": "What a non-finite reward (+-inf), loss term (loss, KL, ratio, advantage) or gradient does: "
+            "'error' stops training before the optimizer step with an error naming the step, the reward function "
+            "or loss term with its row, and the likely fix (weights and checkpoints untouched); 'skip' treats such "
+            "reward rows as unscored and skips such steps (no update), counting them in `nonfinite/reward_rows` and "
+            "`nonfinite/skipped_steps`. Rewards whose spread overflows float32 are an error either way."
         },
     )
     reward_timeout: float | None = field(
@@ -693,7 +693,7 @@ class GRPOConfig(TrainingArguments):
         if self.nonfinite not in ("error", "skip"):
             raise ValueError(
                 f"nonfinite={self.nonfinite!r} is not one of ('error', 'skip'): 'error' stops training at a non-finite "
-                "reward or gradient, 'skip' skips that reward row or optimizer step and counts it."
+                "reward, loss or gradient, 'skip' skips that reward row or optimizer step and counts it."
             )
         if self.reward_worker_type not in REWARD_WORKER_TYPES:
             raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")
