@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
 from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, SCALE_REWARDS
-from grpo.rewards.scoring import REWARD_ERRORS, REWARD_WORKER_TYPES
+from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
 class Interval(NamedTuple):

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from grpo.data import completion_text
 from grpo.objective.loss import group_reward_stats
 
 
@@ -209,8 +210,6 @@ def report_samples(samples: list[dict], reward_names: list[str], path: str, step
 
 def format_completions(samples: list[dict], reward_names: list[str], max_rows: int | None = None) -> str:
     """A plain-text table of sampled completions: prompt, completion, each reward and the advantage."""
-    from grpo.rewards import completion_text
-
     rows = samples if max_rows is None else samples[:max_rows]
 
     def clip(value, width):

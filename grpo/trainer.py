@@ -43,7 +43,6 @@ from grpo.nonfinite import GradientGuard, LossRecord, check_reward_spread, finit
 from grpo.objective import old_policy
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
-    combine_rewards,
     loss_settings,
     mixed_advantages,
     policy_loss,
@@ -51,7 +50,7 @@ from grpo.objective.loss import (
 )
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves
 from grpo.objective.token_weights import policy_mask, sampling_weights
-from grpo.rewards.scoring import RewardSet, call_settings
+from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import Rollout, gather_rows
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str

@@ -17,7 +17,8 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main
 from grpo.config import FIELD_RANGES
 from grpo.data import RESERVED_COLUMNS, InputError, check_prompt_dataset
-from grpo.rewards.scoring import RewardSet, check_reward_funcs, load_reward_funcs, score_completions
+from grpo.rewards.names import check_reward_funcs, load_reward_funcs
+from grpo.rewards.scoring import RewardSet, score_rewards
 from grpo.testing import save_tiny_model, tiny_config, tiny_model
 
 NAN, INF = math.nan, math.inf
@@ -188,7 +189,7 @@ def test_reserved_columns_are_the_arguments_the_trainer_passes():
         seen.update(kwargs)
         return [0.0]
 
-    score_completions([spy], [None], prompts=["p"], completions=["c"], completion_ids=[[1]], columns={"answer": ["a"]})
+    score_rewards([spy], [None], [], prompts=["p"], completions=["c"], completion_ids=[[1]], columns={"answer": ["a"]})
     assert set(seen) - {"answer"} == set(RESERVED_COLUMNS)
 
 
@@ -379,7 +380,7 @@ def test_inputs_are_checked_before_any_weight_loads(tmp_path, monkeypatch, case)
     """The spies stand for every weight load: the policy's (`load_causal_lm`, which `load_policy` calls for a path),
     the reference's (`make_reference`) and the reward models' (`load_reward_model`). None may run before the error."""
     import grpo.models
-    import grpo.rewards.scoring
+    import grpo.rewards.names
     import grpo.trainer
 
     kwargs, error, problem, fix = BEFORE_LOADING_CASES[case]
@@ -394,7 +395,7 @@ def test_inputs_are_checked_before_any_weight_loads(tmp_path, monkeypatch, case)
 
     monkeypatch.setattr(grpo.models, "load_causal_lm", spy("load_causal_lm"))
     monkeypatch.setattr(grpo.trainer, "make_reference", spy("make_reference"))
-    monkeypatch.setattr(grpo.rewards.scoring, "load_reward_model", spy("load_reward_model"))
+    monkeypatch.setattr(grpo.rewards.names, "load_reward_model", spy("load_reward_model"))
     kwargs = dict(kwargs)
     settings = {k: kwargs.pop(k) for k in ("reward_weights", "beta", "sync_ref_model") if k in kwargs}
     # 2 prompts per round (4 rows per round, G = 2): one prompt is too few.

@@ -1,5 +1,5 @@
 """Process reward functions (grpo/rewards/process.py): the StepRewards contract, how step ends become token positions, and
-that they are called like outcome functions (grpo/rewards/scoring.py: async, reward_timeout, reward_errors)."""
+that they are called like outcome functions (grpo/rewards/runner.py: async, reward_timeout, reward_errors)."""
 
 import math
 import re
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo import StepRewards, process_reward
-from grpo.rewards.process import is_process_reward
+from grpo.rewards.process import is_process_reward, step_reward_sums
 from grpo.rewards.scoring import RewardSet
 
 
@@ -46,6 +46,13 @@ def test_step_rewards_validation():
         StepRewards([1.0, 2.0], token_ends=[3, 3])
     with pytest.raises(ValueError, match="finite"):
         StepRewards([math.nan], token_ends=[0])
+
+
+def test_step_reward_sums():
+    steps = torch.full((2, 1, 4), math.nan)
+    steps[0, 0, 1], steps[0, 0, 3] = 1.0, 0.5
+    sums = step_reward_sums(steps)
+    assert sums.shape == (2, 1) and sums[0, 0] == 1.5 and math.isnan(sums[1, 0])
 
 
 def test_token_ends_are_laid_out_at_each_steps_last_token(tokenizer):

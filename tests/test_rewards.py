@@ -1,10 +1,10 @@
-"""The built-in rewards of grpo/rewards/__init__.py: their docstring examples, and the cases each must get right."""
+"""The built-in rewards of grpo/rewards/builtin.py: their docstring examples, and the cases each must get right."""
 
 import doctest
 
 import pytest
 
-import grpo.rewards as rewards
+import grpo.rewards.builtin as rewards
 from grpo.rewards import (
     accuracy,
     answers_match,

@@ -3,13 +3,15 @@ import math
 import pytest
 import torch
 
-from grpo.rewards.scoring import call_reward_function, reward_name, score_completions
+from grpo.rewards.names import reward_name
+from grpo.rewards.scoring import combine_rewards, score_rewards
 
 
 def _scores(funcs, prompts=("p0", "p1", "p2"), completions=("a", "bb", "ccc"), options=None, **columns):
-    return score_completions(
+    return score_rewards(
         funcs,
         [None] * len(funcs),
+        [],
         prompts=list(prompts),
         completions=list(completions),
         completion_ids=[[1] * (i + 1) for i in range(len(completions))],
@@ -105,7 +107,15 @@ def test_reward_names():
 
     assert reward_name(my_reward) == "my_reward"
     assert reward_name(Scorer()) == "Scorer"
-    assert call_reward_function(lambda completions: [1] * 2, {"completions": ["a", "b"]}, 2) == [1.0, 1.0]
+    ints = _score([lambda completions: [1] * 2], prompts=["p0", "p1"], completions=["a", "b"])  # (2, 1)
+    assert ints[:, 0].tolist() == [1.0, 1.0]
+
+
+def test_combine_rewards_skips_unscored_entries():
+    rewards = torch.tensor([[1.0, 2.0], [math.nan, 3.0], [math.nan, math.nan], [-1.0, math.nan]])
+    combined = combine_rewards(rewards, torch.tensor([2.0, 0.5]))
+    # 2*1 + 0.5*2 = 3; only the second scored: 1.5; nobody scored: NaN; only the first: -2.
+    assert combined[[0, 1, 3]].tolist() == [3.0, 1.5, -2.0] and math.isnan(combined[2])
 
 
 def test_reward_model_scores_prompt_and_completion(tokenizer):
@@ -115,9 +125,8 @@ def test_reward_model_scores_prompt_and_completion(tokenizer):
 
     config = tiny_config(tokenizer, num_hidden_layers=1, num_labels=1)
     model = LlamaForSequenceClassification(config).eval()
-    rewards = score_completions(
-        [model], [tokenizer], prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={}
-    ).rewards
+    batch = dict(prompts=["ab", "ab"], completions=["c", "cd"], completion_ids=[[1], [1, 2]], columns={})
+    rewards = score_rewards([model], [tokenizer], [], **batch).rewards
     with torch.no_grad():
         direct = model(**tokenizer(["abc"], return_tensors="pt")).logits[0, 0].item()
     assert rewards.shape == (2, 1)
@@ -250,7 +259,7 @@ def _reward_model(tokenizer, seed=0):
 
 
 def test_reward_model_from_a_path_scores_like_the_loaded_one(tmp_path, tokenizer):
-    from grpo.rewards.scoring import load_reward_funcs
+    from grpo.rewards.names import load_reward_funcs
 
     model = _reward_model(tokenizer)
     model.save_pretrained(tmp_path / "rm")
@@ -258,9 +267,9 @@ def test_reward_model_from_a_path_scores_like_the_loaded_one(tmp_path, tokenizer
     funcs, tokenizers = load_reward_funcs(str(tmp_path / "rm"))  # the tokenizer comes from the same folder
     assert reward_name(funcs[0]) == "rm" and tokenizers[0] is not None
     kwargs = dict(prompts=["ab", "xy", "ab"], completions=["c", "zzz", "cd"], completion_ids=[[1]] * 3, columns={})
-    from_path = score_completions(funcs, tokenizers, **kwargs).rewards
-    loaded = score_completions([model], [tokenizer], **kwargs).rewards
-    in_batches = score_completions([model], [tokenizer], model_batch_size=2, **kwargs).rewards
+    from_path = score_rewards(funcs, tokenizers, [], **kwargs).rewards
+    loaded = score_rewards([model], [tokenizer], [], **kwargs).rewards
+    in_batches = score_rewards([model], [tokenizer], [], model_batch_size=2, **kwargs).rewards
     torch.testing.assert_close(from_path, loaded)
     torch.testing.assert_close(in_batches, loaded, atol=1e-5, rtol=1e-5)  # right padding: batching changes nothing
 
@@ -269,8 +278,8 @@ def test_reward_model_uses_the_chat_template_for_conversations(tokenizer):
     model = _reward_model(tokenizer)
     prompt = [{"role": "user", "content": "2+2?"}]
     completion = [{"role": "assistant", "content": "4"}]
-    rewards = score_completions(
-        [model], [tokenizer], prompts=[prompt], completions=[completion], completion_ids=[[1]], columns={}
+    rewards = score_rewards(
+        [model], [tokenizer], [], prompts=[prompt], completions=[completion], completion_ids=[[1]], columns={}
     ).rewards
     text = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
     assert tokenizer.apply_chat_template(prompt + completion, tokenize=False) == text
@@ -282,7 +291,7 @@ def test_reward_model_uses_the_chat_template_for_conversations(tokenizer):
 def test_reward_model_checks(tokenizer):
     from transformers import LlamaForSequenceClassification
 
-    from grpo.rewards.scoring import load_reward_funcs
+    from grpo.rewards.names import load_reward_funcs
     from grpo.testing import tiny_config
 
     two_labels = LlamaForSequenceClassification(tiny_config(tokenizer, num_hidden_layers=1, num_labels=2))

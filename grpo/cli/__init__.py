@@ -21,7 +21,7 @@ import sys
 
 from grpo.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
 from grpo.cli.recipe import load_recipe, resolve_reward
-from grpo.data import InputError
+from grpo.data import InputError, completion_text
 from grpo.nonfinite import NonFiniteError
 
 
@@ -83,8 +83,6 @@ def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
 
 def _text(value) -> str:
     """A prompt's or completion's text (`completion_text`) on one line: newlines written as \\n."""
-    from grpo.rewards import completion_text
-
     return str(completion_text(value)).replace("\n", "\\n")
 
 

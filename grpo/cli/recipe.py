@@ -36,7 +36,7 @@ from typing import Any
 from grpo.config import GRPOConfig
 from grpo.data import InputError
 from grpo.models import SMOLLM2_NAME, looks_local
-from grpo.rewards.scoring import resolve_reward_name, reward_kind
+from grpo.rewards.names import resolve_reward_name, reward_kind
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -74,7 +74,7 @@ class DatasetSection:
 
 @dataclasses.dataclass
 class RewardSpec:
-    name: str  # a built-in name, "module:function", or a reward model's folder or hub id (grpo.rewards.scoring.reward_kind)
+    name: str  # a built-in name, "module:function", or a reward model's folder or hub id (grpo.rewards.names.reward_kind)
     weight: float | None = None
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings for a reward factory
 
@@ -379,7 +379,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def resolve_reward(spec: RewardSpec, search_dirs: typing.Sequence[Path] = ()) -> Callable:
-    """The reward of a recipe entry, resolved as in Python (`grpo.rewards.scoring.resolve_reward_name`), with `search_dirs`
+    """The reward of a recipe entry, resolved as in Python (`grpo.rewards.names.resolve_reward_name`), with `search_dirs`
     (the recipe's folder) on the import path for `module:function`."""
     try:
         return resolve_reward_name(spec.name, spec.kwargs, search_dirs)

@@ -35,6 +35,14 @@ def is_conversational(prompt: Any) -> bool:
     )
 
 
+def completion_text(completion: str | dict | list) -> str:
+    """The text of a completion (or prompt): the string itself, or the content of the last chat message (a
+    message given alone counts as one)."""
+    if isinstance(completion, list):
+        completion = completion[-1]
+    return completion["content"] if isinstance(completion, dict) else completion
+
+
 def render_prompt(prompt: str | list[dict], tokenizer) -> str:
     """The text the model is conditioned on: the prompt itself, or its messages through the chat template."""
     if isinstance(prompt, str):

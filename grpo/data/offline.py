@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from grpo.data import InputError, check_prompt_dataset, render_prompt, tokenize_prompts
+from grpo.data import InputError, check_prompt_dataset, completion_text, render_prompt, tokenize_prompts
 from grpo.data.sampler import train_batch_size
 from grpo.rollout import Rollout, gather_rows
 
@@ -79,13 +79,6 @@ def completion_problem(completion: Any) -> str | None:
     if isinstance(message, dict) and isinstance(message.get("content"), str):
         return None
     return f"{str(completion)[:80]!r}, which is neither a string nor an assistant message"
-
-
-def completion_text(completion: str | dict | list) -> str:
-    """The text of a stored completion: the string, or the content of its (one) assistant message."""
-    if isinstance(completion, list):
-        completion = completion[-1]
-    return completion if isinstance(completion, str) else completion["content"]
 
 
 def prefill(prompt: Any) -> str:

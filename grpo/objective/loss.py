@@ -133,24 +133,6 @@ def group_reward_stats(rewards: torch.Tensor, num_generations: int | Sequence[in
     return {"reward_std": std.mean(), "frac_reward_zero_std": flat.float().mean()}
 
 
-def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The reward of each row: the weighted sum over the functions that scored it (NaN entries are skipped).
-
-        r_i = sum_{k: r_ik not NaN} w_k * r_ik,   NaN when no function scored row i
-
-    `rewards_per_func` (B, K), `weights` (K,); returns (B,). A NaN reward means "unscored": its advantage is 0.
-    """
-    weighted = rewards_per_func * weights.to(rewards_per_func.device)
-    scored = ~torch.isnan(rewards_per_func).all(dim=1)
-    return torch.where(scored, weighted.nansum(dim=1), torch.nan)
-
-
-def step_reward_sums(step_rewards: torch.Tensor) -> torch.Tensor:
-    """Each process function's total step reward per row, for metrics: (B, K_p, T) -> (B, K_p), NaN where the
-    function gave the row no step."""
-    return torch.where(torch.isnan(step_rewards).all(dim=2), torch.nan, step_rewards.nansum(dim=2))
-
-
 def window_token_totals(tokens_per_micro_batch: torch.Tensor, window: int) -> torch.Tensor:
     """dapo's normaliser: for each micro-batch, the loss tokens of the `window` consecutive micro-batches of its
     optimizer step. `tokens_per_micro_batch` (num,), num a multiple of `window`; returns (num,).

@@ -22,8 +22,9 @@ exclusive end offset; the text is the one the function received: for a conversat
 which starts with any prefilled text). `grpo.objective.loss.process_advantages` turns the step rewards into token advantages.
 
 Process functions are called exactly like outcome ones, by `grpo.rewards.scoring.RewardSet.score` (async functions,
-`reward_timeout`, `reward_num_workers`, `reward_errors`); this module only checks what they return
-(`check_step_rewards`) and lays it out per token (`lay_out_steps`), as pure functions of the returned values.
+`reward_timeout`, `reward_num_workers`, `reward_errors`: grpo/rewards/runner.py); this module only checks what they
+return (`check_step_rewards`), lays it out per token (`lay_out_steps`) and sums it per row for metrics
+(`step_reward_sums`), as pure functions of the returned values.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from grpo.rewards import completion_text
+from grpo.data import completion_text
 
 
 @dataclass
@@ -163,3 +164,9 @@ def lay_out_steps(
             # Two character ends inside one token land on the same token: their rewards add up.
             dense[i, end] = reward if math.isnan(dense[i, end]) else dense[i, end] + reward
     return dense
+
+
+def step_reward_sums(step_rewards: torch.Tensor) -> torch.Tensor:
+    """Each process function's total step reward per row, for metrics: (B, K_p, T) -> (B, K_p), NaN where the
+    function gave the row no step."""
+    return torch.where(torch.isnan(step_rewards).all(dim=2), torch.nan, step_rewards.nansum(dim=2))

@@ -1,0 +1,224 @@
+"""What the user passed as rewards, checked and resolved, before anything is scored.
+
+A reward given as a string means the same in Python as in a recipe (`resolve_reward_name`): a built-in name
+(`BUILTIN_REWARDS`), `module:function`, a local reward-model folder, or else a hub reward-model id. A name close to a
+built-in one is refused with a suggestion, and a local-looking path that does not exist is refused, before any
+import or download.
+
+`check_reward_funcs` runs every check that needs no weights (names, signatures, one tokenizer and one weight per
+reward), so that a mistake fails before any model loads; `load_reward_funcs` then loads the reward models named by
+path or hub id, and their tokenizers. `reward_name` is the name a reward has in metrics and error messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedModel
+
+from grpo.data import RESERVED_COLUMNS, InputError
+from grpo.models import check_reward_model, load_reward_model, looks_local
+from grpo.rewards import builtin
+from grpo.rewards.process import is_process_reward
+
+# Built-in rewards by name (in grpo/rewards/builtin.py): (attribute, whether it is a factory called with the settings).
+BUILTIN_REWARDS = {
+    "accuracy": ("accuracy", False),
+    "reasoning_gym": ("reasoning_gym", False),
+    "format_reward": ("format_reward", True),
+    "soft_overlong_punishment": ("soft_overlong_punishment", True),
+    "code_execution": ("code_execution", True),
+}
+
+
+def reward_name(func: Callable | PreTrainedModel | str) -> str:
+    """The name used in metrics (`rewards/<name>/mean`) and error messages; for a reward model named by path or hub
+    id and not loaded yet, the name it will have."""
+    if isinstance(func, str):
+        return func.rstrip("/").split("/")[-1]
+    if isinstance(func, PreTrainedModel):
+        return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def reward_kind(name: str) -> str:
+    """What a reward string names, decided without importing or downloading anything: 'builtin', 'function'
+    (`module:function`), 'path' (an existing local reward-model folder) or 'hub' (a reward-model id). Raises
+    `InputError` for a local-looking path that does not exist and for a name close to a built-in one."""
+    if name in BUILTIN_REWARDS:
+        return "builtin"
+    if looks_local(name):
+        if not Path(name).expanduser().exists():
+            raise InputError(
+                f"Reward {name!r} looks like a local reward-model path, but it does not exist (relative paths start "
+                f"from the working directory {Path.cwd()}). Fix the path, or name a built-in reward "
+                f"({', '.join(BUILTIN_REWARDS)}) or your own as 'module:function'."
+            )
+        return "path"
+    if ":" in name:
+        return "function"
+    if Path(name).is_dir():
+        return "path"
+    close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.6) if "/" not in name else []
+    if close:
+        raise InputError(
+            f"Unknown reward {name!r}: it is not a built-in reward. Did you mean {close[0]!r}? (Built-ins: "
+            f"{', '.join(BUILTIN_REWARDS)}; your own function: 'module:function'; a reward model: a local folder or "
+            "a hub id such as 'org/name'.)"
+        )
+    return "hub"
+
+
+def resolve_reward_name(
+    name: str, kwargs: dict | None = None, search_dirs: Sequence = ()
+) -> Callable | PreTrainedModel:
+    """The reward a string names (see `reward_kind`), the one resolver behind both `GRPOTrainer(reward_funcs="...")`
+    and recipes. `module:function` is imported with the working directory and `search_dirs` on the import path; a
+    factory (built-in or imported) is called with `kwargs` when they are given."""
+    kind = reward_kind(name)
+    kwargs = kwargs or {}
+    if kind in ("path", "hub"):
+        if kwargs:
+            raise InputError(f"Reward model {name!r} takes no settings; remove its `kwargs`.")
+        if kind == "path":
+            return load_reward_model(str(Path(name).expanduser()))
+        try:
+            return load_reward_model(name)
+        except InputError:
+            raise
+        except Exception as e:
+            raise InputError(
+                f"Reward {name!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}), a 'module:function' or a "
+                f"local folder, so it was loaded as a reward model from the hub, which failed: {type(e).__name__}: "
+                f"{e}. Fix the name, or pass the reward model's local folder."
+            ) from e
+    if kind == "function":
+        module_name, _, attr = name.partition(":")
+        for folder in [Path.cwd(), *search_dirs]:
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise InputError(
+                f"Reward '{name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "
+                "working directory or the recipe's folder, or install the package that provides it."
+            ) from e
+        if not hasattr(module, attr):
+            raise InputError(
+                f"Reward '{name}': module '{module_name}' has no attribute '{attr}'. Check the function's name: "
+                "'module:function'."
+            )
+        func = getattr(module, attr)
+        return func(**kwargs) if kwargs else func
+    attr, is_factory = BUILTIN_REWARDS[name]
+    func = getattr(builtin, attr)
+    if not is_factory:
+        if kwargs:
+            raise InputError(f"The built-in reward '{name}' takes no settings; remove its `kwargs`.")
+        return func
+    try:
+        return func(**kwargs)
+    except TypeError as e:
+        raise InputError(
+            f"The built-in reward '{name}' needs settings ({e}): in a recipe give them under `kwargs:`; in Python "
+            f"call grpo.rewards.{attr}(...) and pass the function it returns."
+        ) from e
+
+
+def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+    """Every check of the rewards given to the trainer that needs no weights, so that a misspelt name, a bad
+    signature or a miscounted `reward_weights` fails before any model loads: every string is checked
+    (`reward_kind`) before any is resolved, built-ins and `module:function` are resolved (an import, no weights),
+    each function's signature is checked (`check_reward_signature`), and `reward_processing_classes` and
+    `reward_weights` must have one entry per reward. Returns (the rewards, reward models named by path or hub id
+    still as strings; the tokenizers given, aligned with them)."""
+    reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    if not reward_funcs:
+        raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+    kinds = [reward_kind(f) if isinstance(f, str) else None for f in reward_funcs]
+    reward_funcs = [resolve_reward_name(f) if k in ("builtin", "function") else f for f, k in zip(reward_funcs, kinds)]
+    for f in reward_funcs:
+        if isinstance(f, PreTrainedModel):
+            check_reward_model(f, reward_name(f))
+            if is_process_reward(f):
+                raise TypeError(
+                    f"Reward model '{reward_name(f)}' is marked @process_reward, but a reward model scores whole "
+                    "completions. Wrap it in a @process_reward function that splits the completion into steps, "
+                    "scores them and returns StepRewards."
+                )
+        elif callable(f):
+            check_reward_signature(f)
+        elif not isinstance(f, str):
+            raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
+    given = reward_processing_classes
+    if given is None:
+        given = [None] * len(reward_funcs)
+    elif not isinstance(given, list):
+        given = [given]
+    if len(given) != len(reward_funcs):
+        raise ValueError(
+            f"reward_processing_classes has {len(given)} entries for {len(reward_funcs)} reward "
+            "functions; align them (None for plain functions)."
+        )
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries but there are {len(reward_funcs)} reward functions "
+            f"({[reward_name(f) for f in reward_funcs]}); give one weight per function."
+        )
+    return reward_funcs, given
+
+
+def load_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+    """Check the rewards given to the trainer (`check_reward_funcs`), then load the reward models named by path or
+    hub id (`resolve_reward_name`) and the tokenizers of reward models given without one. Returns (reward functions
+    and models, tokenizers aligned with them)."""
+    reward_funcs, given = check_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
+    reward_funcs = [resolve_reward_name(f) if isinstance(f, str) else f for f in reward_funcs]
+    tokenizers = []
+    for func, tokenizer in zip(reward_funcs, given):
+        if isinstance(func, PreTrainedModel) and tokenizer is None:
+            path = func.config._name_or_path
+            if not path:
+                raise ValueError(
+                    f"Reward model '{reward_name(func)}' was built in code and has no path to load a tokenizer "
+                    "from; pass its tokenizer in `reward_processing_classes`."
+                )
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer is not None and tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if isinstance(func, PreTrainedModel) and func.config.pad_token_id is None:
+            func.config.pad_token_id = tokenizer.pad_token_id
+        tokenizers.append(tokenizer)
+    return reward_funcs, tokenizers
+
+
+def check_reward_signature(func: Callable) -> None:
+    """Refuse a reward function that cannot receive its arguments: they are all passed by keyword
+    (`grpo.rewards.runner`), so a positional-only parameter without a default is never filled, and a function with no
+    keyword parameter and no `**kwargs` (e.g. only `*args`) receives nothing. A signature that cannot be read (some
+    built-in callables) is not checked."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        problem = f"so its positional-only parameter(s) {positional} would never be given"
+    elif not any(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params):
+        problem = "and it takes none (no named parameter, no **kwargs)"
+    else:
+        return
+    name = reward_name(func)
+    raise InputError(
+        f"Reward function '{name}{signature}' cannot receive its arguments: reward functions are called with keyword "
+        f"arguments only, {problem}. Supported signatures: def {name}(prompts, completions, **kwargs) -> "
+        f"list[float | None], or async def the same; the keywords are {', '.join(RESERVED_COLUMNS)} and every other "
+        "dataset column (name those you use, **kwargs takes the rest)."
+    )

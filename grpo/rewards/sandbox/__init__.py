@@ -1,0 +1,235 @@
+"""Running untrusted code (a model's completion) against tests, contained by the operating system.
+
+    result = run_python("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"], Limits(wall_seconds=5))
+    result.passed, result.total, result.error      # 1, 1, None
+
+Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
+  - "bwrap": the child runs under bubblewrap (`apt-get install bubblewrap`) in new user, PID, mount, network, IPC,
+    UTS and cgroup namespaces, as uid 65534 with every capability dropped, nested user namespaces disabled, in its
+    own session, and dies with the trainer (`--die-with-parent`). Its file system is read-only and holds only the
+    interpreter, its standard library and /usr/lib (no /etc, no home, no project files); a private tmpfs of
+    `disk_mb` at /tmp is its working directory and the only writable place. /proc is that of its own PID namespace:
+    no process outside the sandbox can be seen, signalled or traced. The network namespace has only its own
+    loopback. A seccomp filter (built with libseccomp through ctypes, when libseccomp.so.2 is installed) refuses
+    ptrace, other processes' memory, mounts, namespaces, keyrings, bpf, perf, io_uring, userfaultfd, modules and
+    every socket but AF_UNIX. If bwrap is missing or cannot start here, `run_python` raises `SandboxUnavailable`.
+  - "process": the weaker mode, used only when asked for by name: a plain child process as the trainer's user, with
+    the same limits, worker filter and audit hook, a throwaway working directory, and a network namespace only where
+    the kernel allows one. It does not stop the code from reaching the trainer's files or processes through ctypes.
+
+In both modes the process that runs the code (the worker) has rlimits (CPU seconds, address space, file size, open
+files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process and exec (threads
+stay allowed), and a `sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside
+the working directory. The hook is an extra layer only: Python code can walk around it, the layers above it not.
+
+The reported result is validated twice. Inside the sandbox a supervisor process reads the job, forks the worker,
+and only then reads a random token, so the worker's memory never holds it. The worker closes the report pipe (the
+supervisor is not dumpable and ptrace is filtered, so it cannot reopen it) and sends its count through a pipe of
+its own; the supervisor accepts only a well-formed count with 0 <= passed <= total and writes it, with the token,
+to the report pipe, where the trainer checks the token, the format and the range again. Exiting early, printing
+results, writing to inherited descriptors or claiming more passes than tests gives no pass. What no sandbox can
+prevent: the worker runs the tests, so code that subverts them in its own process (an `__eq__` that is always
+True, or a forged count on its own pipe) can score up to `total`, never more.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.rewards.sandbox.bwrap import bwrap_argv, stdlib_dirs
+from grpo.rewards.sandbox.seccomp import seccomp_programs
+
+ISOLATIONS = ("bwrap", "process")
+
+# The program run inside the sandbox (harness.py: a supervisor, then the worker it forks), passed as the source text
+# of `python -c`, so that it needs no path inside the sandbox's file system.
+HARNESS = (Path(__file__).parent / "harness.py").read_text()
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_seconds: float = 10.0  # whole run, including interpreter start-up
+    cpu_seconds: int = 10  # RLIMIT_CPU of the process running the code
+    memory_mb: int = 512  # RLIMIT_AS (address space) of each process
+    file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file the code may write
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_processes: int = 16  # RLIMIT_NPROC in the sandbox's user namespace: its processes and threads; "bwrap" only
+    disk_mb: int = 64  # size of the private /tmp (a tmpfs, so it is memory); "bwrap" only
+
+    def __post_init__(self):
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0.")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    passed: int  # tests that ran without raising, 0 <= passed <= total
+    total: int
+    error: str | None  # why the run did not complete: timeout, a limit, an exception in the code, a refused action
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot run on this machine (the message says how to fix it)."""
+
+
+def run_python(
+    code: str, tests: list[str], limits: Limits | None = None, *, isolation: str = "bwrap", audit_hook: bool = True
+) -> SandboxResult:
+    """Run `code`, then each test (a snippet that raises, typically with `assert`, when it fails), in one sandboxed
+    child process; count the tests that pass. Never raises for anything the code does; raises
+    `SandboxUnavailable` when the isolation asked for cannot run here. `audit_hook=False` leaves out the
+    Python-level layer (the tests use it to check that the OS layers hold on their own)."""
+    check_isolation(isolation)
+    return _run(code, list(tests), limits or Limits(), isolation, audit_hook)
+
+
+def check_isolation(isolation: str = "bwrap") -> None:
+    """Raise `SandboxUnavailable`, saying how to fix it, when `isolation` cannot run on this machine."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation={isolation!r}: use one of {ISOLATIONS}.")
+    if isolation == "bwrap":
+        problem = _bwrap_problem()
+        if problem:
+            raise SandboxUnavailable(problem)
+
+
+@functools.cache
+def _bwrap_problem() -> str | None:
+    weaker = "or accept the weaker, process-only sandbox by name with isolation='process' (docs/rewards.md)"
+    if shutil.which("bwrap") is None:
+        return (
+            "The code sandbox needs bubblewrap (`bwrap`), which is not installed: run `apt-get install bubblewrap` "
+            f"(Debian, Ubuntu; `dnf install bubblewrap` on Fedora), {weaker}."
+        )
+    result = _run("", ["assert True"], Limits(wall_seconds=30), "bwrap", True)
+    if result.passed != 1:
+        return (
+            f"bubblewrap is installed but could not start a sandbox here ({result.error}). It needs user "
+            "namespaces: check `sysctl kernel.unprivileged_userns_clone` (1) and, on Ubuntu 24.04, "
+            "`kernel.apparmor_restrict_unprivileged_userns` (0); in a container, allow them (e.g. docker "
+            f"--security-opt seccomp=unconfined --security-opt apparmor=unconfined), {weaker}."
+        )
+    return None
+
+
+def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook: bool) -> SandboxResult:
+    total = len(tests)
+    report_r, report_w = os.pipe()
+    job = {
+        "code": code,
+        "tests": tests,
+        "cpu": max(1, int(limits.cpu_seconds)),
+        "memory_mb": int(limits.memory_mb),
+        "file_size_mb": int(limits.file_size_mb),
+        "max_open_files": int(limits.max_open_files),
+        "nproc": int(limits.max_processes) if isolation == "bwrap" else 0,
+        "stdlib": stdlib_dirs(),
+        "report_fd": report_w,
+        "hook": audit_hook,
+        "isolation": isolation,
+    }
+    programs = seccomp_programs()
+    job["worker_seccomp"] = programs[1].hex() if programs is not None else None
+    token = secrets.token_hex(16)
+    payload = json.dumps(job).encode()
+    payload = str(len(payload)).encode() + b"\n" + payload + token.encode()
+    fds, workdir, seccomp_fd = [report_w], None, None
+    interpreter = [sys.executable, "-I", "-S", "-B", "-c", HARNESS]
+    if isolation == "bwrap":
+        if programs is not None:
+            seccomp_fd = os.memfd_create("grpo-seccomp", 0)
+            os.write(seccomp_fd, programs[0])
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            fds.append(seccomp_fd)
+        argv, cwd, env = (
+            bwrap_argv(limits.disk_mb, seccomp_fd) + interpreter[1:],
+            "/",
+            {"PATH": os.environ.get("PATH", "")},
+        )
+    else:
+        workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+        argv, cwd = interpreter, workdir
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,  # bwrap's and the supervisor's messages only: the worker's go to /dev/null
+            pass_fds=fds,
+            start_new_session=True,  # its own process group, killed as a whole below
+        )
+        os.close(report_w)
+        report_w = None
+        try:
+            _, stderr = proc.communicate(payload, timeout=limits.wall_seconds)
+        except subprocess.TimeoutExpired:
+            return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
+        finally:
+            _kill_group(proc)
+        parsed = _parse_report(_drain(report_r), token, total)
+        if parsed is not None:
+            return SandboxResult(*parsed)
+        reason = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+        detail = stderr.decode(errors="replace").strip()[-500:]
+        return SandboxResult(
+            0, total, f"the sandbox ended without a result ({reason}){': ' + detail if detail else ''}"
+        )
+    finally:
+        for fd in (report_r, report_w, seccomp_fd):
+            if fd is not None:
+                os.close(fd)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drain(fd: int, limit: int = 4096) -> bytes:
+    """What the supervisor wrote to the report pipe (everything in the sandbox is dead by now)."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = os.read(fd, limit)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
+def _parse_report(data: bytes, token: str, total: int) -> tuple[int, int, str | None] | None:
+    """(passed, total, error) from the report line, or None unless it is exactly one well-formed line with the
+    token and 0 <= passed <= total."""
+    prefix = token.encode() + b" "
+    if not data.startswith(prefix) or data.count(b"\n") != 1 or not data.endswith(b"\n"):
+        return None
+    try:
+        report = json.loads(data[len(prefix) :].decode())
+        passed, error = report["passed"], report["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if type(passed) is not int or not (error is None or isinstance(error, str)):
+        return None
+    return min(max(passed, 0), total), total, error if error is None else error[:500]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # bwrap's sandbox dies with it (--die-with-parent)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -1,0 +1,211 @@
+"""The program that runs inside the code sandbox (grpo/rewards/sandbox/__init__.py runs its source with
+`python -I -S -B -c`, under bubblewrap or as a plain child process). It sees only the standard library: it must
+never import grpo or anything installed.
+
+Its first half, the supervisor (`supervise`), runs before any untrusted code: it reads the job from stdin, holds the
+report pipe, forks the worker, and only then reads the random token, so the worker's memory never holds it. The
+worker (`work`) drops every descriptor but its own pipe, locks itself down (rlimits, a seccomp filter against new
+processes, an audit hook) and then runs the code and the tests. The supervisor accepts only a well-formed count in
+range (`verdict`) and writes it, with the token, to the report pipe.
+"""
+
+import json
+import os
+import sys
+
+
+def read_exactly(fd, n):
+    chunks = []
+    while n > 0:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("job truncated")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def set_limits(pairs):
+    import resource
+
+    for name, soft, hard in pairs:
+        try:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def install_hook(job):
+    workdir = os.path.realpath(os.getcwd())
+    readable = [workdir] + [os.path.realpath(p) for p in job["stdlib"]]
+
+    def inside(path, roots):
+        return any(path == r or path.startswith(r + os.sep) for r in roots)
+
+    def real(path):
+        if isinstance(path, int):  # an already open descriptor
+            return None
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        return os.path.realpath(os.fspath(path))
+
+    refused = set(
+        (
+            "socket.__new__ socket.connect socket.bind socket.getaddrinfo socket.gethostbyname os.fork os.forkpty "
+            "os.system os.exec os.posix_spawn os.spawn subprocess.Popen os.kill os.killpg signal.pthread_kill "
+            "ctypes.dlopen ctypes.dlsym ctypes.cdata ctypes.call_function gc.get_objects gc.get_referrers "
+            "gc.get_referents os.chroot sys._current_frames resource.setrlimit resource.prlimit os.symlink os.link"
+        ).split()
+    )
+    written = set(
+        (
+            "os.remove os.rmdir os.mkdir os.chmod os.chown os.truncate os.utime os.chflags os.lchflags os.setxattr "
+            "os.removexattr shutil.rmtree os.mkfifo os.mknod"
+        ).split()
+    )
+
+    def hook(event, args):
+        if event in refused:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0].split(".")[0] in ("ctypes", "_ctypes", "_posixsubprocess", "_socket"):
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+        if event == "open":
+            path, mode = real(args[0]), args[1] or "r"
+            write = any(c in str(mode) for c in "wax+") or (isinstance(args[2], int) and args[2] & 0o3)
+            if path is not None and not inside(path, [workdir] if write else readable):
+                raise PermissionError(f"sandbox: opening {args[0]!r} is not allowed")
+            if path is not None and os.path.isdir(path):  # a directory descriptor would allow dir_fd= paths
+                raise PermissionError(f"sandbox: opening the directory {args[0]!r} is not allowed")
+        elif event == "os.chdir":
+            if real(args[0]) is None or not inside(real(args[0]), [workdir]):
+                raise PermissionError(f"sandbox: changing directory to {args[0]!r} is not allowed")
+        elif event in ("os.listdir", "os.scandir") and args[0] is not None:
+            if real(args[0]) is not None and not inside(real(args[0]), readable):
+                raise PermissionError(f"sandbox: listing {args[0]!r} is not allowed")
+        elif event in written or event == "os.rename":
+            for p in args[:2] if event == "os.rename" else args[:1]:
+                if real(p) is not None and not inside(real(p), [workdir]):
+                    raise PermissionError(f"sandbox: {event} on {p!r} is not allowed")
+
+    for name in ("ctypes", "_ctypes"):
+        sys.modules.pop(name, None)
+    sys.addaudithook(hook)
+
+
+def no_new_processes(program):
+    # The kernel refuses fork, vfork, clone of a process and exec from here on: a fork bomb cannot start.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    code = ctypes.create_string_buffer(program, len(program))
+    fprog = Program(len(program) // 8, ctypes.addressof(code))
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "installing the worker's seccomp filter failed")
+
+
+def work(job, out):
+    # The worker: no descriptor but /dev/null and its own pipe to the supervisor, then the untrusted code.
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, out)
+    os.closerange(out + 1, 1 << 16)
+    mb = 1024 * 1024
+    limits = [("RLIMIT_CPU", job["cpu"], job["cpu"] + 1), ("RLIMIT_AS", job["memory_mb"] * mb, job["memory_mb"] * mb)]
+    if job["isolation"] == "process":
+        if not job["worker_seccomp"]:
+            # RLIMIT_NPROC counts every process of the trainer's user here: 0 refuses new ones (and threads; root
+            # is exempt). With the seccomp filter below, forks are refused by the kernel instead.
+            limits.append(("RLIMIT_NPROC", 0, 0))
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: dies with the supervisor even after leaving its group
+            libc.unshare(0x40000000)  # CLONE_NEWNET, where the kernel allows it (root, or user namespaces)
+        except Exception:
+            pass
+    set_limits(limits)
+    if job["worker_seccomp"]:
+        no_new_processes(bytes.fromhex(job["worker_seccomp"]))
+    if job["hook"]:
+        install_hook(job)
+    namespace = {"__name__": "__main__"}
+    error, passed = None, 0
+    try:
+        exec(compile(job["code"], "<completion>", "exec"), namespace)
+    except BaseException as e:
+        error = f"the code raised {type(e).__name__}: {e}"[:500]
+    if error is None:
+        for test in job["tests"]:
+            try:
+                exec(compile(test, "<test>", "exec"), namespace)
+                passed += 1
+            except BaseException:
+                pass
+    os.write(out, json.dumps({"passed": passed, "error": error}).encode())
+    os._exit(0)
+
+
+def verdict(data, status, job):
+    # Everything the worker sent is untrusted: accept only a well-formed count in range.
+    total = len(job["tests"])
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        why = {24: f"exceeded the CPU limit of {job['cpu']} s", 25: "exceeded the file size limit"}.get(sig)
+        return 0, why or f"killed by signal {sig}"
+    try:
+        report = json.loads(data.decode())
+        passed, error = report["passed"], report["error"]
+        if type(passed) is not int or not 0 <= passed <= total or not (error is None or type(error) is str):
+            raise ValueError
+        return passed, None if error is None else error[:500]
+    except Exception:
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+        return 0, f"the process ended without a valid result (exit status {code})"
+
+
+def supervise():
+    header = b""
+    while not header.endswith(b"\n"):
+        header += read_exactly(0, 1)
+    job = json.loads(read_exactly(0, int(header)))
+    report = job["report_fd"]
+    mb = 1024 * 1024
+    limits = [("RLIMIT_FSIZE", job["file_size_mb"] * mb), ("RLIMIT_NOFILE", job["max_open_files"]), ("RLIMIT_CORE", 0)]
+    if job["nproc"]:  # counted in the sandbox's own user namespace, so other sandboxes do not add to it
+        limits.append(("RLIMIT_NPROC", job["nproc"]))
+    set_limits([(name, value, value) for name, value in limits])
+    try:  # not dumpable, before the fork: the worker can never open /proc/<supervisor>/fd/<report> or attach to it
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except Exception:
+        pass
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        work(job, w)
+    os.close(w)
+    del job["code"]
+    token = read_exactly(0, 32)  # only now: the worker's memory never held it
+    data = b""
+    while len(data) < 65536:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        data += chunk
+    _, status = os.waitpid(pid, 0)
+    passed, error = verdict(data, status, job)
+    os.write(report, token + b" " + json.dumps({"passed": passed, "error": error}).encode() + b"\n")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    supervise()
