@@ -1,9 +1,38 @@
-"""GRPO: Group Relative Policy Optimization for language models, on top of `transformers.Trainer`."""
+"""GRPO: Group Relative Policy Optimization for language models, on top of `transformers.Trainer`.
+
+`GRPOConfig` is imported at once; the other public names load their modules on first use, so building a config
+(a recipe check, `grpo train --help`) loads no trainer, generation backend or reward runner.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from grpo.config import GRPOConfig
-from grpo.objective.reference import ReferenceResetCallback
-from grpo.rewards.process import StepRewards, process_reward
-from grpo.trainer import GRPOTrainer
+
+if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__getattr__` below
+    from grpo.objective.reference import ReferenceResetCallback
+    from grpo.rewards.process import StepRewards, process_reward
+    from grpo.trainer import GRPOTrainer
+
+# public name -> the module that defines it, imported when the name is first read
+_LAZY = {
+    "GRPOTrainer": "grpo.trainer",
+    "ReferenceResetCallback": "grpo.objective.reference",
+    "StepRewards": "grpo.rewards.process",
+    "process_reward": "grpo.rewards.process",
+}
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "ReferenceResetCallback", "StepRewards", "process_reward"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # read once: later reads do not come here
+        return value
+    raise AttributeError(f"module 'grpo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

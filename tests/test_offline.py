@@ -315,7 +315,7 @@ def test_save_rollouts_then_train_offline_on_them(tmp_path):
 
 def test_offline_recipe_loads_a_rollouts_file(tmp_path, monkeypatch):
     from grpo.cli.recipe import load_recipe
-    from grpo.data.loading import load_prompt_datasets
+    from grpo.cli.datasets import load_prompt_datasets
 
     monkeypatch.chdir(tmp_path)
     Path("rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scored_rows()))

@@ -165,7 +165,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
 
     # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
     _quiet_deepspeed_on_cpu()
-    from grpo.data.loading import load_prompt_datasets
+    from grpo.cli.datasets import load_prompt_datasets
     from grpo.trainer import GRPOTrainer
 
     train_data, held_out = load_prompt_datasets(recipe.dataset)

@@ -32,8 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from grpo.generation import Completions
-from grpo.generation.base import equal_runs, vllm_sampling
+from grpo.generation.base import Completions, equal_runs, vllm_sampling
 from grpo.generation.weights import checkpoint_tensors
 
 INSTALL_HINT = (
