@@ -96,6 +96,7 @@ format: $(STAMP)
 bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/logprobs_memory.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/cpu_decode.py
+	$(PY) benchmarks/cpu_memory_faults.py
 	$(TRL_PY) benchmarks/compare_trl.py --scenarios tiny,smol-8x4,smol-16x8,smol-8x4-bf16,smol-200,smol-demo,smol-8x4-mu2 --threads 1 \
 		--json docs/images/compare-trl.json --plot docs/images/compare-trl.png --write-docs docs/performance.md
 

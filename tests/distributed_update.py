@@ -78,22 +78,23 @@ def lora_step_update(output_dir, **config):
 
 
 def one_step(name, per_device, accumulation, output_dir):
-    """(update, number of processes, logged loss) of one step with the KL term on. `name`: a loss type, a variant
-    or "lora" (the default loss with a LoRA adapter; only the adapter moves)."""
+    """(update, number of processes, logged loss, parameters after the step) of one step with the KL term on.
+    `name`: a loss type, a variant or "lora" (the default loss with a LoRA adapter; only the adapter moves)."""
     if name == "lora":
         update, trainer = lora_step_update(
             output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
         )
-        return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"]
-    settings = dict(loss_type=name) if name in LOSS_TYPES else VARIANTS[name]
-    update, trainer = sgd_step_update(
-        output_dir,
-        beta=0.04,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=accumulation,
-        **settings,
-    )
-    return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"]
+    else:
+        settings = dict(loss_type=name) if name in LOSS_TYPES else VARIANTS[name]
+        update, trainer = sgd_step_update(
+            output_dir,
+            beta=0.04,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            **settings,
+        )
+    params = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"], params
 
 
 if __name__ == "__main__":

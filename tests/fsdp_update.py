@@ -96,7 +96,7 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
     """(parameters after training, trainer): plain SGD (no clipping, so a scale error shows), the KL term on (a frozen
     reference, or the adapter disabled with `lora`), STEPS optimizer steps; completions scripted unless `scripted` is
     False (then `model.generate`); from the checkpoint folder `resume` when given; the tiny model built in code, or
-    loaded from the folder `model`; scored by `rewards`."""
+    loaded from the folder `model`; scored by `rewards`. `trainer.initial`: the parameters before training."""
     tokenizer = tiny_tokenizer()
     settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
     args = GRPOConfig(
@@ -117,6 +117,7 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
         trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
     trainer.counter = StepCounter()
     trainer.add_callback(trainer.counter)
+    trainer.initial = {n: whole(p) for n, p in trainer.model.named_parameters()}  # where the updates start
     trainer.train(resume_from_checkpoint=resume)
     return {n: whole(p) for n, p in trainer.model.named_parameters()}, trainer
 

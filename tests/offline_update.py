@@ -31,8 +31,8 @@ def offline_rows(tokenizer):
 
 
 def offline_update(output_dir):
-    """(update of every parameter, number of processes, logged loss) after one plain-SGD step on all 8 groups:
-    one round of 8 groups, 2 micro-batches per process (gradient accumulation 2), loss dapo."""
+    """(update of every parameter, number of processes, logged loss, parameters after) after one plain-SGD step on
+    all 8 groups: one round of 8 groups, 2 micro-batches per process (gradient accumulation 2), loss dapo."""
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_list(offline_rows(tokenizer))
     probe = GRPOConfig(output_dir=str(output_dir), report_to="none")
@@ -55,8 +55,9 @@ def offline_update(output_dir):
     trainer = GRPOTrainer(tiny_model(tokenizer), None, args=args, train_dataset=dataset, processing_class=tokenizer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
-    return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"]
+    after = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    update = {n: p - before[n] for n, p in after.items()}
+    return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"], after
 
 
 if __name__ == "__main__":

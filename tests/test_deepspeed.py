@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.testing import save_tiny_model, save_tiny_reward_model
-from tests.fsdp_update import LOSS_TYPES, trained
+from grpo.testing import save_tiny_model, save_tiny_reward_model, tiny_model
+from tests.compare import assert_same_update, updates
+from tests.fsdp_update import LOSS_TYPES, STEPS, trained
 from tests.net import launch_two_processes
 from tests.scripted import reward_len
 
@@ -60,8 +61,8 @@ def test_zero_matches_one_process(zero, tmp_path, name):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
     assert sorted(params) == sorted(reference)
-    for key, value in reference.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name} {key}")
+    expected = updates(reference, trainer.initial)
+    assert_same_update(updates(params, trainer.initial), expected, reference, steps=STEPS, what=f"ZeRO-{stage} {name}")
     if name == "lora":  # the adapter trained (B starts at zero)
         assert any(".lora_B." in key and value.abs().sum() > 0 for key, value in params.items())
 
@@ -76,8 +77,9 @@ def test_zero_trains_a_model_loaded_from_a_folder(zero):
     expected, expected_info = results["dapo"]
     assert info["ref_partitioned"] == (stage == 3) and info["steps_run"] == 3
     assert info["losses"] == pytest.approx(expected_info["losses"], rel=1e-6)
-    for key, value in expected.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=f"ZeRO-{stage} {key}")
+    initial = dict(tiny_model().named_parameters())  # the folder holds the tiny model as built in code
+    update, expected_update = updates(params, initial), updates(expected, initial)
+    assert_same_update(update, expected_update, expected, steps=STEPS, what=f"ZeRO-{stage} from path")
 
 
 @pytest.mark.distributed
@@ -92,8 +94,8 @@ def test_zero_scores_with_a_reward_model_loaded_from_a_folder(zero, tmp_path):
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert info["rewards"] == pytest.approx([entry["reward"] for entry in logged], rel=1e-5)
     assert info["losses"] == pytest.approx([entry["loss"] for entry in logged], rel=1e-4, abs=1e-6)
-    for key, value in expected.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {key}")
+    update = updates(params, trainer.initial)
+    assert_same_update(update, updates(expected, trainer.initial), expected, steps=STEPS, what=f"ZeRO-{stage}")
 
 
 @pytest.mark.distributed
@@ -110,8 +112,9 @@ def test_zero_generate_gathers_weights(zero):
     assert all(whole for whole, _ in partitioned_calls) == (stage == 2)
     assert [ids for _, ids in gathered_calls] == [ids for _, ids in partitioned_calls]
     assert gathered_info["losses"] == pytest.approx(partitioned_info["losses"], rel=1e-6, abs=1e-8)
-    for key, value in gathered_params.items():
-        torch.testing.assert_close(partitioned_params[key], value, rtol=0, atol=1e-6, msg=key)
+    initial = dict(tiny_model().named_parameters())
+    expected = updates(gathered_params, initial)
+    assert_same_update(updates(partitioned_params, initial), expected, gathered_params, steps=2, what="partitioned")
 
 
 @pytest.mark.distributed
@@ -135,5 +138,5 @@ def test_zero_resumes_from_a_checkpoint(zero, tmp_path):
     assert resumed_info["steps_run"] == 1 and resumed_info["distributed_type"] == "DistributedType.DEEPSPEED"
     assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)
     assert sorted(resumed) == sorted(saved)
-    for key, value in saved.items():
-        torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=f"ZeRO-{stage} {key}")
+    for key, value in saved.items():  # the same last step on the same machine: rounding explains no difference
+        assert torch.equal(resumed[key], value), f"ZeRO-{stage} {key}"

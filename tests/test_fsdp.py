@@ -10,7 +10,8 @@ import torch
 
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import tiny_model
-from tests.fsdp_update import HEADS, LAYOUTS, LOSS_TYPES, head_variant, logprob_batch, logprob_loss, trained
+from tests.compare import assert_close_to_scale, assert_same_update, updates
+from tests.fsdp_update import HEADS, LAYOUTS, LOSS_TYPES, STEPS, head_variant, logprob_batch, logprob_loss, trained
 from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,13 +62,12 @@ def test_fsdp2_matches_one_process(fsdp2, tmp_path, name):
     assert info["ref_param_class"] == (None if name == "lora" else "Parameter")
     config = dict(lora=True) if name == "lora" else dict(loss_type=name)
     reference, trainer = trained(tmp_path, 8, **config)
-    initial = dict(tiny_model().named_parameters())
-    moved = [key for key, value in reference.items() if key in initial and not torch.equal(value, initial[key])]
-    assert moved or any(".lora_B." in key and value.abs().sum() > 0 for key, value in reference.items())
+    initial = trainer.initial
+    assert any(not torch.equal(value, initial[key]) for key, value in reference.items())  # the steps moved weights
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert info["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
-    for key, value in reference.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+    expected = updates(reference, initial)
+    assert_same_update(updates(params, initial), expected, reference, steps=STEPS, what=name)
 
 
 @pytest.mark.distributed
@@ -93,12 +93,12 @@ def test_fsdp2_chunked_logprobs_match_one_process(fsdp2, kind, layout):
         chunked = {"whole" if layout == "accelerate" else "gathered": tensors}
         assert calls == (chunked if path == "chunked" else {"full_logits": 1})
         for (logps, entropy), (want_logps, want_entropy) in zip(everyone, expected):
-            torch.testing.assert_close(logps, want_logps, rtol=0, atol=1e-5, msg=f"{kind} {path}")
-            torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5, msg=f"{kind} {path}")
+            assert_close_to_scale(logps, want_logps, f"{kind} {path}")
+            assert_close_to_scale(entropy, want_entropy, f"{kind} {path}")
         assert list(grads) == [name for name, _ in model.named_parameters()]
         for name, param in model.named_parameters():
             assert param.grad.abs().sum() > 0, name
-            torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=1e-6, msg=f"{kind} {path} {name}")
+            assert_close_to_scale(grads[name], param.grad, f"{kind} {path} {name}")
 
 
 @pytest.mark.distributed
@@ -109,8 +109,8 @@ def test_fsdp2_trains_a_model_loaded_from_a_folder(fsdp2):
     expected, expected_info = fsdp2["dapo"]
     assert ran(info) == SHARDED and info["steps_run"] == 3
     assert info["losses"] == pytest.approx(expected_info["losses"], rel=1e-6)
-    for key, value in expected.items():
-        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)
+    initial = dict(tiny_model().named_parameters())  # the folder holds the tiny model as built in code
+    assert_same_update(updates(params, initial), updates(expected, initial), expected, steps=STEPS, what="from path")
 
 
 @pytest.mark.distributed
@@ -149,5 +149,5 @@ def test_fsdp2_resumes_from_a_checkpoint(fsdp2, tmp_path):
     resumed, resumed_info = launch(tmp_path / "resumed.pt", "--resume", output_dir, **FSDP2_ENV)["resumed"]
     assert ran(resumed_info) == SHARDED and resumed_info["steps_run"] == 1
     assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)
-    for key, value in saved.items():
-        torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=key)
+    for key, value in saved.items():  # the same last step on the same machine: rounding explains no difference
+        assert torch.equal(resumed[key], value), key

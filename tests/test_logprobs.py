@@ -10,19 +10,20 @@ from grpo.objective.logprobs import (
     selective_log_softmax,
 )
 from grpo.testing import tiny_config, tiny_model
+from tests.compare import assert_close_to_scale
 
 
 def test_selective_log_softmax_equals_full_log_softmax():
     logits = torch.randn(3, 5, 11)
     index = torch.randint(0, 11, (3, 5))
     expected = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(selective_log_softmax(logits, index), expected)
+    assert_close_to_scale(selective_log_softmax(logits, index), expected)
 
 
 def test_entropy_from_logits():
     logits = torch.randn(2, 4, 7)
     p = torch.softmax(logits, -1)
-    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+    assert_close_to_scale(entropy_from_logits(logits), -(p * p.log()).sum(-1))
     assert entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
 
 
@@ -55,8 +56,8 @@ def test_completion_logprobs_match_unpadded_computation(tokenizer, temperature):
         )
         for i, (p, c) in enumerate(zip(prompts, completions)):
             expected = _naive_logps(model, p, c, temperature)
-            torch.testing.assert_close(logps[i, : len(c)], expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked, logps, rtol=1e-5, atol=1e-5)
+            assert_close_to_scale(logps[i, : len(c)], expected)
+    assert_close_to_scale(chunked, logps)
     assert entropy.shape == logps.shape and (entropy >= 0).all()
 
 
@@ -113,10 +114,10 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(settings):
         (expected * row_weights).sum(), [hidden, weight] + ([bias] if use_bias else [])
     )
 
-    torch.testing.assert_close(logps, expected, rtol=0, atol=1e-5)
-    torch.testing.assert_close(entropy, expected_entropy.detach(), rtol=0, atol=1e-5)
+    assert_close_to_scale(logps, expected)
+    assert_close_to_scale(entropy, expected_entropy.detach())
     for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert_close_to_scale(got, want)
     assert grads[0][4].abs().max() == 0  # the masked row gets no gradient
 
 
@@ -142,7 +143,7 @@ def test_chunked_logprobs_under_autocast_compute_like_the_models_own_head():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     plain, _ = chunked_logprobs(hidden, weight, targets, chunk_size=5, temperature=0.7)
     exact = torch.log_softmax(hidden @ weight.T / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
-    torch.testing.assert_close(plain, exact, rtol=0, atol=1e-5)
+    assert_close_to_scale(plain, exact)
     assert (plain - logps).abs().max() > 1e-3  # bf16 inputs really changed the numbers: the check above can fail
 
 
@@ -152,7 +153,7 @@ def test_chunked_logprobs_chunk_size_does_not_change_results():
     targets = torch.randint(0, 50, (10,))
     one, _ = chunked_logprobs(hidden, weight, targets, chunk_size=1)
     whole, _ = chunked_logprobs(hidden, weight, targets, chunk_size=64)
-    torch.testing.assert_close(one, whole, rtol=0, atol=1e-6)
+    assert_close_to_scale(one, whole)
 
 
 def test_auto_chunk_size_scales_with_vocabulary():
@@ -215,11 +216,11 @@ def test_completion_logprobs_follow_the_models_own_output_projection(tokenizer, 
     model.zero_grad()
     sum((e * weights[i, : len(e)]).sum() for i, e in enumerate(expected)).backward()
     for i, e in enumerate(expected):
-        torch.testing.assert_close(logps[i, : len(e)], e, rtol=0, atol=1e-5)
+        assert_close_to_scale(logps[i, : len(e)], e)
         assert (logps[i, len(e) :] == 0).all()
     assert grads, "no parameter received a gradient"
     for name, param in model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert_close_to_scale(grads[name], param.grad, name)
 
 
 def test_padding_free_equals_padded(tokenizer):
@@ -227,8 +228,8 @@ def test_padding_free_equals_padded(tokenizer):
     _, _, batch = _batch()
     padded, padded_entropy = completion_logprobs(model, *batch, with_entropy=True)
     packed, packed_entropy = completion_logprobs(model, *batch, with_entropy=True, padding_free=True)
-    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed_entropy, padded_entropy, rtol=0, atol=1e-5)
+    assert_close_to_scale(packed, padded)
+    assert_close_to_scale(packed_entropy, padded_entropy)
 
 
 @pytest.mark.parametrize("path", ["padded", "padding_free", "shared_prompt"])
@@ -262,7 +263,7 @@ def test_extra_padding_columns_change_nothing(tokenizer):
         torch.nn.functional.pad(completion_mask, (0, 4)),
     )
     assert widened.shape == (3, completion_ids.shape[1] + 4)
-    torch.testing.assert_close(widened[:, : completion_ids.shape[1]], logps, rtol=0, atol=1e-6)
+    assert_close_to_scale(widened[:, : completion_ids.shape[1]], logps)
     assert (widened[:, completion_ids.shape[1] :] == 0).all()
 
 
@@ -274,8 +275,8 @@ def test_sharded_projection_falls_back_to_the_models_logits(tokenizer, monkeypat
     chunked, chunked_entropy = completion_logprobs(model, *batch, with_entropy=True)
     monkeypatch.setattr(grpo.objective.logprobs, "_is_sharded", lambda weight: True)
     full, full_entropy = completion_logprobs(model, *batch, with_entropy=True)
-    torch.testing.assert_close(full, chunked, rtol=0, atol=1e-5)
-    torch.testing.assert_close(full_entropy, chunked_entropy, rtol=0, atol=1e-5)
+    assert_close_to_scale(full, chunked)
+    assert_close_to_scale(full_entropy, chunked_entropy)
 
 
 def test_lora_adapters_get_the_same_gradients_as_through_full_logits(tokenizer):
@@ -293,7 +294,7 @@ def test_lora_adapters_get_the_same_gradients_as_through_full_logits(tokenizer):
     assert grads and all(g.abs().sum() > 0 for g in grads.values())
     for name, param in model.named_parameters():
         if param.requires_grad:
-            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+            assert_close_to_scale(grads[name], param.grad, name)
 
 
 def test_unwrap_parallel_answers_as_accelerate_does(tokenizer):

@@ -14,6 +14,7 @@ from grpo.data import InputError
 from grpo.data.offline import OfflineGroups, load_scored_rollouts, prompt_key
 from grpo.objective.loss import group_advantages, group_reward_stats, grouped_advantages, mixed_advantages
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.compare import assert_same_update
 from tests.naive import naive_grouped_advantages, naive_policy_loss
 from tests.net import launch_two_processes
 from tests.scripted import TINY, ScriptedGeneration, capture_batches, reward_len
@@ -314,8 +315,8 @@ def test_save_rollouts_then_train_offline_on_them(tmp_path):
 
 
 def test_offline_recipe_loads_a_rollouts_file(tmp_path, monkeypatch):
-    from grpo.cli.recipe import load_recipe
     from grpo.cli.datasets import load_prompt_datasets
+    from grpo.cli.recipe import load_recipe
 
     monkeypatch.chdir(tmp_path)
     Path("rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scored_rows()))
@@ -352,10 +353,9 @@ def test_two_processes_match_one(tmp_path):
     launch_two_processes(ROOT / "tests" / "offline_update.py", out_file)
     from tests.offline_update import offline_update
 
-    update, world_size, loss = torch.load(out_file)
+    update, world_size, loss, _ = torch.load(out_file)
     assert world_size == 2
-    reference, _, reference_loss = offline_update(str(tmp_path / "one"))
+    reference, _, reference_loss, params = offline_update(str(tmp_path / "one"))
     assert sum(d.abs().sum() for d in reference.values()) > 0
     assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6)
-    for name in reference:
-        torch.testing.assert_close(update[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_update(update, reference, params, what="2 processes")

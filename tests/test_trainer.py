@@ -10,6 +10,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model
+from tests.compare import assert_same_update
 from tests.scripted import TINY, capture_batches, reward_len, sgd_step_update
 
 
@@ -183,13 +184,14 @@ def test_user_script_trains_every_parameter(tmp_path, tiny_model_path, prompt_da
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_accumulation_gives_the_same_update(tmp_path, loss_type):
-    reference, _ = sgd_step_update(
+    reference, trainer = sgd_step_update(
         tmp_path / "ref",
         loss_type=loss_type,
         beta=0.04,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
     )
+    params = dict(trainer.model.named_parameters())
     assert sum(d.abs().sum() for d in reference.values()) > 0
     for per_device, accumulation in [(4, 2), (2, 4)]:
         update, _ = sgd_step_update(
@@ -199,8 +201,7 @@ def test_accumulation_gives_the_same_update(tmp_path, loss_type):
             per_device_train_batch_size=per_device,
             gradient_accumulation_steps=accumulation,
         )
-        for n in reference:
-            torch.testing.assert_close(update[n], reference[n], rtol=1e-4, atol=1e-7, msg=f"{loss_type} {n}")
+        assert_same_update(update, reference, params, what=f"{loss_type} {per_device}x{accumulation}")
 
 
 @pytest.mark.slow
@@ -208,21 +209,20 @@ def test_dapo_normaliser_is_the_optimizer_step_when_a_round_feeds_two_steps(tmp_
     # One round of 8 rows feeding two optimizer steps of 2 x 2 rows: the first step sees exactly the rows (group 1)
     # that a round of 4 rows feeding one step sees, so both first updates must match if dapo divides by the
     # step's tokens (dividing by the round's tokens would shrink it).
-    aligned, _ = sgd_step_update(
+    aligned, trainer = sgd_step_update(
         tmp_path / "aligned",
         loss_type="dapo",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
     )
-    spanning, trainer = sgd_step_update(
+    spanning, _ = sgd_step_update(
         tmp_path / "spanning",
         loss_type="dapo",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         steps_per_generation=4,
     )
-    for n in aligned:
-        torch.testing.assert_close(spanning[n], aligned[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_update(spanning, aligned, dict(trainer.model.named_parameters()), what="dapo spanning")
 
 
 @pytest.mark.slow
@@ -267,8 +267,7 @@ def test_padding_free_and_chunk_size_leave_the_update_unchanged(tmp_path):
     )
     assert trainer.padding_free is True
     assert sum(d.abs().sum() for d in reference.values()) > 0
-    for n in reference:
-        torch.testing.assert_close(packed[n], reference[n], rtol=1e-4, atol=1e-7, msg=n)
+    assert_same_update(packed, reference, dict(trainer.model.named_parameters()), what="padding-free")
 
 
 def test_mixed_precision_samples_in_one_autocast_region(tmp_path, tiny_model_path, prompt_dataset, monkeypatch):
