@@ -20,7 +20,7 @@ Printed per scenario: the median seconds per optimizer step (over the steps afte
 repeats), the median CPU seconds per step of the run's process (`time.process_time`: on a machine shared with other
 jobs the steadier figure, with `--threads 1` the work itself), completion tokens per second (rows x L / step
 time), peak memory (the child's peak resident set size from `os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
-goes, from wrapping its methods in the child (grpo/trainer.py is not changed): generation split into prefill (up to
+goes, from wrapping its methods in the child (grpo/training/trainer.py is not changed): generation split into prefill (up to
 the first sampled token) and decode, reward, old/reference log-probs, forward+backward (the training micro-step
 without the generation round), optimizer (Trainer's optimizer step) and the rest. On a GPU, scenario gpu-0.5b also
 prints the model FLOP utilisation of our training forward+backward (6 x parameters x tokens against the bf16 peak
@@ -35,9 +35,9 @@ once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer be
 a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from the training pass of its first
 iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
 `ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
-(grpo/cpu_memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
-still maps each of those afresh: `grpo.cpu_memory.MMAP_MAX = None`). `ours-mkl`: `cpu_decode_kernel=False`, the decoding
-steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/generation/cpu_linear.py). `ours-head-draw`:
+(grpo/contrib/cpu/memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
+still maps each of those afresh: `grpo.contrib.cpu.memory.MMAP_MAX = None`). `ours-mkl`: `cpu_decode_kernel=False`, the decoding
+steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/contrib/cpu/decode.py). `ours-head-draw`:
 the trainer before two changes of 2026-11-24 evening: the next tokens drawn by `torch.multinomial` inside the
 kernel's context (not `cpu_linear.categorical`), and the model's own head run on the last position of every log-prob
 pass (not on none, grpo/objective/logprobs.py).
@@ -254,7 +254,8 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
 
         args = GRPOConfig(**settings, model_init_kwargs={"dtype": dtype})
     else:
-        from grpo import GRPOConfig, GRPOTrainer, cpu_memory
+        from grpo import GRPOConfig, GRPOTrainer
+        from grpo.contrib.cpu import memory as cpu_memory
         from grpo.generation import TransformersGeneration
         from grpo.objective import old_policy, shared_prompt
 
@@ -271,7 +272,7 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         if kind == "ours-head-draw":
             import contextlib
 
-            from grpo.generation import cpu_linear
+            from grpo.contrib.cpu import decode as cpu_linear
             from grpo.objective import logprobs
 
             cpu_linear._single_draw = lambda *args, **kwargs: None

@@ -1,4 +1,4 @@
-"""Decoding on a CPU: grpo's few-row kernel and single draws (grpo/generation/cpu_linear.py) against torch's
+"""Decoding on a CPU: grpo's few-row kernel and single draws (grpo/contrib/cpu/decode.py) against torch's
 products (MKL) and `torch.multinomial`.
 
     python benchmarks/cpu_decode.py                      # torch's thread count
@@ -26,7 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from grpo.generation import TransformersGeneration, cpu_linear
+from grpo.contrib.cpu import decode as cpu_linear
+from grpo.generation import TransformersGeneration
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 key-value heads of 64, 30 layers, vocabulary 49,152.
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]

@@ -1,4 +1,4 @@
-"""Page faults per training step with and without `keep_freed_cpu_memory` (grpo/cpu_memory.py), side by side.
+"""Page faults per training step with and without `keep_freed_cpu_memory` (grpo/contrib/cpu/memory.py), side by side.
 
     python benchmarks/cpu_memory_faults.py                      # 3 runs of each setting, 16 steps each
     python benchmarks/cpu_memory_faults.py --runs 5 --steps 64
@@ -36,7 +36,7 @@ LOOP = """
 import resource, sys, torch
 mode, steps = sys.argv[1], int(sys.argv[2])
 if mode != "default":
-    from grpo import cpu_memory
+    from grpo.contrib.cpu import memory as cpu_memory
     if mode == "keep-mmap":
         cpu_memory.MMAP_MAX = None
     assert cpu_memory.keep_freed_memory(), "glibc refused the settings"

@@ -138,7 +138,7 @@ def run_mode(mode: str, steps: int, cores: list[int]) -> dict:
     server, port = None, None
     trainer_cores = cores
     if mode in ("server", "async-server"):
-        from grpo.generation.vllm_client import VLLMClient
+        from grpo.generation.vllm.client import VLLMClient
         from grpo.models import smollm2_path
 
         port, trainer_cores = _free_port(), cores[:1]

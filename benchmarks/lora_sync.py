@@ -29,9 +29,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.generation import lora_sync
-from grpo.generation.vllm_client import VLLMClient
-from grpo.generation.weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.vllm import lora_sync
+from grpo.generation.vllm.client import VLLMClient
 from grpo.models import smollm2_path
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]

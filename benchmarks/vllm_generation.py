@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.data import render_prompt, tokenize_prompts
 from grpo.generation import TransformersGeneration
-from grpo.generation.vllm_client import VLLMClient
-from grpo.generation.weights import checkpoint_tensors
+from grpo.generation.policy_weights import checkpoint_tensors
+from grpo.generation.vllm.client import VLLMClient
 from grpo.models import smollm2_path
 
 PROMPTS, G, TOKENS = 8, 8, 64

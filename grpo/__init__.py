@@ -12,11 +12,11 @@ from grpo.config import GRPOConfig
 if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__getattr__` below
     from grpo.objective.reference import ReferenceResetCallback
     from grpo.rewards.process import StepRewards, process_reward
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.trainer import GRPOTrainer
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
-    "GRPOTrainer": "grpo.trainer",
+    "GRPOTrainer": "grpo.training.trainer",
     "ReferenceResetCallback": "grpo.objective.reference",
     "StepRewards": "grpo.rewards.process",
     "process_reward": "grpo.rewards.process",

@@ -19,7 +19,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from grpo.generation import TransformersGeneration
-from grpo.generation.weights import _full, checkpoint_tensors, zero3_gathered_for_generation
+from grpo.generation.policy_weights import _full, checkpoint_tensors, zero3_gathered_for_generation
 from grpo.models import is_zero3_partitioned
 from tests.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
 from tests.net import end_launched_process

@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 import grpo.objective.logprobs as logprobs
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import pad
-from grpo.generation.weights import checkpoint_tensors
+from grpo.generation.policy_weights import checkpoint_tensors
 from grpo.objective.logprobs import _is_sharded, completion_logprobs
 from grpo.testing import save_tiny_model, tiny_config, tiny_model, tiny_tokenizer
 from tests.distributed_update import lora_config

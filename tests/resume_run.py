@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpo.checkpoints  # noqa: E402
+import grpo.training.checkpoints  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
 from tests.distributed_update import lora_config  # noqa: E402
@@ -67,14 +67,14 @@ def main():
     cli = parser.parse_args()
 
     if cli.kill_in_save is not None:
-        publish = grpo.checkpoints.publish
+        publish = grpo.training.checkpoints.publish
 
         def publish_or_die(staged, final):
             if final.endswith(f"checkpoint-{cli.kill_in_save}"):
                 os.kill(os.getpid(), signal.SIGKILL)
             publish(staged, final)
 
-        grpo.checkpoints.publish = publish_or_die
+        grpo.training.checkpoints.publish = publish_or_die
 
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})

@@ -1,4 +1,4 @@
-"""Asynchronous generation (grpo/generation/asynchronous.py, grpo/async_rounds.py): the producer's version gate,
+"""Asynchronous generation (grpo/generation/async_engine.py, grpo/training/async_rounds.py): the producer's version gate,
 max_staleness=0 against the synchronous updates, and at staleness 1 each round's weights version and the behaviour
 policy its loss is corrected with."""
 
@@ -11,12 +11,12 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.async_rounds import AsyncRounds
 from grpo.data import InputError
 from grpo.data.sampler import round_indices
 from grpo.generation import Completions
-from grpo.generation.asynchronous import ProducerError, RoundProducer, SharedEngine
+from grpo.generation.async_engine import ProducerError, RoundProducer, SharedEngine
 from grpo.testing import tiny_model, tiny_tokenizer
+from grpo.training.async_rounds import AsyncRounds
 from tests.compare import assert_close_to_scale, assert_same_update, updates
 from tests.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, use_sampler
 

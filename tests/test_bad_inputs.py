@@ -381,7 +381,7 @@ def test_inputs_are_checked_before_any_weight_loads(tmp_path, monkeypatch, case)
     the reference's (`make_reference`) and the reward models' (`load_reward_model`). None may run before the error."""
     import grpo.models
     import grpo.rewards.names
-    import grpo.trainer
+    import grpo.training.trainer
 
     kwargs, error, problem, fix = BEFORE_LOADING_CASES[case]
     loaded = []
@@ -394,7 +394,7 @@ def test_inputs_are_checked_before_any_weight_loads(tmp_path, monkeypatch, case)
         return loads
 
     monkeypatch.setattr(grpo.models, "load_causal_lm", spy("load_causal_lm"))
-    monkeypatch.setattr(grpo.trainer, "make_reference", spy("make_reference"))
+    monkeypatch.setattr(grpo.training.trainer, "make_reference", spy("make_reference"))
     monkeypatch.setattr(grpo.rewards.names, "load_reward_model", spy("load_reward_model"))
     kwargs = dict(kwargs)
     settings = {k: kwargs.pop(k) for k in ("reward_weights", "beta", "sync_ref_model") if k in kwargs}

@@ -1,11 +1,12 @@
-"""grpo/generation/cpu_linear.py: the few-row CPU kernel computes F.linear, is used only where it applies, and
+"""grpo/contrib/cpu/decode.py: the few-row CPU kernel computes F.linear, is used only where it applies, and
 generation with it gives what generation with torch's products gives."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo.generation import TransformersGeneration, cpu_linear, make_generation_backend
+from grpo.contrib.cpu import decode as cpu_linear
+from grpo.generation import TransformersGeneration, make_generation_backend
 
 needs_kernel = pytest.mark.skipif(
     not cpu_linear.available(), reason="needs Linux x86-64 with AVX-512 and a C compiler"

@@ -1,4 +1,4 @@
-"""grpo/cpu_memory.py: on glibc, large blocks come from the heap and freed ones stay there for reuse; the trainer
+"""grpo/contrib/cpu/memory.py: on glibc, large blocks come from the heap and freed ones stay there for reuse; the trainer
 applies it on a CPU unless told not to. What the settings do to the allocator is read from glibc's own bookkeeping
 (`mallinfo2`), which depends only on the process's calls to malloc and free, never on the machine's load; the page
 faults they save per step are counted by benchmarks/cpu_memory_faults.py."""
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import grpo.cpu_memory
-import grpo.trainer
+import grpo.contrib.cpu.memory
+import grpo.training.trainer
 from grpo import GRPOTrainer
 from tests.scripted import TINY
 
@@ -21,7 +21,7 @@ MiB = 2**20
 # In a fresh interpreter (the settings are process-wide and cannot be undone) that imports no torch: malloc a block
 # of each size, free it, and print per block the bytes glibc mapped for it on their own (mmap, unmapped again at
 # free: fresh pages next time) and the bytes its heap gave back to the OS at the free (trimmed: fresh pages next
-# time too). grpo/cpu_memory.py needs only the standard library and is loaded by its path.
+# time too). grpo/contrib/cpu/memory.py needs only the standard library and is loaded by its path.
 ALLOCATOR = """
 import ctypes, importlib.util, sys
 libc = ctypes.CDLL("libc.so.6")
@@ -55,7 +55,7 @@ def _allocations(mode: str) -> list[tuple[int, int]]:
     """(bytes mapped on their own, bytes trimmed from the heap at the free) of each block of SIZES."""
     # glibc's own settings from the environment would change the default's answers: left out.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
-    command = [sys.executable, "-c", ALLOCATOR, mode, grpo.cpu_memory.__file__, *map(str, SIZES)]
+    command = [sys.executable, "-c", ALLOCATOR, mode, grpo.contrib.cpu.memory.__file__, *map(str, SIZES)]
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     return [tuple(int(n) for n in line.split()) for line in out.splitlines()]
 
@@ -76,9 +76,9 @@ def test_keep_freed_memory_does_nothing_without_glibc(monkeypatch):
     def no_libc(*args):
         raise AssertionError("the C library was loaded")
 
-    monkeypatch.setattr(grpo.cpu_memory.platform, "libc_ver", lambda: ("", ""))
-    monkeypatch.setattr(grpo.cpu_memory.ctypes, "CDLL", no_libc)
-    assert grpo.cpu_memory.keep_freed_memory() is False
+    monkeypatch.setattr(grpo.contrib.cpu.memory.platform, "libc_ver", lambda: ("", ""))
+    monkeypatch.setattr(grpo.contrib.cpu.memory.ctypes, "CDLL", no_libc)
+    assert grpo.contrib.cpu.memory.keep_freed_memory() is False
 
 
 def test_the_trainer_keeps_freed_memory_on_a_cpu_unless_told_not_to(
@@ -87,7 +87,7 @@ def test_the_trainer_keeps_freed_memory_on_a_cpu_unless_told_not_to(
     from grpo import GRPOConfig
 
     calls = []
-    monkeypatch.setattr(grpo.trainer, "keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(grpo.training.trainer, "keep_freed_memory", lambda: calls.append(1))
     GRPOTrainer(
         tiny_model_path,
         lambda completions, **kw: [0.0] * len(completions),

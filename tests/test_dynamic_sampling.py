@@ -1,11 +1,11 @@
-"""The bookkeeping of dynamic sampling (grpo/dynamic_sampling.py, `Rollout.select`) on hand-made rounds."""
+"""The bookkeeping of dynamic sampling (grpo/training/dynamic_sampling.py, `Rollout.select`) on hand-made rounds."""
 
 import math
 
 import torch
 
-from grpo.dynamic_sampling import zero_advantage_groups
 from grpo.rollout import Rollout
+from grpo.training.dynamic_sampling import zero_advantage_groups
 
 PAD = 9
 

@@ -1,16 +1,16 @@
-"""The metric reductions of grpo/metrics.py on hand-made numbers."""
+"""The metric reductions of grpo/training/metrics.py on hand-made numbers."""
 
 import math
 
 import pytest
 import torch
 
-from grpo.metrics import (
+from grpo.objective.token_weights import sampling_summary
+from grpo.training.metrics import (
     MetricsWindow,
     add_round_metrics,
     add_sampling_metrics,
     add_token_metrics,
-    sampling_summary,
     token_metric_totals,
 )
 

@@ -8,9 +8,9 @@ import torch
 import yaml
 
 from grpo.cli import main
+from grpo.cli.datasets import load_prompt_datasets
 from grpo.cli.plot import plot_run
 from grpo.cli.recipe import DatasetSection, RecipeError, RewardSpec, load_recipe, parse_overrides, resolve_reward
-from grpo.cli.datasets import load_prompt_datasets
 
 RECIPES = sorted((Path(__file__).parent.parent / "examples" / "recipes").glob("*.yaml"))
 

@@ -13,10 +13,12 @@ import torch
 from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.data import InputError
-from grpo.metrics import MetricsWindow, add_round_metrics
-from grpo.nonfinite import (
+from grpo.objective.loss import policy_loss
+from grpo.testing import tiny_model
+from grpo.training.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
+from grpo.training.metrics import MetricsWindow, add_round_metrics
+from grpo.training.nonfinite import (
     GradientGuard,
     LossRecord,
     NonFiniteError,
@@ -27,8 +29,6 @@ from grpo.nonfinite import (
     reward_overflow_message,
     terms_finite,
 )
-from grpo.objective.loss import policy_loss
-from grpo.testing import tiny_model
 from tests.scripted import TINY, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.checkpoints import newest_checkpoint
+from grpo.training.checkpoints import newest_checkpoint
 from tests.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent

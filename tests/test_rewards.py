@@ -63,7 +63,7 @@ def test_accuracy_runs_in_worker_threads():
 
 def test_one_completion_text_for_rewards_reports_and_step_positions():
     from grpo.cli import _text
-    from grpo.metrics import format_completions
+    from grpo.training.metrics import format_completions
 
     chat = [{"role": "assistant", "content": "2 + 2\n= 4"}]
     assert rewards.completion_text("4") == "4" and rewards.completion_text(chat) == "2 + 2\n= 4"

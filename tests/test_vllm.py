@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo.generation.vllm_client import VLLMClient, VLLMServerError  # noqa: E402
-from grpo.generation.weights import checkpoint_tensors  # noqa: E402
+from grpo.generation.policy_weights import checkpoint_tensors  # noqa: E402
+from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
 from tests.net import free_port, launch_two_processes  # noqa: E402
 

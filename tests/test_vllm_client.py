@@ -13,11 +13,18 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from grpo.generation.vllm_client import VLLMClient, VLLMServerError
-from grpo.generation.vllm_server import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
-from grpo.generation.vllm_server_mode import VLLMGeneration
-from grpo.generation.weight_sync import check_token, open_group, open_store, receive_weights, send_token, send_weights
-from grpo.generation.weights import checkpoint_tensors
+from grpo.generation.policy_weights import checkpoint_tensors
+from grpo.generation.vllm.client import VLLMClient, VLLMServerError
+from grpo.generation.vllm.serve import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
+from grpo.generation.vllm.server_backend import VLLMGeneration
+from grpo.generation.vllm.weight_sync import (
+    check_token,
+    open_group,
+    open_store,
+    receive_weights,
+    send_token,
+    send_weights,
+)
 from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
 from tests.net import free_port, stand_in_server
@@ -263,7 +270,7 @@ def test_config_refuses_what_the_server_cannot_do():
 
 
 def test_generate_jobs_keep_each_prompts_seed_wherever_it_runs():
-    from grpo.generation.vllm_server import _generate_jobs
+    from grpo.generation.vllm.serve import _generate_jobs
 
     jobs = _generate_jobs([[1], [2], [3]], seed=10, n=4, num_engines=2, sampling={"n": 4})
     assert [job["prompts"] for job in jobs] == [[[1], [2]], [[3]]]
@@ -275,7 +282,7 @@ def test_generate_jobs_keep_each_prompts_seed_wherever_it_runs():
 
 
 def test_adapter_refusal():
-    from grpo.generation.vllm_server import _adapter_refusal
+    from grpo.generation.vllm.serve import _adapter_refusal
 
     assert _adapter_refusal(None, lora_enabled=False) is None
     assert _adapter_refusal({"peft_type": "LORA"}, lora_enabled=True) is None

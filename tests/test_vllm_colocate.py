@@ -19,7 +19,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
-from grpo.generation.vllm_colocate import VLLMColocateGeneration  # noqa: E402
+from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
 from tests.net import launch_two_processes  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 from grpo import GRPOConfig
 from grpo.generation import make_generation_backend
 from grpo.generation.base import equal_runs
-from grpo.generation.vllm_colocate import VLLMColocateGeneration
+from grpo.generation.vllm.colocate import VLLMColocateGeneration
 from grpo.testing import tiny_model
 
 ONE_PROCESS = types.SimpleNamespace(process_index=0, local_process_index=0, num_processes=1)

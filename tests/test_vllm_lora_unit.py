@@ -11,10 +11,10 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from grpo.generation import lora_sync
-from grpo.generation.vllm_server import add_arguments, lora_engine_kwargs
-from grpo.generation.vllm_server_mode import VLLMGeneration
-from grpo.generation.weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.vllm import lora_sync
+from grpo.generation.vllm.serve import add_arguments, lora_engine_kwargs
+from grpo.generation.vllm.server_backend import VLLMGeneration
 from grpo.testing import tiny_model
 
 peft = pytest.importorskip("peft")
@@ -155,7 +155,7 @@ def _backend(client):
 def test_a_lora_server_gets_the_adapter_and_its_config(caplog):
     model = _lora_model()
     backend = _backend(_SyncClient({"lora": True, "max_lora_rank": 16}))
-    with caplog.at_level("INFO", logger="grpo.generation.vllm_server_mode"):
+    with caplog.at_level("INFO", logger="grpo.generation.vllm.server_backend"):
         backend.sync_weights(model, version=0)
         backend.sync_weights(model, version=1)
     assert [r.getMessage() for r in caplog.records].count(

@@ -19,10 +19,10 @@ import argparse
 import os
 import sys
 
-from grpo.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
 from grpo.cli.recipe import load_recipe, resolve_reward
 from grpo.data import InputError, completion_text
-from grpo.nonfinite import NonFiniteError
+from grpo.training.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
+from grpo.training.nonfinite import NonFiniteError
 
 
 def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
@@ -166,7 +166,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
     _quiet_deepspeed_on_cpu()
     from grpo.cli.datasets import load_prompt_datasets
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.trainer import GRPOTrainer
 
     train_data, held_out = load_prompt_datasets(recipe.dataset)
     search = [recipe.source.parent.resolve()] if recipe.source else []
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a vLLM engine over HTTP for GRPOTrainer(use_vllm=True): generation with n completions per "
         "prompt and weight updates from the trainer. Needs vLLM installed in this environment.",
     )
-    from grpo.generation.vllm_server import add_arguments
+    from grpo.generation.vllm.serve import add_arguments
 
     add_arguments(serve_parser)
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plot_run(cli.output_dir, cli.out))
         elif cli.command == "vllm-serve":
-            from grpo.generation.vllm_server import serve
+            from grpo.generation.vllm.serve import serve
 
             serve(cli)
     except (InputError, FileNotFoundError) as e:

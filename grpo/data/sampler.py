@@ -163,7 +163,7 @@ def step_schedule(args, num_samples: int) -> StepSchedule:
 def round_indices(args, num_samples: int, round_index: int, process_index: int, num_processes: int) -> list[int]:
     """The dataset indices of this process's rows of training round `round_index` (counted from the start of
     training, across epochs): what the trainer's loader hands this process at that round's first micro-step. The
-    asynchronous producer (grpo/generation/asynchronous.py) reads rounds ahead of the loader with it."""
+    asynchronous producer (grpo/generation/async_engine.py) reads rounds ahead of the loader with it."""
     sampler = train_sampler(args, num_samples)
     rounds_per_epoch = num_samples // sampler.prompts_per_round
     epoch, within = divmod(round_index, rounds_per_epoch)

@@ -2,10 +2,11 @@
 sampled completion per row, through the backend `make_generation_backend` picks for a config.
 
 Backends implement `GenerationBackend` (base.py): `TransformersGeneration` (model_generate.py, the policy's own
-`generate`), `VLLMGeneration` (vllm_server_mode.py, a `grpo vllm-serve` server, whose HTTP client is vllm_client.py and
-whose server is vllm_server.py) and `VLLMColocateGeneration` (vllm_colocate.py, an engine inside each training
-process). The weights a vLLM engine needs come from weights.py and travel by weight_sync.py (all of them) or
-lora_sync.py (the adapter alone); docs/vllm.md.
+`generate`), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-serve` server, whose HTTP client is
+vllm/client.py and whose server is vllm/serve.py) and `VLLMColocateGeneration` (vllm/colocate.py, an engine inside
+each training process). The weights a vLLM engine needs come from policy_weights.py and travel by
+vllm/weight_sync.py (all of them) or vllm/lora_sync.py (the adapter alone); docs/vllm.md. Asynchronous generation's
+engine, shared between the producer thread and the trainer, is async_engine.py.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
             **sampling,
         )
     if args.vllm_mode == "colocate":
-        from grpo.generation.vllm_colocate import VLLMColocateGeneration
+        from grpo.generation.vllm.colocate import VLLMColocateGeneration
 
         return VLLMColocateGeneration(
             accelerator,
@@ -60,8 +61,8 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             **sampling,
         )
-    from grpo.generation.vllm_client import VLLMClient
-    from grpo.generation.vllm_server_mode import VLLMGeneration
+    from grpo.generation.vllm.client import VLLMClient
+    from grpo.generation.vllm.server_backend import VLLMGeneration
 
     client = VLLMClient(
         base_url=args.vllm_server_base_url,

@@ -6,7 +6,7 @@ times along the batch, and lets `generate` continue from it: the last prompt tok
 computed per row as before, so each row is the same draw from the same distribution, for a G-th of the prefill.
 
 On a CPU, with `cpu_decode_kernel`, the decoding steps' few-row matrix products run grpo's own kernel and their
-draws take one uniform number per row (cpu_linear.py) where it pays: float32 models with weights too large for the
+draws take one uniform number per row (grpo/contrib/cpu/decode.py) where it pays: float32 models with weights too large for the
 CPU's caches, no autocast.
 """
 
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
+from grpo.contrib.cpu import decode as cpu_linear
 from grpo.data import pad
-from grpo.generation import cpu_linear
 from grpo.generation.base import Completions, equal_runs
 
 
@@ -50,7 +50,9 @@ class TransformersGeneration:
         cpu_decode_kernel: bool = True,
     ):
         self.pad_token_id = pad_token_id
-        self.cpu_decode_kernel = cpu_decode_kernel  # few-row products by grpo's kernel on a CPU (cpu_linear.py)
+        self.cpu_decode_kernel = (
+            cpu_decode_kernel  # few-row products by grpo's kernel on a CPU (grpo/contrib/cpu/decode.py)
+        )
         settings = {
             "max_new_tokens": max_completion_length,
             "do_sample": not greedy,

@@ -1,4 +1,4 @@
-"""A reference policy that moves: soft updates (`sync_ref_model`) and the iterative scheme (`ref_model_reset_steps`).
+"""The reference policy pi_ref (`make_reference`, `reference_policy`), and a reference that moves: soft updates (`sync_ref_model`) and the iterative scheme (`ref_model_reset_steps`).
 
     ref <- alpha * policy + (1 - alpha) * ref      every `ref_model_sync_steps` steps  (TR-DPO, arXiv:2404.09656)
     ref <- policy                                  every `ref_model_reset_steps` steps (DeepSeekMath, Algorithm 1)
@@ -12,11 +12,14 @@ examples/iterative_reward_model.py). `ReferenceResetCallback` is a base class wi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from grpo.models import frozen, frozen_copy, is_peft_model, is_zero3_partitioned, load_causal_lm
+from grpo.models import frozen, frozen_copy, is_peft_model, is_zero3_partitioned, load_causal_lm, unwrap_parallel
 
 
 def reference_moves(args, peft: bool) -> bool:
@@ -31,6 +34,17 @@ def reference_moves(args, peft: bool) -> bool:
             "adapter (model.merge_and_unload()) and train the full model."
         )
     return moves
+
+
+@contextlib.contextmanager
+def reference_policy(model: nn.Module, ref_model: nn.Module | None) -> Iterator[nn.Module]:
+    """pi_ref for the training `model` (maybe wrapped for parallelism): `ref_model`, the frozen copy, or when there
+    is none (a PEFT policy) the policy itself with its adapter switched off for the duration."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with unwrap_parallel(model).disable_adapter():
+        yield model
 
 
 def make_reference(model: nn.Module, args, source: str | nn.Module | None = None) -> tuple[nn.Module | None, bool]:

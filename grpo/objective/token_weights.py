@@ -1,14 +1,14 @@
 """Per-token weights of the policy term that need more than one micro-batch's numbers: the high-entropy token mask
 (`top_entropy_quantile`, a threshold over every process's tokens) and the truncated importance-sampling weights of a
 sampler with numerics, or weights, of its own (vLLM; async generation's stale rounds). The formulas are pure
-functions in loss.py; this module gathers what they need and records their metrics."""
+functions in loss.py; this module gathers what they need and returns this process's share of their metrics, which
+the trainer gathers and records."""
 
 from __future__ import annotations
 
 import torch
 from accelerate.utils import gather
 
-from grpo import metrics
 from grpo.objective.loss import entropy_threshold, sampling_correction
 
 
@@ -22,12 +22,13 @@ def policy_mask(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float,
     return entropy >= entropy_threshold(everyone, quantile)
 
 
-def sampling_weights(logps: torch.Tensor, inputs: dict, args, window, accelerator) -> torch.Tensor | None:
+def sampling_weights(logps: torch.Tensor, inputs: dict, args) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The sampler drew the tokens from its own distribution, not exactly pi_old (numerics, or older weights):
-    truncated importance-sampling weights pi_old / pi_sampler (`sampling_correction`), None without sampler
-    log-probs. On-policy, pi_old is the current policy (logps.detach()): no extra forward. Records sampling/*."""
+    truncated importance-sampling weights pi_old / pi_sampler (`sampling_correction`) and this process's share of the
+    sampling/* metrics (`sampling_summary`); (None, None) without sampler log-probs. On-policy, pi_old is the current
+    policy (logps.detach()): no extra forward."""
     if "sampling_logps" not in inputs:
-        return None
+        return None, None
     old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
     weights, stats = sampling_correction(
         old,
@@ -36,5 +37,27 @@ def sampling_weights(logps: torch.Tensor, inputs: dict, args, window, accelerato
         mode=args.vllm_importance_sampling_mode,
         cap=args.vllm_importance_sampling_cap,
     )
-    metrics.add_sampling_metrics(window, gather(metrics.sampling_summary(stats, inputs["loss_mask"])[None]))
-    return weights
+    return weights, sampling_summary(stats, inputs["loss_mask"])
+
+
+def sampling_summary(stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:
+    """This process's share of the `sampling/*` metrics (`sampling_correction`'s stats over the loss tokens; per
+    sequence modes: over the rows with a loss token), as one (7,) tensor to gather: sums and counts of the log-prob
+    difference and of the ratio, then the peaks (max difference, max ratio, -min ratio; -inf when empty)."""
+    mask = loss_mask.bool()
+    ratio = stats["ratio"]  # (B, T), or (B, 1) per sequence
+    ratio = ratio[mask] if ratio.shape == mask.shape else ratio[mask.any(dim=1)].reshape(-1)
+    difference = stats["logp_difference"][mask]
+    floor = torch.full((1,), -torch.inf, device=mask.device)  # max() of nothing
+    counts = torch.tensor([float(difference.numel()), float(ratio.numel())], device=mask.device)
+    return torch.stack(
+        [
+            difference.sum(),
+            counts[0],
+            ratio.sum(),
+            counts[1],
+            torch.cat([difference, floor]).max(),
+            torch.cat([ratio, floor]).max(),
+            torch.cat([-ratio, floor]).max(),
+        ]
+    )

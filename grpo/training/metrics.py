@@ -128,31 +128,8 @@ def warn_mostly_unscored(unscored: dict[str, float], none: float, rows: int) -> 
     )
 
 
-def sampling_summary(stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:
-    """This process's share of the `sampling/*` metrics (`sampling_correction`'s stats over the loss tokens; per
-    sequence modes: over the rows with a loss token), as one (7,) tensor to gather: sums and counts of the log-prob
-    difference and of the ratio, then the peaks (max difference, max ratio, -min ratio; -inf when empty)."""
-    mask = loss_mask.bool()
-    ratio = stats["ratio"]  # (B, T), or (B, 1) per sequence
-    ratio = ratio[mask] if ratio.shape == mask.shape else ratio[mask.any(dim=1)].reshape(-1)
-    difference = stats["logp_difference"][mask]
-    floor = torch.full((1,), -torch.inf, device=mask.device)  # max() of nothing
-    counts = torch.tensor([float(difference.numel()), float(ratio.numel())], device=mask.device)
-    return torch.stack(
-        [
-            difference.sum(),
-            counts[0],
-            ratio.sum(),
-            counts[1],
-            torch.cat([difference, floor]).max(),
-            torch.cat([ratio, floor]).max(),
-            torch.cat([-ratio, floor]).max(),
-        ]
-    )
-
-
 def add_sampling_metrics(window: MetricsWindow, summaries: torch.Tensor) -> None:
-    """Reduce every process's `sampling_summary` ((P, 7), gathered) into the window."""
+    """Reduce every process's `sampling_summary` (grpo/objective/token_weights.py; (P, 7), gathered) into the window."""
     sums, peaks = summaries[:, :4].sum(dim=0), summaries[:, 4:].amax(dim=0)
     window.add_mean("sampling/sampling_logp_difference/mean", sums[0], sums[1])
     window.add_mean("sampling/importance_sampling_ratio/mean", sums[2], sums[3])

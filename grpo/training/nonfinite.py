@@ -2,7 +2,7 @@
 
 Three places can bring an inf or NaN into an update, and each is checked where its cause can still be named:
   1. rewards: a reward function returned +-inf (NaN is not an error: it is how an unscored row is marked, and a
-     round where most rows are unscored only warns, by function: `grpo.metrics.warn_mostly_unscored`), or the
+     round where most rows are unscored only warns, by function: `grpo.training.metrics.warn_mostly_unscored`), or the
      rewards are so large that their group spread overflows float32 (std = inf would give every row A = 0, a
      silently zero gradient);
   2. the loss: its value and the terms it is made of (the KL, the policy log-probs, the importance ratio, the

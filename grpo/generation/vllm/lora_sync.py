@@ -3,8 +3,8 @@
 Trainer side: `sync_mode` picks what a sync sends, `adapter_problems` lists what keeps vLLM from serving the adapter
 (each with its fix), `adapter_config` is the JSON of its `LoraConfig` (the server writes it as adapter_config.json).
 Server side: `write_adapter` writes the directory that vLLM's `LoRARequest` loads. The adapter's tensors themselves
-come from `grpo.generation.vllm_client.adapter_tensors` and travel over the weight-sync group like merged weights
-(grpo/generation/weight_sync.py). Nothing here imports vLLM or PEFT; docs/vllm.md#lora-merged-or-adapter-sync says which mode
+come from `grpo.generation.vllm.client.adapter_tensors` and travel over the weight-sync group like merged weights
+(grpo/generation/vllm/weight_sync.py). Nothing here imports vLLM or PEFT; docs/vllm.md#lora-merged-or-adapter-sync says which mode
 to pick.
 """
 

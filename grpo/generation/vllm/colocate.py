@@ -6,7 +6,7 @@ Each process builds one `vllm.LLM` on its own device the first time it needs it 
 parallelism is not built here), runs vLLM's engine core in this process (no child process, no HTTP, no weight-sync
 group), and loads the policy's weights into it directly whenever an optimizer step changed them (docs/vllm.md).
 
-Where this departs from the server backend (grpo/generation/vllm_client.py):
+Where this departs from the server backend (grpo/generation/vllm/client.py):
 - Each process generates only its own rows, so nothing is gathered or broadcast. A group of G equal rows may span two
   processes (grpo/data/sampler.py): each process sends every run of equal consecutive rows once, with n = the run's
   length. A split group is then sampled as two requests with different seeds, which are still G independent samples
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from grpo.generation.base import Completions, equal_runs, vllm_sampling
-from grpo.generation.weights import checkpoint_tensors
+from grpo.generation.policy_weights import checkpoint_tensors
 
 INSTALL_HINT = (
     "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
@@ -45,7 +45,7 @@ INSTALL_HINT = (
 def _reload(worker, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run inside vLLM's worker (`LLM.collective_rpc`): load checkpoint-named tensors in place. `reload_weights`
     fuses q/k/v and gate/up and repacks for the device's kernels; the model's own `load_weights` fails on vLLM's CPU
-    build once weights were repacked (grpo/generation/vllm_server.py uses the same call)."""
+    build once weights were repacked (grpo/generation/vllm/serve.py uses the same call)."""
     worker.model_runner.reload_weights(weights_iterator=tensors)
 
 

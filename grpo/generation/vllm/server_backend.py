@@ -12,10 +12,10 @@ import logging
 import torch
 from torch import nn
 
-from grpo.generation import lora_sync
 from grpo.generation.base import Completions, equal_runs, vllm_sampling
-from grpo.generation.vllm_client import VLLMClient, VLLMServerError
-from grpo.generation.weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.vllm import lora_sync
+from grpo.generation.vllm.client import VLLMClient, VLLMServerError
 from grpo.models import is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class VLLMGeneration:
 
     def generate_local(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
         """This process's rows, sent by this process itself, with no collective call (the async producer thread,
-        grpo/generation/asynchronous.py). Each run of equal rows goes as one prompt with n = its length (a group split
+        grpo/generation/async_engine.py). Each run of equal rows goes as one prompt with n = its length (a group split
         between processes is two runs), one request per distinct length."""
         runs = equal_runs(prompt_ids)
         by_count: dict[int, list[int]] = {}

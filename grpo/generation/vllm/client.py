@@ -1,9 +1,9 @@
-"""`VLLMClient`: the trainer's HTTP client of `grpo vllm-serve` (grpo/generation/vllm_server.py), and the weight-sync
+"""`VLLMClient`: the trainer's HTTP client of `grpo vllm-serve` (grpo/generation/vllm/serve.py), and the weight-sync
 communicator it opens with the server.
 
 It speaks the server's API with the standard library only: requests retry with backoff while the server cannot be
 reached, up to `timeout` seconds, then fail with the host, the port and the command that starts a server. The backend
-that uses it is `VLLMGeneration` (grpo/generation/vllm_server_mode.py); vLLM itself is never imported here.
+that uses it is `VLLMGeneration` (grpo/generation/vllm/server_backend.py); vLLM itself is never imported here.
 
 A server started with an API key (docs/vllm.md#security) needs `Authorization: Bearer <key>` on every request: the
 client sends it when it is given `api_key`, or else when GRPO_VLLM_API_KEY is set. Answers are parsed as JSON only.
@@ -24,11 +24,11 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo.generation import weight_sync
+from grpo.generation.vllm import weight_sync
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the server (grpo/generation/vllm_server.py) reads the same variable
+API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the server (grpo/generation/vllm/serve.py) reads the same variable
 
 
 class VLLMServerError(RuntimeError):

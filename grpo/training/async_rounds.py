@@ -1,5 +1,5 @@
 """The trainer's side of asynchronous generation (`async_generation=True`; the mechanism is in
-grpo/generation/asynchronous.py, the objective in docs/vllm.md#asynchronous-generation).
+grpo/generation/async_engine.py, the objective in docs/vllm.md#asynchronous-generation).
 
 `AsyncRounds` starts the producer at the first training round, has it make round r from the rows the trainer's loader
 will hand this process at that round (`round_indices`), and when the trainer reaches round r hands it over checked:
@@ -17,7 +17,7 @@ from accelerate.utils import gather
 
 from grpo.data import InputError
 from grpo.data.sampler import round_indices
-from grpo.generation.asynchronous import (
+from grpo.generation.async_engine import (
     PolicyCopyGeneration,
     RoundProducer,
     SharedEngine,

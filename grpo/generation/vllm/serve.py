@@ -8,7 +8,7 @@ Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
     GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size,
                                LoRA (lora, max_lora_rank)
     POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs
-    POST /init_communicator    open the weight-sync process group (grpo/generation/weight_sync.py) with the trainer
+    POST /init_communicator    open the weight-sync process group (grpo/generation/vllm/weight_sync.py) with the trainer
     POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache; with
                                "adapter" (a LoraConfig's JSON), a LoRA adapter that every later /generate uses
     POST /reset_prefix_cache   drop cached prefixes (computed with older weights)
@@ -45,12 +45,12 @@ import threading
 import time
 from typing import Any
 
-from grpo.generation.lora_sync import MAX_LORA_RANKS, write_adapter
-from grpo.generation.weight_sync import check_token, open_group, receive_weights
+from grpo.generation.vllm.lora_sync import MAX_LORA_RANKS, write_adapter
+from grpo.generation.vllm.weight_sync import check_token, open_group, receive_weights
 
-logger = logging.getLogger("grpo.generation.vllm_server")
+logger = logging.getLogger("grpo.generation.vllm.serve")
 
-API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the client (grpo/generation/vllm_client.py) reads the same variable
+API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the client (grpo/generation/vllm/client.py) reads the same variable
 
 
 # ---- The worker side of weight sync: mixed into vLLM's worker class (`worker_extension_cls`) ----
@@ -77,7 +77,7 @@ class WeightSyncWorker:
         self.weight_group = group
 
     def receive_weights(self) -> None:
-        """Stream the buckets the trainer broadcasts into the model (grpo/generation/weight_sync.py).
+        """Stream the buckets the trainer broadcasts into the model (grpo/generation/vllm/weight_sync.py).
 
         `reload_weights` is the engine's in-place reload: it takes checkpoint (Hugging Face) names, fuses q/k/v
         and gate/up, shards for tensor parallelism and repacks for the device's kernels, on CPU and GPU alike (the
@@ -525,7 +525,7 @@ def serve(args) -> None:
         )
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.generation.vllm_server %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.generation.vllm.serve %(message)s")
     api_key = resolve_api_key(args.api_key)
     warning = exposure_warning(args.host, api_key)
     if warning:  # now, before the engines' minutes of loading, and again once serving

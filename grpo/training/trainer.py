@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,27 +19,13 @@ from transformers import (
     TrainerCallback,
 )
 
-from grpo import metrics
-from grpo.async_rounds import AsyncRounds
-from grpo.checkpoints import (
-    STATE_FILE,
-    ResumableTrainer,
-    load_reference,
-    load_state,
-    round_settings,
-    save_reference,
-    save_state,
-)
 from grpo.config import GRPOConfig
-from grpo.cpu_memory import keep_freed_memory
+from grpo.contrib.cpu.memory import keep_freed_memory
 from grpo.data import check_prompt_dataset, offline
 from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
-from grpo.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
-from grpo.generation.weights import zero3_gathered_for_generation
-from grpo.metrics import MetricsWindow
+from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
-from grpo.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 from grpo.objective import old_policy
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import (
@@ -48,10 +34,24 @@ from grpo.objective.loss import (
     policy_loss,
     window_token_totals,
 )
-from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves
+from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
 from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import Rollout, gather_rows
+from grpo.training import metrics
+from grpo.training.async_rounds import AsyncRounds
+from grpo.training.checkpoints import (
+    STATE_FILE,
+    ResumableTrainer,
+    load_reference,
+    load_state,
+    round_settings,
+    save_reference,
+    save_state,
+)
+from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
+from grpo.training.metrics import MetricsWindow
+from grpo.training.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -71,7 +71,7 @@ class GRPOTrainer(ResumableTrainer):
       4. Score every completion with every reward function (process functions: step rewards); gather rewards
          from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
          With `async_generation`, the next round's steps 2-4 on this process run in a producer thread while this one
-         trains (grpo/async_rounds.py); the rewards are gathered when the trainer takes the round.
+         trains (grpo/training/async_rounds.py); the rewards are gathered when the trainer takes the round.
       5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
       6. pi_old: a micro-batch trained before its round's first optimizer step has it in its own training pass
          (old = logp.detach(), kept for replays); the others get old log-probs from a pass before any update.
@@ -158,7 +158,7 @@ class GRPOTrainer(ResumableTrainer):
             optimizers=optimizers,
         )
         if args.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            keep_freed_memory()  # no page faults for every gradient at every step (grpo/cpu_memory.py)
+            keep_freed_memory()  # no page faults for every gradient at every step (grpo/contrib/cpu/memory.py)
         self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self._metrics["train"])
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
@@ -173,7 +173,7 @@ class GRPOTrainer(ResumableTrainer):
         self.generation = make_generation_backend(
             args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids
         )
-        # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/async_rounds.py).
+        # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
         self._async = AsyncRounds(self) if args.async_generation else None
         # Each process samples with its own seed: rows of one group on two processes must not share random draws.
         set_seed(args.seed, device_specific=True)
@@ -313,7 +313,7 @@ class GRPOTrainer(ResumableTrainer):
         return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
 
     def _finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int) -> torch.Tensor:
-        """All processes' `rewards` (gathered) through `finite_rewards` (grpo/nonfinite.py), counting rows it unscored."""
+        """All processes' `rewards` (gathered) through `finite_rewards` (grpo/training/nonfinite.py), counting rows it unscored."""
         rewards = gather_rows(self.accelerator, rewards, torch.nan)
         rewards, count = finite_rewards(rewards, names, self.args.nonfinite, self.state.global_step, rows)
         if count:
@@ -331,7 +331,7 @@ class GRPOTrainer(ResumableTrainer):
         )
 
     def _dynamic_sampling(self, rollout: Rollout) -> Rollout:
-        """Step 4b (DAPO dynamic sampling, grpo/dynamic_sampling.py): zero-advantage groups replaced by groups
+        """Step 4b (DAPO dynamic sampling, grpo/training/dynamic_sampling.py): zero-advantage groups replaced by groups
         with a spread from extra rounds; this process's share of the chosen groups."""
         args, pad_id, rows = self.args, self.processing_class.pad_token_id, rollout.num_rows
         index = self.accelerator.process_index
@@ -361,7 +361,7 @@ class GRPOTrainer(ResumableTrainer):
         )
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         if args.beta != 0:
-            with torch.no_grad(), self._reference() as reference:
+            with torch.no_grad(), reference_policy(self.model, self.ref_model) as reference:
                 rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
         if args.log_completions and mode == "train":
             columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
@@ -372,7 +372,7 @@ class GRPOTrainer(ResumableTrainer):
         return rollout
 
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
-        """Metrics of one generation round, over the rows of all processes (grpo/metrics.py)."""
+        """Metrics of one generation round, over the rows of all processes (grpo/training/metrics.py)."""
         columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         lengths = gather_rows(self.accelerator, rollout.completion_mask.sum(dim=1))  # (B_global,)
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
@@ -391,6 +391,9 @@ class GRPOTrainer(ResumableTrainer):
         mode = "train" if model.training else "eval"
         logps, entropy = self._logprobs(model, inputs, with_entropy=True)
         old_logps = old_policy.take(inputs, logps, self.state.global_step)  # None: on-policy, logps.detach()
+        weights, sampling = sampling_weights(logps, inputs, self.args)
+        if sampling is not None:  # every process's share of the sampling/* metrics
+            metrics.add_sampling_metrics(self._metrics[mode], gather(sampling[None]))
         normalizer = None
         if self.args.loss_type == "dapo":
             # Loss tokens of the whole optimizer step on all processes; divided by the process count because
@@ -403,7 +406,7 @@ class GRPOTrainer(ResumableTrainer):
             inputs["advantages"],
             inputs["loss_mask"],
             policy_mask=policy_mask(entropy, inputs["loss_mask"], self.args.top_entropy_quantile, self.accelerator),
-            sampling_weights=sampling_weights(logps, inputs, self.args, self._metrics[mode], self.accelerator),
+            sampling_weights=weights,
             normalizer=normalizer,
             **loss_settings(self.args),
         )
@@ -412,22 +415,13 @@ class GRPOTrainer(ResumableTrainer):
                 # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
                 # (dapo's normaliser spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
                 loss = loss / self.current_gradient_accumulation_steps
-            # Checked at the optimizer step, with what names the row of a non-finite term (grpo/nonfinite.py).
+            # Checked at the optimizer step, with what names the row of a non-finite term (grpo/training/nonfinite.py).
             terms = {"loss": loss.detach(), **stats}
             self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))
         # Token-weighted metrics, summed over processes.
         totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
         metrics.add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
-
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference policy pi_ref: the frozen copy, or the PEFT policy with its adapter switched off."""
-        if self.ref_model is not None:
-            yield self.ref_model
-            return
-        with unwrap_parallel(self.model).disable_adapter():
-            yield self.model
 
     def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
@@ -456,10 +450,10 @@ class GRPOTrainer(ResumableTrainer):
         if self._async is not None:
             self._async.close()
 
-    # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/checkpoints.py, `ResumableTrainer`) ----
+    # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/training/checkpoints.py, `ResumableTrainer`) ----
 
     def _save_state(self, checkpoint_dir: str) -> None:
-        """What this process needs beyond Trainer's checkpoint to continue exactly (see grpo/checkpoints.py)."""
+        """What this process needs beyond Trainer's checkpoint to continue exactly (see grpo/training/checkpoints.py)."""
         state = {
             "settings": round_settings(self.args, self.accelerator.num_processes),
             "step": self._step,
