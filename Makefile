@@ -122,6 +122,8 @@ bench-modes: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/generation_modes.py
 
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
+# The recipe switches on the opt-in CPU options (kernel, draw, malloc settings for its own process), so that
+# `grpo train examples/recipes/demo.yaml` typed by hand runs as fast as this target (docs/performance.md).
 demo: $(STAMP)
 	$(PY) -m grpo train examples/recipes/demo.yaml
 

@@ -2,7 +2,7 @@
 
     make bench-trl                                                   # every scenario this machine can run
     .venv-trl/bin/python benchmarks/compare_trl.py --scenarios tiny --steps 3          # a quick run
-    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours,ours-base --repeats 2
+    .venv-trl/bin/python benchmarks/compare_trl.py --scenarios smol-8x4 --kinds trl,ours-cpu --repeats 2
     .venv-trl/bin/python benchmarks/compare_trl.py --plot docs/images/compare-trl.png
     make bench       # the CPU scenarios, then the table into docs/performance.md (--write-docs), the chart, the JSON
     .venv-trl/bin/python benchmarks/compare_trl.py --merge a.json b.json --write-docs docs/performance.md
@@ -19,33 +19,29 @@ number of tokens. smol-8x4-bf16 is smol-8x4 with `bf16=True` in both (autocast o
 Printed per scenario: the median seconds per optimizer step (over the steps after the first, then the median over
 repeats), the median CPU seconds per step of the run's process (`time.process_time`: on a machine shared with other
 jobs the steadier figure, with `--threads 1` the work itself), completion tokens per second (rows x L / step
-time), peak memory (the child's peak resident set size from `os.wait4` on CPU; `torch.cuda.max_memory_allocated` on GPU) and ours / TRL. For our trainer, where the step's time
-goes, from wrapping its methods in the child (grpo/training/trainer.py is not changed): generation split into prefill (up to
-the first sampled token) and decode, reward, old/reference log-probs, forward+backward (the training micro-step
-without the generation round), optimizer (Trainer's optimizer step) and the rest. On a GPU, scenario gpu-0.5b also
+time), peak memory (the child's peak resident set size from `os.wait4` on CPU; `torch.cuda.max_memory_allocated` on
+GPU) and ours / TRL. For our trainer, where the step's time goes, from its public hooks in the child (`Phases`: a
+subclass overriding Trainer's `training_step` and `compute_loss`, the sampler's `generate` and the reward function
+wrapped): generation split into prefill (up to the first sampled token) and decode, reward, old/reference log-probs
+(the rest of the generation round), forward+backward (the training micro-step from `compute_loss` on), optimizer
+(Trainer's optimizer step) and the rest. On a GPU, scenario gpu-0.5b also
 prints the model FLOP utilisation of our training forward+backward (6 x parameters x tokens against the bf16 peak
 given by --peak-tflops). `--json` saves the summaries with each scenario's machine, versions, date and load;
 `--write-docs PAGE` replaces the block between the page's `<!-- compare-trl:begin -->` and `<!-- compare-trl:end -->`
 markers with the table, so the published numbers are the benchmark's own output.
 
-Kinds: `trl`; `ours`; and ours with one of its two prompt-sharing paths switched off, for their before/after:
-`ours-noprefill` (`TransformersGeneration.share_prefill = False`: generation prefills every copy of a prompt, as
-`generate` alone does), `ours-noprompt` (the log-prob passes run every row whole instead of each distinct prompt
-once, grpo/objective/shared_prompt.py) and `ours-base` (both off: the trainer before this work). `ours-prepass`:
-a replayed round's pi_old from a no-grad pass of its own (as TRL does), not from the training pass of its first
-iteration (grpo/objective/old_policy.py); in smol-8x4-mu2, where rounds are replayed, `ours-base` does the same.
-`ours-nokeep`: `keep_freed_cpu_memory=False`, freed memory handed back to the OS as the C library does by default
-(grpo/contrib/cpu/memory.py). `ours-mmap`: the setting as it was before blocks above 32 MiB came from the heap too (glibc
-still maps each of those afresh: `grpo.contrib.cpu.memory.MMAP_MAX = None`). `ours-mkl`: `cpu_decode_kernel=False`, the decoding
-steps' few-row products by torch (MKL) instead of grpo's kernel (grpo/contrib/cpu/decode.py). `ours-head-draw`:
-the trainer before two changes of 2026-11-24 evening: the next tokens drawn by `torch.multinomial` inside the
-kernel's context (not `cpu_linear.categorical`), and the model's own head run on the last position of every log-prob
-pass (not on none, grpo/objective/logprobs.py).
+Kinds: `trl`; `ours`, this trainer with its defaults; `ours-cpu`, the same with the three opt-in CPU options on
+(`cpu_decode_kernel`, `cpu_inverse_cdf_sampling`, `keep_freed_cpu_memory`: grpo/contrib/cpu/), as the demo's recipe
+sets them. Each kind of ours is a set of GRPOConfig fields a user could set (`OURS`). The before-kinds of earlier
+measurements (`ours-noprefill`, `ours-noprompt`, `ours-base`, `ours-prepass`, `ours-mmap`, `ours-head-draw`, and
+`ours-nokeep` and `ours-mkl`, which the CPU options' own fields now express) patched private functions or module
+attributes of grpo and were removed (issue 27); their numbers stay in docs/performance.md as history.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -74,6 +70,11 @@ SCENARIOS = {
     "smol-8x4-mu2": dict(model="smollm2", rows=8, G=4, P=40, L=32, beta=0.04, loss="dapo", iterations=2),
     "gpu-0.5b": dict(model="qwen-0.5b", rows=8, G=8, P=512, L=256, beta=0.04, loss="dapo", gpu=True),
 }
+# Our trainer's kinds of run, each a set of GRPOConfig fields a user could set: the defaults, and the three opt-in CPU
+# options (grpo/contrib/cpu/; docs/performance.md, "Opt-in CPU tuning") on, as examples/recipes/demo.yaml sets them.
+CPU_OPTIONS = dict(cpu_decode_kernel=True, cpu_inverse_cdf_sampling=True, keep_freed_cpu_memory=True)
+OURS = {"ours": {}, "ours-cpu": CPU_OPTIONS}
+KINDS = ["trl", *OURS]
 CPU_SCENARIOS = ["tiny", "smol-200", "smol-8x4", "smol-16x8", "smol-8x4-bf16", "smol-demo", "smol-8x4-mu2"]
 PHASES = ["prefill", "decode", "reward", "old/ref logps", "forward+backward", "optimizer"]
 
@@ -128,40 +129,68 @@ def reward_vowels(prompts, completions, **kwargs):
 
 
 class Phases:
-    """Seconds per phase of our trainer's current optimizer step, from wrapped methods."""
+    """Seconds per phase of our trainer's current optimizer step, from public hooks only: Trainer's `training_step`
+    and `compute_loss` (overridden in a subclass, as Trainer invites), the sampler's `generate` and the reward
+    function (wrapped), and the step callbacks. A micro-step's generation round (when it starts one) runs inside
+    `training_step` before `compute_loss`: generation, the reward, then the old and reference log-prob passes, which
+    are what is left of that stretch (with the round's bookkeeping, milliseconds)."""
 
     def __init__(self, completion_length: int):
         self.L, self.current, self.steps = completion_length, {}, []
-        self.in_loss = False
+        self.loss_start = None
 
     def add(self, name, seconds):
         self.current[name] = self.current.get(name, 0.0) + seconds
 
-    def instrument(self, trainer_cls, generation_cls):
+    def reward(self, fn):
+        """The reward function `fn`, its calls timed as the reward phase."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add("reward", time.perf_counter() - start)
+
+        return timed
+
+    def trainer_class(self, base):
+        """`base` (GRPOTrainer) with each micro-step split where `compute_loss` starts: before it the generation round
+        (when the micro-step starts one), after it the forward and backward."""
         import torch
 
         phases = self
 
-        def timed(fn, name=None, when=lambda: True):
-            def wrapper(*args, **kwargs):
+        class Timed(base):
+            def training_step(self, *args, **kwargs):
+                phases.loss_start = None
                 start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    if when():
-                        phases.add(name, time.perf_counter() - start)
+                result = super().training_step(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                phases.add("round", phases.loss_start - start)
+                phases.add("forward+backward", time.perf_counter() - phases.loss_start)
+                return result
 
-            return wrapper
+            def compute_loss(self, *args, **kwargs):
+                if phases.loss_start is None:
+                    phases.loss_start = time.perf_counter()
+                return super().compute_loss(*args, **kwargs)
 
-        generate = generation_cls.generate
+        return Timed
 
-        def generate_split(self, model, prompt_ids):
+    def split_generation(self, sampler):
+        """The sampler's `generate` (an instance attribute) timed as prefill and decode."""
+        generate, phases = sampler.generate, self
+
+        def generate_split(model, prompt_ids):
             # `generate` runs L forward passes for L forced tokens: the first samples token 1 (with the prompt, or
             # after the shared prefill), the other L - 1 decode. Prefill = until the end of the first of those L.
             ends, start = [], time.perf_counter()
             handle = model.register_forward_hook(lambda *a: ends.append(time.perf_counter()))
             try:
-                out = generate(self, model, prompt_ids)
+                out = generate(model, prompt_ids)
             finally:
                 handle.remove()
             total = time.perf_counter() - start
@@ -170,40 +199,12 @@ class Phases:
             phases.add("decode", total - prefill)
             return out
 
-        generation_cls.generate = generate_split
-        trainer_cls._score = timed(trainer_cls._score, "reward")
-        trainer_cls._logprobs = timed(trainer_cls._logprobs, "old/ref logps", when=lambda: not phases.in_loss)
-
-        compute_loss = trainer_cls.compute_loss
-
-        def compute_loss_flagged(*args, **kwargs):
-            phases.in_loss = True
-            try:
-                return compute_loss(*args, **kwargs)
-            finally:
-                phases.in_loss = False
-
-        trainer_cls.compute_loss = compute_loss_flagged
-        prepare = trainer_cls._prepare_inputs
-        training_step = trainer_cls.training_step
-
-        def training_step_timed(self, *args, **kwargs):
-            # forward+backward = the micro-step minus the generation round it may start (_prepare_inputs).
-            before = dict(phases.current)
-            start = time.perf_counter()
-            result = training_step(self, *args, **kwargs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            inside = sum(phases.current.get(k, 0.0) - before.get(k, 0.0) for k in ("prepare",))
-            phases.add("forward+backward", elapsed - inside)
-            return result
-
-        trainer_cls._prepare_inputs = timed(prepare, "prepare")
-        trainer_cls.training_step = training_step_timed
+        sampler.generate = generate_split
 
     def finish_step(self, seconds):
-        step = {k: v for k, v in self.current.items() if k != "prepare"}
+        step = dict(self.current)
+        sampled = sum(step.get(k, 0.0) for k in ("prefill", "decode", "reward"))
+        step["old/ref logps"] = max(step.pop("round", 0.0) - sampled, 0.0)
         step["other"] = seconds - sum(step.values())
         self.steps.append(step)
         self.current = {}
@@ -255,36 +256,10 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
         args = GRPOConfig(**settings, model_init_kwargs={"dtype": dtype})
     else:
         from grpo import GRPOConfig, GRPOTrainer
-        from grpo.contrib.cpu import memory as cpu_memory
-        from grpo.generation import TransformersGeneration
-        from grpo.objective import old_policy, shared_prompt
 
-        # Only the two kinds that measure it turn the shared prefill off (before 2026-11-24 evening every kind but
-        # ours, ours-noprompt and ours-prepass did, so ours-nokeep, ours-mmap and ours-mkl ran without it too).
-        TransformersGeneration.share_prefill = kind not in ("ours-noprefill", "ours-base")
-        if kind in ("ours-noprompt", "ours-base"):
-            shared_prompt.can_share = lambda *args: False
-        if kind in ("ours-prepass", "ours-base") and spec.get("iterations", 1) > 1:
-            # a replayed round's pi_old from a no-grad pass over it, as before grpo/objective/old_policy.py
-            old_policy.first_pass_micro_batches = lambda *args: 0
-        if kind == "ours-mmap":
-            cpu_memory.MMAP_MAX = None
-        if kind == "ours-head-draw":
-            import contextlib
-
-            from grpo.contrib.cpu import decode as cpu_linear
-            from grpo.objective import logprobs
-
-            cpu_linear._single_draw = lambda *args, **kwargs: None
-            logprobs._head_on_no_positions = lambda model: contextlib.nullcontext()
-        args = GRPOConfig(
-            **settings,
-            max_prompt_length=None,
-            keep_freed_cpu_memory=kind != "ours-nokeep",
-            cpu_decode_kernel=kind != "ours-mkl",
-        )
+        args = GRPOConfig(**settings, max_prompt_length=None, **OURS[kind])
         phases = Phases(spec["L"])
-        phases.instrument(GRPOTrainer, TransformersGeneration)
+        GRPOTrainer = phases.trainer_class(GRPOTrainer)  # noqa: N806
 
     step_times, cpu_times = [], []
 
@@ -311,9 +286,12 @@ def child(kind: str, scenario: str, steps: int, cache: Path) -> dict:
             if phases is not None:
                 phases.finish_step(step_times[-1])
 
+    reward = phases.reward(reward_vowels) if phases else reward_vowels
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_vowels, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
+    if phases:
+        phases.split_generation(trainer.generation)
     trainer.add_callback(StepTimer())
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -426,15 +404,8 @@ def plot(path: str, table: dict) -> None:
     names = list(table)
     labels = {
         "trl": "TRL 1.16",
-        "ours-base": "grpo without prompt sharing",
-        "ours-noprefill": "grpo, generation prefills every copy",
-        "ours-noprompt": "grpo, log-probs run every row whole",
-        "ours-prepass": "grpo, a pass of its own for pi_old",
-        "ours-nokeep": "grpo, freed memory handed back to the OS",
-        "ours-mmap": "grpo, blocks above 32 MiB mapped afresh",
-        "ours-mkl": "grpo, decoding products by MKL",
-        "ours-head-draw": "grpo, torch's draws, head on the last position",
-        "ours": "grpo",
+        "ours": "grpo, defaults",
+        "ours-cpu": "grpo, the CPU options on",
     }
     table = {name: kinds_of(rows) for name, rows in table.items()}
     kinds = [k for k in labels if any(k in table[n] for n in names)]
@@ -465,8 +436,8 @@ def main():
     parser.add_argument("--scenarios", default="all", help=f"comma-separated, of {', '.join(SCENARIOS)}; or all")
     parser.add_argument(
         "--kinds",
-        default="trl,ours",
-        help="comma-separated, of trl, ours, ours-noprefill, ours-noprompt, ours-prepass, ours-nokeep, ours-mmap, ours-mkl, ours-head-draw, ours-base",
+        default="trl,ours,ours-cpu",
+        help=f"comma-separated, of {', '.join(KINDS)} (ours-cpu: the opt-in CPU options on)",
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not counted)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each kind per scenario, alternated")
@@ -510,6 +481,9 @@ def main():
 
     names = list(SCENARIOS) if cli.scenarios == "all" else cli.scenarios.split(",")
     kinds = cli.kinds.split(",")
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        parser.error(f"unknown kinds {unknown}; the kinds are {', '.join(KINDS)}")
     on_gpu = torch.cuda.is_available()
     machine = torch.cuda.get_device_name() if on_gpu else f"{cpu_name()}, {os.cpu_count()} cores"
     threads = cli.threads or torch.get_num_threads()
@@ -543,30 +517,32 @@ BEGIN, END = "<!-- compare-trl:begin -->", "<!-- compare-trl:end -->"
 
 
 def docs_block(table: dict) -> str:
-    """The measured table as Markdown: per scenario ours against TRL in wall and CPU time and peak memory, how and
-    where it was measured, then where our step's time goes."""
+    """The measured table as Markdown: per scenario and kind of ours (`OURS`), ours against TRL in wall and CPU time
+    and peak memory, how and where it was measured, then where our step's time goes."""
     lines = [
-        "| scenario | TRL s/step | ours s/step | **ours / TRL** | TRL CPU s/step | ours CPU s/step | CPU ratio "
+        "| scenario | kind | TRL s/step | ours s/step | **ours / TRL** | TRL CPU s/step | ours CPU s/step | CPU ratio "
         "| TRL peak memory | ours peak memory | memory ratio | runs x steps | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    split = ["| scenario | " + " | ".join(PHASES) + " | rest |", "|---" * (len(PHASES) + 2) + "|"]
+    split = ["| scenario | kind | " + " | ".join(PHASES) + " | rest |", "|---" * (len(PHASES) + 3) + "|"]
     where = set()
     for name, rows in table.items():
         run, kinds = rows.get("_run", {}), kinds_of(rows)
-        if "trl" in kinds and "ours" in kinds:
-            trl, ours = kinds["trl"], kinds["ours"]
-            load = f"{run['load_start']:.1f}-{run['load_end']:.1f}" if run else "not recorded"
-            size = f"{run['repeats']} x {run['steps']}" if run else f"{len(ours['runs'])} x ?"
-            lines.append(
-                f"| {name} | {trl['step']:.2f} | {ours['step']:.2f} | **{ours['step'] / trl['step']:.2f}** "
-                f"| {trl['cpu']:.2f} | {ours['cpu']:.2f} | {ours['cpu'] / trl['cpu']:.2f} "
-                f"| {trl['peak'] / 2**20:,.0f} MiB | {ours['peak'] / 2**20:,.0f} MiB | {ours['peak'] / trl['peak']:.2f} "
-                f"| {size} | {load} |"
-            )
-        if "phases" in kinds.get("ours", {}):
-            phases = kinds["ours"]["phases"]
-            split.append(f"| {name} | " + " | ".join(f"{phases[k]:.2f}" for k in [*PHASES, "other"]) + " |")
+        for kind in (k for k in OURS if k in kinds):
+            ours = kinds[kind]
+            if "trl" in kinds:
+                trl = kinds["trl"]
+                load = f"{run['load_start']:.1f}-{run['load_end']:.1f}" if run else "not recorded"
+                size = f"{run['repeats']} x {run['steps']}" if run else f"{len(ours['runs'])} x ?"
+                lines.append(
+                    f"| {name} | {kind} | {trl['step']:.2f} | {ours['step']:.2f} "
+                    f"| **{ours['step'] / trl['step']:.2f}** | {trl['cpu']:.2f} | {ours['cpu']:.2f} "
+                    f"| {ours['cpu'] / trl['cpu']:.2f} | {trl['peak'] / 2**20:,.0f} MiB | {ours['peak'] / 2**20:,.0f} MiB "
+                    f"| {ours['peak'] / trl['peak']:.2f} | {size} | {load} |"
+                )
+            if "phases" in ours:
+                phases = [f"{ours['phases'][k]:.2f}" for k in [*PHASES, "other"]]
+                split.append(f"| {name} | {kind} | " + " | ".join(phases) + " |")
         if run:
             where.add(f"{run['date']}: {run['machine']}, {run['threads']} thread(s) per run; {run['versions']}")
     return "\n".join(

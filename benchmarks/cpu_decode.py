@@ -1,32 +1,33 @@
-"""Decoding on a CPU: grpo's few-row kernel and single draws (grpo/contrib/cpu/decode.py) against torch's
-products (MKL) and `torch.multinomial`.
+"""Decoding on a CPU: grpo's opt-in kernel and draws against torch's products (MKL) and `torch.multinomial`.
+
+The kernel is grpo/contrib/cpu/decode.py (`cpu_decode_kernel`), the draws grpo/contrib/cpu/sampling.py
+(`cpu_inverse_cdf_sampling`); both are off by default.
 
     python benchmarks/cpu_decode.py                      # torch's thread count
     OMP_NUM_THREADS=1 python benchmarks/cpu_decode.py    # one thread, as benchmarks/compare_trl.py --threads 1
 
-Three measurements, each alternating the two variants in this process, medians over --repeats after a warm-up:
+Four measurements, each alternating its variants in this process, medians over --repeats after a warm-up:
 1. the memory bound: one read of SmolLM2-135M's weight matrices (`sum` of each), what a decoding step cannot beat;
 2. the products of one decoding step at --rows rows: every weight matrix of SmolLM2-135M's shape (30 layers of
    q, k, v, o, gate, up and down, and the 49,152 x 576 output projection) times --rows input rows, `F.linear`
-   against `cpu_linear.linear`;
+   against `decode.linear`;
 3. one step's draw of the next tokens at --rows rows of a 49,152-token vocabulary: `torch.multinomial(probs, 1)`
-   against `cpu_linear.categorical`;
+   against `sampling.categorical`;
 4. sampling itself: `TransformersGeneration.generate` on SmolLM2-135M-Instruct (the offline model), 2 prompts of
-   40 tokens x 4 copies (8 rows, compare_trl.py's smol-8x4), 32 tokens forced: `cpu_decode_kernel` off, on with
-   torch's draws (the kernel alone), and on.
+   40 tokens x 4 copies (8 rows, compare_trl.py's smol-8x4), 32 tokens forced: both options off (torch), the
+   kernel alone (`cpu_decode_kernel=True`), the draws alone (`cpu_inverse_cdf_sampling=True`), and both on.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from grpo.contrib.cpu import decode as cpu_linear
+from grpo.contrib.cpu import decode, sampling
 from grpo.generation import TransformersGeneration
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 key-value heads of 64, 30 layers, vocabulary 49,152.
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--generate-repeats", type=int, default=3)
     cli = parser.parse_args()
-    if not cpu_linear.available():
+    if not decode.available():
         raise SystemExit("The kernel cannot run here (needs Linux x86-64, AVX-512 and a C compiler).")
     print(f"{torch.get_num_threads()} thread(s); {cli.rows} rows; torch {torch.__version__}")
 
@@ -64,7 +65,7 @@ def main() -> None:
     products = alternate(
         {
             "torch": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
-            "kernel": lambda: [cpu_linear.linear(inputs[w.shape[1]], w) for w in weights],
+            "kernel": lambda: [decode.linear(inputs[w.shape[1]], w) for w in weights],
         },
         cli.repeats,
     )
@@ -78,7 +79,7 @@ def main() -> None:
     draws = alternate(
         {
             "torch": lambda: [torch.multinomial(probs, 1) for _ in range(10)],
-            "grpo": lambda: [cpu_linear.categorical(probs) for _ in range(10)],
+            "grpo": lambda: [sampling.categorical(probs) for _ in range(10)],
         },
         cli.repeats,
     )
@@ -94,37 +95,30 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_path()), dtype=torch.float32)
     prompts = [[int(t) for t in torch.randint(100, 40000, (40,))] for _ in range(2)]
     rows = [p for p in prompts for _ in range(4)]
+    options = {  # the GRPOConfig fields of each variant
+        "torch": {},
+        "kernel": {"cpu_decode_kernel": True},
+        "draws": {"cpu_inverse_cdf_sampling": True},
+        "kernel and draws": {"cpu_decode_kernel": True, "cpu_inverse_cdf_sampling": True},
+    }
     samplers = {
-        kernel: TransformersGeneration(
+        name: TransformersGeneration(
             max_completion_length=32,
             pad_token_id=2,
             eos_token_ids=[2],
             top_k=0,
             generation_kwargs={"min_new_tokens": 32},
-            cpu_decode_kernel=kernel,
+            **fields,
         )
-        for kernel in (False, True)
+        for name, fields in options.items()
     }
     generation = alternate(
-        {
-            "torch": lambda: samplers[False].generate(model, rows),
-            "kernel": lambda: _torch_draws(lambda: samplers[True].generate(model, rows)),
-            "kernel and draws": lambda: samplers[True].generate(model, rows),
-        },
+        {name: (lambda sampler=sampler: sampler.generate(model, rows)) for name, sampler in samplers.items()},
         cli.generate_repeats,
     )
     print("\nTransformersGeneration.generate, 8 rows (2 prompts of 40 tokens x 4), 32 tokens:")
     for name, seconds in generation.items():
         print(f"  {name:16s} {seconds:7.2f} s  ({seconds / generation['torch']:.2f} of torch's)")
-
-
-def _torch_draws(fn):
-    """fn() with the context's draws left to torch.multinomial: the kernel's products alone."""
-    with contextlib.ExitStack() as stack:
-        original = cpu_linear._single_draw
-        cpu_linear._single_draw = lambda *args, **kwargs: None
-        stack.callback(setattr, cpu_linear, "_single_draw", original)
-        return fn()
 
 
 if __name__ == "__main__":

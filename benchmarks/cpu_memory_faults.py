@@ -1,4 +1,4 @@
-"""Page faults per training step with and without `keep_freed_cpu_memory` (grpo/contrib/cpu/memory.py), side by side.
+"""Page faults per training step with and without the opt-in `keep_freed_cpu_memory`, side by side.
 
     python benchmarks/cpu_memory_faults.py                      # 3 runs of each setting, 16 steps each
     python benchmarks/cpu_memory_faults.py --runs 5 --steps 64
@@ -9,17 +9,19 @@ embedding of 72 MiB (above glibc's largest mmap threshold, as SmolLM2's 113 MiB 
 the next. The settings are process-wide and cannot be undone, so each run is a fresh interpreter; the settings
 alternate run by run:
 
-- default: glibc's own malloc settings (what `keep_freed_cpu_memory=False` leaves);
-- keep-mmap: `keep_freed_memory()` with `MMAP_MAX = None`, the thresholds raised but blocks above 32 MiB still
-  mapped afresh (the setting before 2026-11-24, benchmarks/compare_trl.py's `ours-mmap`);
-- keep: `keep_freed_memory()`, as the trainer applies it on a CPU (`keep_freed_cpu_memory=True`, the default).
+- default: glibc's own malloc settings (what `keep_freed_cpu_memory=False`, the default, leaves);
+- keep: `keep_freed_memory()` (grpo/contrib/cpu/memory.py), as the trainer applies it on a CPU with
+  `keep_freed_cpu_memory=True`.
+
+(A third setting, keep-mmap, the thresholds raised but blocks above 32 MiB still mapped afresh, patched the module's
+`MMAP_MAX`; a benchmark patches no module attribute of grpo, so it was removed (issue 27). Its counts stay in
+docs/performance.md as history; tests/test_cpu_memory.py still checks what that difference does to the allocator.)
 
 Printed per setting: the median over runs of the median step (steps 3 on: the first two grow the heap in every
 setting) and of the faults summed over those steps, each also as a ratio to the default's of this invocation, next
 to the pages each step allocates. What to expect on an idle Linux machine without transparent huge pages for every
 mapping (docs/performance.md, "Blocks above 32 MiB"): default 19,000-37,000 per step (the embedding's gradient
-mapped afresh each time, some MLP ones too), keep-mmap about 18,433 (the embedding's only), keep 0 in the median
-step, with one or two steps in the first few where the heap settles. A count of page faults moves with the machine's
+mapped afresh each time, some MLP ones too), keep 0 in the median step, with one or two steps in the first few where the heap settles. A count of page faults moves with the machine's
 load and its kernel settings: that is why it is measured here, not asserted by a test (tests/test_cpu_memory.py
 checks what the setting does to the allocator, which no load changes).
 """
@@ -35,11 +37,9 @@ import sys
 LOOP = """
 import resource, sys, torch
 mode, steps = sys.argv[1], int(sys.argv[2])
-if mode != "default":
-    from grpo.contrib.cpu import memory as cpu_memory
-    if mode == "keep-mmap":
-        cpu_memory.MMAP_MAX = None
-    assert cpu_memory.keep_freed_memory(), "glibc refused the settings"
+if mode == "keep":
+    from grpo.contrib.cpu import memory
+    assert memory.keep_freed_memory(), "glibc refused the settings"
 torch.manual_seed(0)
 mlp = lambda: torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.SiLU(), torch.nn.Linear(1536, 576))
 model = torch.nn.Sequential(torch.nn.Embedding(32768, 576), *[mlp() for _ in range(8)])
@@ -52,7 +52,7 @@ for step in range(steps):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
 print(*faults)
 """
-MODES = ("default", "keep-mmap", "keep")
+MODES = ("default", "keep")
 MLP_PAGES = 16 * 1536 * 576 * 4 // 4096  # 13,824 pages of MLP gradients per step
 EMBEDDING_PAGES = 32768 * 576 * 4 // 4096  # 18,432 pages of the embedding's gradient per step
 

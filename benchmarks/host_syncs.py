@@ -9,8 +9,9 @@ needed on the host by `.item()`, `float(t)`, `int(t)`, `bool(t)` and `.tolist()`
 dispatch), and by the operations whose output shape depends on the data (`nonzero`, `masked_select`, indexing with
 a boolean mask). On a GPU each of them waits for every kernel queued before it, so the CPU cannot run ahead and
 queue the backward pass while the forward still runs. A `TorchDispatchMode` sees every operation of one
-`compute_loss` and its `backward()` after a real `_prepare_inputs` (scripted completions, so no generation) and
-prints, per setting, the count of each kind and the line of `grpo/` that asked for it.
+`compute_loss` and its backward in a real `train()` of one step (scripted completions, so no generation), from a
+subclass that overrides Trainer's `training_step` and `compute_loss`, and prints, per setting, the count of each
+kind and the line of `grpo/` that asked for it.
 
 What it measures is the number of such points, not their cost: that needs a GPU (scenario gpu-0.5b of
 benchmarks/compare_trl.py, before and after a change).
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import tempfile
 import traceback
 
 import torch
 from datasets import Dataset
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import PrinterCallback
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
@@ -65,6 +68,7 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.kinds = collections.Counter()
         self.lines = collections.Counter()
+        self.backward = False  # set once compute_loss has returned: what follows is its backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -74,7 +78,7 @@ class HostReads(TorchDispatchMode):
             ours = [frame for frame in traceback.extract_stack() if "/grpo/" in frame.filename]
             where = (
                 f"grpo/{ours[-1].filename.split('/grpo/')[-1]}:{ours[-1].lineno} ({ours[-1].name})"
-                if ours
+                if ours and not self.backward
                 else "autograd (backward)"
             )
             self.lines[where, kind] += 1
@@ -101,11 +105,32 @@ class _Scripted:
         return Completions(out)
 
 
+class _Counted(GRPOTrainer):
+    """GRPOTrainer counting host reads from the start of its first `compute_loss` to the end of that micro-step's
+    `training_step`, which runs the backward: Trainer's public hooks, overridden as Trainer invites. The generation
+    round that `training_step` runs first (with the scripted sampler: no generation) is not counted."""
+
+    def training_step(self, *args, **kwargs):
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.counting.close()  # leaves the mode after the backward
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.reads is not None:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        self.reads = self.counting.enter_context(HostReads())
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.reads.backward = True
+        return loss
+
+
 def count(settings: dict) -> HostReads:
+    """The host reads of the first micro-step's `compute_loss` and backward, in a real `train()` of one step."""
     tokenizer = tiny_tokenizer()
     data = Dataset.from_dict({"prompt": ["hello there", "count to three", "abc", "xyz"] * 4})
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), **{**SETTINGS, **settings})
-    trainer = GRPOTrainer(
+    trainer = _Counted(
         tiny_model(tokenizer),
         lambda completions, **_: [float(len(c)) for c in completions],
         args=args,
@@ -113,13 +138,10 @@ def count(settings: dict) -> HostReads:
         processing_class=tokenizer,
     )
     trainer.generation = _Scripted(args.num_generations, args.max_completion_length, tokenizer.eos_token_id)
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by Trainer's loop
-    mode = HostReads()
-    with mode:
-        trainer.compute_loss(trainer.model, inputs).backward()
-    return mode
+    trainer.reads, trainer.counting = None, contextlib.ExitStack()
+    trainer.remove_callback(PrinterCallback)  # the step's metrics are not this benchmark's output
+    trainer.train()
+    return trainer.reads
 
 
 def _value(text: str):

@@ -21,6 +21,7 @@ import torch
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data.offline import load_scored_rollouts
 from grpo.models import smollm2_path
+from grpo.objective.logprobs import completion_logprobs
 from grpo.rewards import reasoning_gym_dataset
 
 sys.path.insert(0, str(Path(__file__).parent / "recipes"))
@@ -61,14 +62,20 @@ def logprob_gap(trainer) -> tuple[float, float, float]:
     """(mean log-prob of the above-group-mean completions, of the below-group-mean ones, their gap), per token,
     averaged over the groups with a reward spread, under the trainer's current model."""
     high, low = [], []
-    groups = trainer.train_dataset
+    groups = trainer.train_dataset  # offline: the stored completions as groups (grpo.data.offline.OfflineGroups)
     for g in range(len(groups)):
         group = groups[g]
-        rollout, _ = trainer._offline.rollout(
-            [group], trainer.processing_class, trainer.eos_token_ids, trainer.accelerator
-        )
-        with torch.no_grad():
-            logps, _ = trainer._logprobs(trainer.model, rollout.token_inputs())
+        rollout, _ = groups.rollout([group], trainer.processing_class, trainer.eos_token_ids, trainer.accelerator)
+        batch = rollout.token_inputs()
+        with torch.no_grad():  # the log-probs the trainer's loss takes, at its sampling temperature
+            logps, _ = completion_logprobs(
+                trainer.model,
+                batch["prompt_ids"],
+                batch["prompt_mask"],
+                batch["completion_ids"],
+                batch["completion_mask"],
+                temperature=trainer.args.temperature,
+            )
         means = (logps * rollout.completion_mask).sum(1) / rollout.completion_mask.sum(1)
         rewards = torch.tensor([row["reward"] for row in group["rows"]])
         if rewards.max() == rewards.min():

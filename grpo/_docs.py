@@ -29,6 +29,7 @@ COMMAND = "python -m grpo._docs"
 SECTIONS = {
     "learning_rate": "Overridden `TrainingArguments` defaults",
     "model_init_kwargs": "Model",
+    "cpu_decode_kernel": "CPU tuning (opt-in: grpo/contrib/cpu/, one kind of machine)",
     "num_generations": "Data and generation",
     "reward_weights": "Rewards and advantages",
     "loss_type": "Loss",

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
-from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, SCALE_REWARDS
+from grpo.objective.advantages import SCALE_REWARDS
+from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, spans_the_step
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 
@@ -181,29 +182,6 @@ class GRPOConfig(TrainingArguments):
             "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster."
         },
     )
-    cpu_decode_kernel: bool = field(
-        default=True,
-        metadata={
-            "help": "Sampling with `model.generate` on a CPU: the decoding steps' matrix products of at most 16 rows "
-            "(one new token per sequence) run grpo's own AVX-512 kernel, which reads each weight once for all rows, "
-            "compiled once with the system's C compiler into ~/.cache/grpo. Only for float32 models with at least "
-            "64 MiB of weight matrices and without autocast (bf16); results differ from torch's in the last bits. "
-            "There the next tokens are also drawn with one uniform number per row (the inverse of the cumulative "
-            "distribution) instead of torch.multinomial's row x vocabulary exponentials: the same distribution, "
-            "another random stream. False, or a machine without a C compiler or AVX-512, uses torch's (MKL) "
-            "products and torch.multinomial."
-        },
-    )
-    keep_freed_cpu_memory: bool = field(
-        default=True,
-        metadata={
-            "help": "Training on a CPU under Linux (glibc): keep freed memory in the process for reuse (every block "
-            "from the heap, none mapped afresh; up to 1 GiB of free heap kept) rather than handing it back to the OS, "
-            "which saves the page faults of allocating every gradient anew at each step (a tenth of a step on "
-            "SmolLM2-135M). Process-wide; the peak resident size changes little (up to 2% more measured). False "
-            "leaves the C library's settings alone."
-        },
-    )
     padding_free: bool | None = field(
         default=None,
         metadata={
@@ -211,6 +189,46 @@ class GRPOConfig(TrainingArguments):
             "padding. None turns it on where the attention implementation has variable-length kernels "
             "(flash_attention_2/3), where packing saves work; with sdpa or eager it is correct but builds a dense "
             "mask over the packed row, so it is off by default there."
+        },
+    )
+
+    # ---- CPU tuning (opt-in; grpo/contrib/cpu/, docs/performance.md) ----
+    # Each tunes CPU training on one kind of machine and changes something the library does not otherwise touch, so
+    # each is off by default: the same seed samples the same way on every machine unless a user switches one on.
+    cpu_decode_kernel: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU tuning for one kind of machine (x86-64 with AVX-512 under Linux), off by default. Sampling "
+            "with `model.generate` on a CPU: the decoding steps' matrix products of at most 16 rows (one new token "
+            "per sequence) run grpo's own AVX-512 kernel (grpo/contrib/cpu/decode.py), which reads each weight once "
+            "for all rows. It compiles C code: once per machine, with the system's C compiler, into "
+            "$XDG_CACHE_HOME/grpo/kernels (~/.cache/grpo/kernels), and loads it through ctypes. Only for float32 "
+            "models with at least 64 MiB of weight matrices and without autocast (bf16); results differ from "
+            "torch's in the last bits. Without a C compiler, off Linux x86-64 or where "
+            "torch.backends.cpu.get_cpu_capability() is not AVX512, torch's (MKL) products are used."
+        },
+    )
+    cpu_inverse_cdf_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU tuning, off by default. Sampling with `model.generate` on a CPU: the next token of each "
+            "row drawn by the inverse of the cumulative distribution with one uniform number per row "
+            "(grpo/contrib/cpu/sampling.py) instead of torch.multinomial's row x vocabulary exponentials, which "
+            "take a noticeable part of a decoding step at large vocabularies. For the models the decoding kernel "
+            "serves (float32, at least 64 MiB of weight matrices, no autocast), whatever the CPU. The same "
+            "distribution from another random stream: a seed gives other samples than with False."
+        },
+    )
+    keep_freed_cpu_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU tuning for one kind of machine (Linux with glibc), off by default. Training on a CPU: "
+            "changes the malloc settings of the whole process, irreversibly (glibc's mallopt, "
+            "grpo/contrib/cpu/memory.py): every block from the heap, none mapped afresh, up to 1 GiB of free heap "
+            "kept rather than handed back to the OS, which saves the page faults of allocating every gradient "
+            "anew at each step. Freed memory then stays in the process's resident size until reused. No effect on "
+            "a GPU, on another C library or under a preloaded jemalloc or tcmalloc; False leaves the C library's "
+            "settings alone."
         },
     )
 
@@ -804,7 +822,7 @@ class GRPOConfig(TrainingArguments):
                 "round must hold whole groups. Change num_generations, per_device_train_batch_size or "
                 "gradient_accumulation_steps / steps_per_generation."
             )
-        if self.loss_type == "dapo" and self.steps_per_generation % self.gradient_accumulation_steps != 0:
+        if spans_the_step(self.loss_type) and self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"loss_type='dapo' with steps_per_generation={self.steps_per_generation} and "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: dapo divides by the number of loss "

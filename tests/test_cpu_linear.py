@@ -1,15 +1,19 @@
-"""grpo/contrib/cpu/decode.py: the few-row CPU kernel computes F.linear, is used only where it applies, and
-generation with it gives what generation with torch's products gives."""
+"""grpo/contrib/cpu/decode.py and sampling.py, the opt-in CPU tunings of decoding: the few-row kernel computes
+F.linear, is used only where it applies and where `cpu_decode_kernel` is switched on, and generation with it gives
+what generation with torch's products gives; `cpu_inverse_cdf_sampling`'s draw samples the rows' distributions and
+answers only the single draws it can. Every tensor here is on the CPU, so the tests hold on a machine with a GPU; the
+kernel's skip where torch reports no AVX512 capability (or no C compiler)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from grpo.contrib.cpu import decode as cpu_linear
+from grpo.contrib.cpu import sampling
 from grpo.generation import TransformersGeneration, make_generation_backend
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_linear.available(), reason="needs Linux x86-64 with AVX-512 and a C compiler"
+    not cpu_linear.available(), reason="needs Linux x86-64, torch's AVX512 CPU capability and a C compiler"
 )
 
 
@@ -107,13 +111,20 @@ def test_generation_with_the_kernel_gives_torch_s_greedy_tokens(tiny_model_path,
     assert outputs[True] == outputs[False]
 
 
-def test_the_config_switch_reaches_the_sampler(tmp_path):
+def test_the_config_switches_reach_the_sampler_and_are_off_by_default(tmp_path):
     from grpo import GRPOConfig
 
     for value in (True, False):
-        args = GRPOConfig(output_dir=str(tmp_path), cpu_decode_kernel=value, report_to="none")
+        args = GRPOConfig(
+            output_dir=str(tmp_path), cpu_decode_kernel=value, cpu_inverse_cdf_sampling=not value, report_to="none"
+        )
         backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
         assert backend.cpu_decode_kernel is value
+        assert backend.cpu_inverse_cdf_sampling is not value
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert not (args.cpu_decode_kernel or args.cpu_inverse_cdf_sampling or args.keep_freed_cpu_memory)
+    backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
+    assert not (backend.cpu_decode_kernel or backend.cpu_inverse_cdf_sampling)
 
 
 def test_categorical_draws_from_the_rows_distribution():
@@ -123,7 +134,7 @@ def test_categorical_draws_from_the_rows_distribution():
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros_like(probs, dtype=torch.float64)
     for _ in range(draws // 1000):
-        picked = cpu_linear.categorical(probs.repeat(500, 1), generator)
+        picked = sampling.categorical(probs.repeat(500, 1), generator)
         assert picked.shape == (1000, 1) and picked.dtype == torch.int64
         rows = torch.arange(1000) % 2
         counts.index_put_((rows, picked[:, 0]), torch.ones(1000, dtype=torch.float64), accumulate=True)
@@ -137,8 +148,8 @@ def test_categorical_draws_from_the_rows_distribution():
 
 def test_categorical_is_seeded_and_picks_by_the_cumulative_sum():
     probs = torch.softmax(torch.randn(8, 1000), -1)
-    one = cpu_linear.categorical(probs, torch.Generator().manual_seed(3))
-    assert torch.equal(one, cpu_linear.categorical(probs, torch.Generator().manual_seed(3)))
+    one = sampling.categorical(probs, torch.Generator().manual_seed(3))
+    assert torch.equal(one, sampling.categorical(probs, torch.Generator().manual_seed(3)))
     u = torch.rand(8, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     cdf = probs.double().cumsum(-1)
     for r in range(8):  # the first index whose cumulative sum exceeds u x total
@@ -149,19 +160,20 @@ def test_categorical_is_seeded_and_picks_by_the_cumulative_sum():
 def test_categorical_leaves_invalid_weights_to_torch_s_error():
     for bad in (float("nan"), float("inf"), -0.1):
         probs = torch.tensor([[0.5, bad, 0.5]])
-        assert cpu_linear.categorical(probs) is None
+        assert sampling.categorical(probs) is None
         with pytest.raises(RuntimeError):
             torch.multinomial(probs, 1)
-    assert cpu_linear.categorical(torch.zeros(2, 3)) is None
+    assert sampling.categorical(torch.zeros(2, 3)) is None
 
 
-@needs_kernel
-def test_the_context_answers_single_draws_and_leaves_the_rest_to_torch(monkeypatch):
+@pytest.mark.parametrize("context", ["draws", pytest.param("kernel and draws", marks=needs_kernel)])
+def test_the_context_answers_single_draws_and_leaves_the_rest_to_torch(context, monkeypatch):
     calls = []
-    draw = cpu_linear.categorical
-    monkeypatch.setattr(cpu_linear, "categorical", lambda *a: calls.append(a[0].shape) or draw(*a))
+    draw = sampling.categorical
+    monkeypatch.setattr(sampling, "categorical", lambda *a: calls.append(a[0].shape) or draw(*a))
     probs = torch.softmax(torch.randn(4, 50), -1)
-    with cpu_linear.few_row_linear():
+    opened = sampling.inverse_cdf_draws() if context == "draws" else cpu_linear.few_row_linear(draws=True)
+    with opened:
         assert torch.multinomial(probs, num_samples=1).shape == (4, 1)
         assert probs.multinomial(1).shape == (4, 1)
         assert len(calls) == 2
@@ -176,23 +188,106 @@ def test_the_context_answers_single_draws_and_leaves_the_rest_to_torch(monkeypat
 
 
 @needs_kernel
-def test_sampled_generation_with_the_context_draws_only_allowed_tokens(tiny_model_path, monkeypatch):
+def test_the_kernel_s_context_leaves_the_draws_to_torch_unless_asked(monkeypatch):
+    monkeypatch.setattr(sampling, "categorical", lambda *a: pytest.fail("a draw answered without draws=True"))
+    with cpu_linear.few_row_linear():
+        assert torch.multinomial(torch.softmax(torch.randn(4, 50), -1), 1).shape == (4, 1)
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_kernel)])
+def test_sampled_generation_with_the_draws_switched_on_draws_only_allowed_tokens(kernel, tiny_model_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    assert not sampling.pays_for(model)  # its draws are small: left to torch
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_BYTES", 0)
-    calls = []
-    draw = cpu_linear.categorical
-    monkeypatch.setattr(cpu_linear, "categorical", lambda *a: calls.append(1) or draw(*a))
+    monkeypatch.setattr(sampling, "MIN_WEIGHT_BYTES", 0)  # as if they were not
+    assert sampling.pays_for(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not sampling.pays_for(model)  # as the kernel: no context under autocast
+    calls, products = [], []
+    draw, kernel_linear = sampling.categorical, cpu_linear.linear
+    monkeypatch.setattr(sampling, "categorical", lambda *a: calls.append(1) or draw(*a))
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: products.append(1) or kernel_linear(*a))
     sampler = TransformersGeneration(
-        max_completion_length=8, pad_token_id=0, eos_token_ids=[1], temperature=1.0, top_k=3
+        max_completion_length=8,
+        pad_token_id=0,
+        eos_token_ids=[1],
+        temperature=1.0,
+        top_k=3,
+        cpu_decode_kernel=kernel,
+        cpu_inverse_cdf_sampling=True,
     )
     torch.manual_seed(0)
     completions = sampler.generate(model, [[5, 6, 7, 8], [9, 10, 11]])
     assert calls  # the draws went through `categorical`
+    assert bool(products) == kernel  # the draws' switch alone opens no kernel
     # top_k=3: every drawn token is among the 3 most likely after its prefix
     for prompt, ids in zip([[5, 6, 7, 8], [9, 10, 11]], completions.ids):
         for t, token in enumerate(ids):
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + ids[:t]])).logits[0, -1]
             assert token in logits.topk(3).indices.tolist()
+
+
+# ---- Where the kernel cannot or must not be built (the review of issue 27) ----
+
+
+@pytest.fixture
+def fresh_kernel():
+    """`_kernel` looked up afresh in the test, and again after it: its answer is cached for the process."""
+    cpu_linear._kernel.cache_clear()
+    yield
+    cpu_linear._kernel.cache_clear()
+
+
+def _never_compile(*args, **kwargs):
+    pytest.fail("the kernel was compiled")
+
+
+def test_without_torch_s_avx512_capability_nothing_is_compiled(fresh_kernel, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_linear.subprocess, "run", _never_compile)
+    assert not cpu_linear.available()
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: pytest.fail("kernel used without a kernel"))
+    with torch.no_grad(), cpu_linear.few_row_linear():
+        F.linear(torch.randn(4, 8), torch.randn(3, 8))
+
+
+def test_a_user_without_a_home_directory_gets_torch_s_products(fresh_kernel, monkeypatch):
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    # A machine where the kernel could be built, but no cache directory to build it into.
+    monkeypatch.setattr(cpu_linear, "_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(cpu_linear.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(cpu_linear.subprocess, "run", _never_compile)
+    assert not cpu_linear.available()
+
+
+def test_a_cached_kernel_that_does_not_load_is_compiled_again_once(fresh_kernel, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    library = cpu_linear._library(cpu_linear._cache_directory())
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"\x7fELF cut short")  # as a crash mid-copy would leave it
+    builds = []
+    # A build that leaves the file as broken as it was: the kernel is given up, not built again and again.
+    monkeypatch.setattr(cpu_linear, "_build", lambda compiler, path: builds.append(path))
+    assert not cpu_linear.available()
+    assert builds == [library]
+
+
+@needs_kernel
+def test_a_damaged_cached_kernel_is_replaced_by_a_working_one(fresh_kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a path this process never loaded a library from
+    library = cpu_linear._library(cpu_linear._cache_directory())
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"\x7fELF cut short")
+    assert cpu_linear.available()
+    assert library.stat().st_size > 1000  # compiled again in place
+    x, weight = torch.randn(3, 40), torch.randn(7, 40)
+    torch.testing.assert_close(cpu_linear.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """grpo/contrib/cpu/memory.py: on glibc, large blocks come from the heap and freed ones stay there for reuse; the trainer
-applies it on a CPU unless told not to. What the settings do to the allocator is read from glibc's own bookkeeping
+applies it on a CPU when `keep_freed_cpu_memory` is switched on, and by default loads none of it. What the settings do to the allocator is read from glibc's own bookkeeping
 (`mallinfo2`), which depends only on the process's calls to malloc and free, never on the machine's load; the page
 faults they save per step are counted by benchmarks/cpu_memory_faults.py."""
 
@@ -7,15 +7,16 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import grpo.contrib.cpu.memory
-import grpo.training.trainer
 from grpo import GRPOTrainer
 from tests.scripted import TINY
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 # In a fresh interpreter (the settings are process-wide and cannot be undone) that imports no torch: malloc a block
@@ -37,8 +38,10 @@ if mode != "default":
     spec = importlib.util.spec_from_file_location("cpu_memory", path)
     cpu_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu_memory)
-    if mode == "keep-mmap":  # the setting without M_MMAP_MAX: blocks above 32 MiB still mapped
-        cpu_memory.MMAP_MAX = None
+if mode == "keep-mmap":  # the setting's thresholds without its M_MMAP_MAX: blocks above 32 MiB still mapped
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    assert all(libc.mallopt(p, v) for p, v in cpu_memory.SETTINGS if p != cpu_memory.M_MMAP_MAX)
+if mode == "keep":
     assert cpu_memory.keep_freed_memory()
 for size in map(int, sizes):
     before = mallinfo()
@@ -51,10 +54,13 @@ for size in map(int, sizes):
 SIZES = (16 * MiB, 64 * MiB)  # below and above 32 MiB, the largest mmap threshold glibc accepts
 
 
-def _allocations(mode: str) -> list[tuple[int, int]]:
-    """(bytes mapped on their own, bytes trimmed from the heap at the free) of each block of SIZES."""
+def _allocations(mode: str, tunables: str | None = None) -> list[tuple[int, int]]:
+    """(bytes mapped on their own, bytes trimmed from the heap at the free) of each block of SIZES; `tunables`: the
+    process's GLIBC_TUNABLES."""
     # glibc's own settings from the environment would change the default's answers: left out.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
     command = [sys.executable, "-c", ALLOCATOR, mode, grpo.contrib.cpu.memory.__file__, *map(str, SIZES)]
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     return [tuple(int(n) for n in line.split()) for line in out.splitlines()]
@@ -72,6 +78,19 @@ def test_large_blocks_come_from_the_heap_and_stay_there():
     assert _allocations("keep") == [(0, 0), (0, 0)]
 
 
+@pytest.mark.skipif(not GLIBC, reason="tunes glibc's malloc only")
+def test_the_same_settings_from_the_environment():
+    """docs/performance.md gives the setting as GLIBC_TUNABLES, for a process that wants it without grpo."""
+    names = {
+        grpo.contrib.cpu.memory.M_MMAP_THRESHOLD: "mmap_threshold",
+        grpo.contrib.cpu.memory.M_TRIM_THRESHOLD: "trim_threshold",
+        grpo.contrib.cpu.memory.M_MMAP_MAX: "mmap_max",
+    }
+    tunables = ":".join(f"glibc.malloc.{names[p]}={v}" for p, v in grpo.contrib.cpu.memory.SETTINGS)
+    assert tunables in (ROOT / "docs" / "performance.md").read_text()
+    assert _allocations("default", tunables) == [(0, 0), (0, 0)]
+
+
 def test_keep_freed_memory_does_nothing_without_glibc(monkeypatch):
     def no_libc(*args):
         raise AssertionError("the C library was loaded")
@@ -81,24 +100,25 @@ def test_keep_freed_memory_does_nothing_without_glibc(monkeypatch):
     assert grpo.contrib.cpu.memory.keep_freed_memory() is False
 
 
-def test_the_trainer_keeps_freed_memory_on_a_cpu_unless_told_not_to(
+def test_the_trainer_keeps_freed_memory_on_a_cpu_only_when_switched_on(
     tmp_path, tiny_model_path, prompt_dataset, monkeypatch
 ):
     from grpo import GRPOConfig
 
     calls = []
-    monkeypatch.setattr(grpo.training.trainer, "keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(grpo.contrib.cpu.memory, "keep_freed_memory", lambda: calls.append(1))
+    # use_cpu: the trainer runs on the CPU on a machine with a GPU too, so that the setting applies there as well.
     GRPOTrainer(
         tiny_model_path,
         lambda completions, **kw: [0.0] * len(completions),
-        args=GRPOConfig(output_dir=str(tmp_path / "a"), **TINY),
+        args=GRPOConfig(output_dir=str(tmp_path / "a"), keep_freed_cpu_memory=True, use_cpu=True, **TINY),
         train_dataset=prompt_dataset,
     )
     assert calls == [1]
-    GRPOTrainer(
+    GRPOTrainer(  # the default: the C library's settings are left alone
         tiny_model_path,
         lambda completions, **kw: [0.0] * len(completions),
-        args=GRPOConfig(output_dir=str(tmp_path / "b"), keep_freed_cpu_memory=False, **TINY),
+        args=GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, **TINY),
         train_dataset=prompt_dataset,
     )
     assert calls == [1]

@@ -22,6 +22,13 @@ def test_the_trainer_stays_short():
     assert lines <= 500, f"grpo/training/trainer.py has {lines} lines; move logic into the module of its stage"
 
 
+def test_the_trainer_never_names_a_loss_type():
+    """What a loss_type decides (aggregation, normaliser, accumulation scaling) is chosen in grpo/objective/loss.py."""
+    source = (PACKAGE / "training" / "trainer.py").read_text()
+    named = re.findall(r"[\"'](grpo|bnpo|dr_grpo|dapo)[\"']", source)
+    assert not named, f"grpo/training/trainer.py names loss types {named}: ask grpo/objective/loss.py instead"
+
+
 def test_no_function_is_longer_than_80_lines():
     long = [
         f"{path.relative_to(ROOT)}:{line} {name} ({length} lines)"
@@ -136,3 +143,63 @@ def test_importing_grpo_loads_no_sandbox():
     code = "import grpo, grpo.config, grpo.rewards, sys; print([m for m in sys.modules if 'rewards.sandbox' in m])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+# ---- grpo/contrib: opt-in tuning, loaded only where a user switched it on (docs/performance.md) ----
+
+
+def _imports_run_at_import(node: ast.AST):
+    """The import statements a module runs when it is imported: its body's, and those of the classes, ifs and trys
+    there; not those inside functions, which run only when called."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        yield from _imports_run_at_import(child)
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    module = node.module or ""
+    return [module, *(f"{module}.{alias.name}" for alias in node.names)]
+
+
+def test_contrib_is_imported_only_where_switched_on():
+    """No module of grpo outside grpo/contrib imports grpo.contrib when it is imported: only inside the function
+    that runs when a user switched a contrib option on (a compiled kernel, process-wide malloc settings)."""
+    eager = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "contrib" not in path.relative_to(PACKAGE).parts
+        for node in _imports_run_at_import(ast.parse(path.read_text()))
+        if any(name == "grpo.contrib" or name.startswith("grpo.contrib.") for name in _names(node))
+    ]
+    assert not eager, "grpo.contrib imported at module level (import it inside the switched-on path): " + ", ".join(
+        eager
+    )
+
+
+def test_a_default_trainer_loads_no_contrib_module():
+    """`GRPOTrainer` with the default config, and a round of sampling with its sampler, load no grpo.contrib module:
+    no compiled kernel, no ctypes of grpo's, no mallopt (use_cpu: the CPU path, where they would apply)."""
+    code = """
+import sys, tempfile
+from datasets import Dataset
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.testing import tiny_model, tiny_tokenizer
+tokenizer = tiny_tokenizer()
+args = GRPOConfig(
+    output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True,
+    num_generations=2, per_device_train_batch_size=2, max_completion_length=4,
+)
+trainer = GRPOTrainer(
+    tiny_model(tokenizer), lambda completions, **kw: [0.0] * len(completions), args=args,
+    train_dataset=Dataset.from_dict({"prompt": ["one", "two"]}), processing_class=tokenizer,
+)
+trainer.generation.generate(trainer.model, [[5, 6, 7], [5, 6, 7]])
+print([m for m in sys.modules if m == "grpo.contrib" or m.startswith("grpo.contrib.")])
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out

@@ -6,17 +6,16 @@ import math
 import pytest
 import torch
 
+from grpo.objective.advantages import group_advantages, group_reward_stats, mixed_advantages, process_advantages
 from grpo.objective.loss import (
+    accumulation,
     aggregate,
     entropy_threshold,
-    group_advantages,
-    group_reward_stats,
     kl_k3,
     masked_mean,
-    mixed_advantages,
     policy_loss,
-    process_advantages,
     sampling_correction,
+    spans_the_step,
     window_token_totals,
 )
 from tests.naive import (
@@ -525,3 +524,15 @@ def test_sampling_correction_by_hand():
     torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [0.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
         sampling_correction(old, sampled, mask, "tokens", cap=2.0)
+
+
+def test_accumulation_by_where_the_normaliser_is_taken():
+    # A micro-batch mean is divided by the micro-steps of its optimizer step (3 here, a short one would be fewer);
+    # dapo's normaliser is the step's tokens on every process, 12, over P = 2 processes, since data parallelism
+    # averages the processes' gradients: 12 / 2 = 6, and no division by the micro-steps.
+    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+        normalizer, factor = accumulation(loss_type, 3, None, 2)
+        assert normalizer is None and factor == pytest.approx(1 / 3)
+    normalizer, factor = accumulation("dapo", 3, torch.tensor(12.0), 2)
+    assert normalizer.item() == 6.0 and factor == 1.0
+    assert [t for t in LOSS_TYPES if spans_the_step(t)] == ["dapo"]  # LOSS_TYPES: this file's, the four of them

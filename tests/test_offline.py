@@ -12,7 +12,7 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
 from grpo.data.offline import OfflineGroups, load_scored_rollouts, prompt_key
-from grpo.objective.loss import group_advantages, group_reward_stats, grouped_advantages, mixed_advantages
+from grpo.objective.advantages import group_advantages, group_reward_stats, grouped_advantages, mixed_advantages
 from grpo.testing import tiny_model, tiny_tokenizer
 from tests.compare import assert_same_update
 from tests.naive import naive_grouped_advantages, naive_policy_loss

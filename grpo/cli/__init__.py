@@ -39,6 +39,7 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         eos_token_ids=trainer.eos_token_ids,
         greedy=True,
         cpu_decode_kernel=trainer.args.cpu_decode_kernel,
+        cpu_inverse_cdf_sampling=trainer.args.cpu_inverse_cdf_sampling,
     )
     samples, size = [], max(1, trainer.args.per_device_eval_batch_size)
     for start in range(0, count, size):

@@ -48,6 +48,7 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
             cpu_decode_kernel=args.cpu_decode_kernel,
+            cpu_inverse_cdf_sampling=args.cpu_inverse_cdf_sampling,
             **sampling,
         )
     if args.vllm_mode == "colocate":

@@ -5,9 +5,10 @@ sampler runs each distinct prompt through the model once (all of it but its last
 times along the batch, and lets `generate` continue from it: the last prompt token and every completion token are
 computed per row as before, so each row is the same draw from the same distribution, for a G-th of the prefill.
 
-On a CPU, with `cpu_decode_kernel`, the decoding steps' few-row matrix products run grpo's own kernel and their
-draws take one uniform number per row (grpo/contrib/cpu/decode.py) where it pays: float32 models with weights too large for the
-CPU's caches, no autocast.
+Two opt-in CPU tunings (grpo/contrib/cpu/, imported only when switched on): with `cpu_decode_kernel` the decoding
+steps' few-row matrix products run grpo's own AVX-512 kernel where it pays (decode.py: float32 models with weights
+too large for the CPU's caches, no autocast), and with `cpu_inverse_cdf_sampling` the next tokens are drawn with one
+uniform number per row instead of `torch.multinomial` (sampling.py, for the same models).
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
-from grpo.contrib.cpu import decode as cpu_linear
 from grpo.data import pad
 from grpo.generation.base import Completions, equal_runs
 
 
 class TransformersGeneration:
     """Samples with the policy's own `generate`, on the trainer's device, prompts left-padded; each run of identical
-    prompts is prefilled once and its rows share that KV cache (`share_prefill`)."""
-
-    # Prefill each distinct prompt once (see the module docstring); False prefills every row, as `generate` alone
-    # does (benchmarks/compare_trl.py switches it to measure the difference).
-    share_prefill: bool = True
+    prompts is prefilled once and its rows share that KV cache (see the module docstring)."""
 
     def __init__(
         self,
@@ -47,12 +43,13 @@ class TransformersGeneration:
         repetition_penalty: float = 1.0,
         generation_kwargs: dict | None = None,
         greedy: bool = False,
-        cpu_decode_kernel: bool = True,
+        cpu_decode_kernel: bool = False,
+        cpu_inverse_cdf_sampling: bool = False,
     ):
         self.pad_token_id = pad_token_id
-        self.cpu_decode_kernel = (
-            cpu_decode_kernel  # few-row products by grpo's kernel on a CPU (grpo/contrib/cpu/decode.py)
-        )
+        # Opt-in CPU tuning (GRPOConfig's fields of the same names; grpo/contrib/cpu/).
+        self.cpu_decode_kernel = cpu_decode_kernel
+        self.cpu_inverse_cdf_sampling = cpu_inverse_cdf_sampling
         settings = {
             "max_new_tokens": max_completion_length,
             "do_sample": not greedy,
@@ -82,9 +79,8 @@ class TransformersGeneration:
         firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
-        kernel = device.type == "cpu" and self.cpu_decode_kernel and cpu_linear.pays_for(model)
         try:
-            with cpu_linear.few_row_linear() if kernel else contextlib.nullcontext():
+            with self._cpu_decoding(model, device):
                 cache = None
                 if self._shares(model, len(firsts), *input_ids.shape):
                     cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
@@ -98,12 +94,29 @@ class TransformersGeneration:
             model.train(was_training)
         return Completions(output[:, input_ids.shape[1] :].tolist())
 
+    def _cpu_decoding(self, model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
+        """The context of the CPU tunings switched on (a no-op when none is, or off the CPU). The kernel's context
+        also answers the draws when both are on: one `TorchFunctionMode` sees each torch call, not two."""
+        kernel, draws = self.cpu_decode_kernel, self.cpu_inverse_cdf_sampling
+        if device.type != "cpu" or not (kernel or draws):
+            return contextlib.nullcontext()
+        if kernel:
+            from grpo.contrib.cpu import decode  # compiles the kernel on its first use on this machine
+
+            if decode.pays_for(model):
+                return decode.few_row_linear(draws=draws)
+        if draws:
+            from grpo.contrib.cpu import sampling
+
+            if sampling.pays_for(model):
+                return sampling.inverse_cdf_draws()
+        return contextlib.nullcontext()
+
     def _shares(self, model: nn.Module, num_distinct: int, rows: int, width: int) -> bool:
         """Share the prefill when some prompt repeats, the prompts have a token to cache before the last one, and
         `generate` would use its default dynamic cache (a configured cache implementation is left to `generate`)."""
         return (
-            self.share_prefill
-            and num_distinct < rows
+            num_distinct < rows
             and width > 1
             and self.generation_config.cache_implementation is None
             and getattr(model, "_supports_default_dynamic_cache", lambda: True)()

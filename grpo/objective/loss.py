@@ -1,4 +1,5 @@
-"""The GRPO objective as pure functions: group advantages, the k3 KL estimator, and the clipped policy loss.
+"""The GRPO objective as pure functions: the k3 KL estimator, the clipped policy loss and its aggregation
+(the advantages it takes are advantages.py's).
 
 Notation (docs/method.md): G completions per prompt, B rows (prompts x G), T completion tokens
 (padded), m the loss mask (1 for a completion token that counts), A the advantages, logp / old / ref the per-token
@@ -10,127 +11,16 @@ each one with a naive loop over the same inputs (tests/naive.py) and with number
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
+# Each loss_type, by where its normaliser is taken: over its micro-batch (the loss is a mean over the micro-batch) or
+# over the whole optimizer step, every micro-batch on every process (DAPO's token mean). `accumulation` reads it.
+NORMALISED_OVER = {"grpo": "micro_batch", "bnpo": "micro_batch", "dr_grpo": "micro_batch", "dapo": "step"}
+LOSS_TYPES = tuple(NORMALISED_OVER)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    if rewards.dim() != 1 or rewards.numel() % num_generations != 0:
-        raise ValueError(
-            f"rewards must be a 1-D tensor whose length is a multiple of num_generations={num_generations}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
-    return rewards.view(-1, num_generations)  # (B/G, G)
-
-
-def _group_moments(rewards: torch.Tensor, num_generations: int):
-    """Mean, unbiased std and a zero-spread flag per group, ignoring NaN rewards. Each is (B/G, 1)."""
-    r = _group_view(rewards, num_generations)  # (N, G)
-    valid = ~torch.isnan(r)
-    count = valid.sum(dim=1, keepdim=True)  # (N, 1)
-    mean = torch.where(valid, r, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
-    sq_dev = torch.where(valid, (r - mean) ** 2, 0.0)
-    std = (sq_dev.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # 0 for a group of <= 1 valid row
-    spread = torch.where(valid, r, -torch.inf).amax(dim=1, keepdim=True) - torch.where(valid, r, torch.inf).amin(
-        dim=1, keepdim=True
-    )
-    # Exact equality, not std < tol: equal rewards must give A = 0 exactly, whatever the rounding of the mean.
-    flat = (count <= 1) | (spread == 0)
-    return r, valid, mean, std, flat
-
-
-def group_advantages(
-    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
-) -> torch.Tensor:
-    """Group-relative advantages (DeepSeekMath, arXiv:2402.03300, eq. 3 with outcome supervision).
-
-        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
-
-    `rewards` is (B,), each group's G rows consecutive. `scale_rewards` picks the divisor: "group" the group's
-    std (GRPO), "batch" the std of all rewards in `rewards`, "none" no division (Dr. GRPO, arXiv:2503.20783).
-    std is the unbiased (Bessel) estimate, as TRL computes it.
-
-    Rules that keep the result finite: a NaN reward (no reward function applied to that row) is left out of its
-    group's mean and std and gets A = 0; a group whose valid rewards are all equal (or which has at most one) gets
-    A = 0 for every row, exactly. Returns (B,).
-    """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
-    r, valid, mean, std, flat = _group_moments(rewards, num_generations)
-    advantages = r - mean  # (N, G)
-    if scale_rewards == "group":
-        advantages = advantages / (std + eps)
-    elif scale_rewards == "batch":
-        all_valid = rewards[~torch.isnan(rewards)]
-        batch_std = all_valid.std() if all_valid.numel() > 1 else rewards.new_zeros(())
-        advantages = advantages / (batch_std + eps)
-    advantages = torch.where(valid & ~flat, advantages, 0.0)
-    return advantages.reshape(-1)
-
-
-def pad_groups(values: torch.Tensor, group_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive groups of different sizes laid out as equal ones: `values` (B, ...) whose groups are
-    `group_sizes` consecutive rows, padded with NaN rows to the largest group. Returns the padded (N * G_max, ...)
-    tensor and the (N * G_max,) bool mask of the real rows. The group statistics ignore NaN rows, so a function of
-    equal groups applied to the padded tensor and read back at the mask is the same function of the ragged groups."""
-    sizes = [int(s) for s in group_sizes]
-    if sum(sizes) != values.shape[0] or any(s < 1 for s in sizes):
-        raise ValueError(f"group_sizes {sizes} (each >= 1) must add up to the {values.shape[0]} rows of the values")
-    width = max(sizes, default=1)
-    padded = values.new_full((len(sizes) * width, *values.shape[1:]), torch.nan)
-    mask = torch.zeros(len(sizes) * width, dtype=torch.bool, device=values.device)
-    for g, size in enumerate(sizes):
-        mask[g * width : g * width + size] = True
-    padded[mask] = values
-    return padded, mask
-
-
-def _by_groups(group_sizes: Sequence[int], values: torch.Tensor, fn) -> torch.Tensor:
-    """`fn(values, G)`, a function of equal groups of G consecutive rows, for ragged groups: applied to the
-    NaN-padded layout of `pad_groups` and read back at the real rows."""
-    padded, mask = pad_groups(values, group_sizes)
-    return fn(padded, max(int(s) for s in group_sizes))[mask]
-
-
-def grouped_advantages(
-    rewards: torch.Tensor,
-    group_sizes: Sequence[int],
-    scale_rewards: str = "group",
-    eps: float = 1e-4,
-    baseline: float | None = None,
-) -> torch.Tensor:
-    """`group_advantages` for consecutive groups of different sizes (offline data: any number of stored completions
-    per prompt). `rewards` (B,), `group_sizes` (N,) adding up to B; the same formula and rules in every group:
-
-        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
-
-    with "batch" the std of every reward in `rewards`. A group of one row gets A = 0 (its mean is its own reward),
-    or with a fixed `baseline` b, A = r - b, unscaled (a row alone has no spread to divide by); groups of two or more
-    rows never use b. Equal sizes give exactly `group_advantages(rewards, G)`. Returns (B,)."""
-    advantages = _by_groups(group_sizes, rewards, lambda r, g: group_advantages(r, g, scale_rewards, eps))
-    if baseline is None:
-        return advantages
-    sizes = torch.tensor([int(s) for s in group_sizes], device=rewards.device)
-    alone = torch.repeat_interleave(sizes == 1, sizes) & ~torch.isnan(rewards)  # (B,)
-    return torch.where(alone, rewards - baseline, advantages)
-
-
-def group_reward_stats(rewards: torch.Tensor, num_generations: int | Sequence[int]) -> dict[str, torch.Tensor]:
-    """Metrics of the reward spread: `reward_std` (mean over groups of the group std) and `frac_reward_zero_std`
-    (fraction of groups whose rewards are all equal, so that they contribute no gradient). `num_generations`: G,
-    or each group's size when they differ (NaN-padded groups give the same statistics)."""
-    if not isinstance(num_generations, int):
-        rewards, _ = pad_groups(rewards, num_generations)
-        num_generations = max(int(s) for s in num_generations)
-    _, _, _, std, flat = _group_moments(rewards, num_generations)
-    return {"reward_std": std.mean(), "frac_reward_zero_std": flat.float().mean()}
 
 
 def window_token_totals(tokens_per_micro_batch: torch.Tensor, window: int) -> torch.Tensor:
@@ -196,67 +86,29 @@ def aggregate(
     raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
 
 
-def process_advantages(
-    step_rewards: torch.Tensor, num_generations: int | Sequence[int], scale_rewards: str = "group", eps: float = 1e-4
-) -> torch.Tensor:
-    """Token advantages from process (step) rewards (DeepSeekMath, arXiv:2402.03300, section 4.1.3;
-    docs/method.md, "Process supervision").
+def spans_the_step(loss_type: str) -> bool:
+    """Whether `loss_type`'s normaliser counts the loss tokens of the whole optimizer step (`NORMALISED_OVER`): its
+    micro-batches then need those counts (`window_token_totals`) before the step's first one trains."""
+    return NORMALISED_OVER[loss_type] == "step"
 
-        r~_i^(j) = (r_i^(j) - mean(R)) / (std(R) + eps)      R = every step reward of the group's G completions
-        A_{i,t}  = sum over steps j of completion i with index(j) >= t of r~_i^(j)
 
-    `step_rewards` is (B, T), each group's G rows consecutive: entry (i, t) holds the reward of the step of
-    completion i that ends at token t (its last token), NaN where no step ends. `scale_rewards` as in
-    `group_advantages` ("batch": the std of every step reward in `step_rewards`). A group whose step rewards are all
-    equal, or which has at most one, gets 0 everywhere. Returns (B, T); tokens after a row's last step get 0.
+def accumulation(
+    loss_type: str, micro_steps: int, step_tokens: torch.Tensor | None, num_processes: int
+) -> tuple[torch.Tensor | None, float]:
+    """How one micro-batch's loss joins its optimizer step's under gradient accumulation: (the `normalizer` to give
+    `aggregate`, the factor for the aggregated loss). `micro_steps`: the micro-batches of this optimizer step on this
+    process (1 outside training); `step_tokens`: the loss tokens of those micro-batches on every process
+    (`window_token_totals`, for a loss whose normaliser spans the step).
 
-    Naive form: for each row i and token t, add up r~ over the steps of row i that end at t or later. An outcome
-    reward is the special case of one step ending at the last token, and then A_{i,t} = A_i of `group_advantages`.
+        normalised over the micro-batch (grpo, bnpo, dr_grpo):  normalizer None,               factor 1 / micro_steps
+        normalised over the step (dapo):                       normalizer step_tokens / P,     factor 1
+
+    The step's loss is then the mean of the micro-batch means, or the step's token mean; the division by P undoes
+    data parallelism's averaging of the P processes' gradients, so the sum over processes is the step's token mean.
     """
-    if step_rewards.dim() != 2:
-        raise ValueError(f"step_rewards must be (B, T), got shape {tuple(step_rewards.shape)}")
-    if not isinstance(num_generations, int):  # ragged groups (offline data): NaN rows pad them and count nowhere
-        return _by_groups(num_generations, step_rewards, lambda s, g: process_advantages(s, g, scale_rewards, eps))
-    rows, width = step_rewards.shape
-    # A group's G rows are G * width consecutive entries of the flattened tensor, so the outcome formula applies to
-    # the group's step rewards as they are (NaN entries are ignored and come back as 0).
-    normalised = group_advantages(step_rewards.reshape(-1), num_generations * width, scale_rewards, eps)
-    normalised = normalised.view(rows, width)  # (B, T), r~ at each step end, 0 elsewhere
-    return normalised.flip(-1).cumsum(-1).flip(-1)  # (B, T): sum over t' >= t
-
-
-def mixed_advantages(
-    rewards: torch.Tensor,
-    step_rewards: torch.Tensor,
-    step_weights: torch.Tensor,
-    num_generations: int | Sequence[int],
-    scale_rewards: str = "group",
-    eps: float = 1e-4,
-    baseline: float | None = None,
-) -> torch.Tensor:
-    """Advantages of outcome and process rewards together.
-
-        A_{i,t} = A_i + sum_k w_k * A^(k)_{i,t}
-
-    A_i is `group_advantages` of the combined outcome reward `rewards` (B,) (NaN where no outcome function scored the
-    row: A_i = 0). A^(k) is `process_advantages` of process function k's step rewards, `step_rewards[:, k]` of
-    (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the normalised advantage, not the raw step
-    rewards, since group normalisation would cancel a positive scale. Returns (B,) when K = 0, else (B, T).
-    `num_generations` is G, or each group's size when they differ (`grouped_advantages` and its `baseline` for
-    groups of one row, offline data).
-    """
-    if isinstance(num_generations, int):
-        advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
-    else:
-        advantages = grouped_advantages(rewards, num_generations, scale_rewards, eps, baseline)
-    if step_rewards.shape[1] == 0:
-        return advantages
-    advantages = advantages.unsqueeze(1).expand(-1, step_rewards.shape[2])  # (B, T)
-    for k in range(step_rewards.shape[1]):
-        advantages = advantages + step_weights[k] * process_advantages(
-            step_rewards[:, k], num_generations, scale_rewards, eps
-        )
-    return advantages
+    if spans_the_step(loss_type):
+        return step_tokens / num_processes, 1.0
+    return None, 1.0 / micro_steps
 
 
 def entropy_threshold(entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ arguments, and returns, per completion, a `StepRewards` (or `None` when it does 
 Step positions are given either as `token_ends` (the index, in the completion's tokens, of each step's last
 token) or as `char_ends` (the number of characters of the completion text up to and including each step, i.e. the
 exclusive end offset; the text is the one the function received: for a conversational prompt, the message content,
-which starts with any prefilled text). `grpo.objective.loss.process_advantages` turns the step rewards into token advantages.
+which starts with any prefilled text). `grpo.objective.advantages.process_advantages` turns the step rewards into token advantages.
 
 Process functions are called exactly like outcome ones, by `grpo.rewards.scoring.RewardSet.score` (async functions,
 `reward_timeout`, `reward_num_workers`, `reward_errors`: grpo/rewards/runner.py); this module only checks what they

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from grpo.data import completion_text
-from grpo.objective.loss import group_reward_stats
+from grpo.objective.advantages import group_reward_stats
 
 
 class MetricsWindow:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
-from grpo.objective.loss import group_reward_stats, importance_ratio, kl_k3
+from grpo.objective.advantages import group_reward_stats
+from grpo.objective.loss import importance_ratio, kl_k3
 
 
 class NonFiniteError(RuntimeError):

@@ -20,20 +20,15 @@ from transformers import (
 )
 
 from grpo.config import GRPOConfig
-from grpo.contrib.cpu.memory import keep_freed_memory
 from grpo.data import check_prompt_dataset, offline
 from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
+from grpo.objective.advantages import mixed_advantages
 from grpo.objective.logprobs import completion_logprobs
-from grpo.objective.loss import (
-    loss_settings,
-    mixed_advantages,
-    policy_loss,
-    window_token_totals,
-)
+from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
 from grpo.objective.token_weights import policy_mask, sampling_weights
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
@@ -158,7 +153,10 @@ class GRPOTrainer(ResumableTrainer):
             optimizers=optimizers,
         )
         if args.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            keep_freed_memory()  # no page faults for every gradient at every step (grpo/contrib/cpu/memory.py)
+            # Opt-in CPU tuning: process-wide malloc settings (grpo/contrib/cpu/memory.py), loaded only when asked for.
+            from grpo.contrib.cpu import memory
+
+            memory.keep_freed_memory()
         self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self._metrics["train"])
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
@@ -225,7 +223,7 @@ class GRPOTrainer(ResumableTrainer):
             self.generation.sync_weights(unwrap_parallel(self.model), version=self.state.global_step)
         if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
             rollout = self._generate_and_score(inputs, "train")
-            window = args.gradient_accumulation_steps if args.loss_type == "dapo" else None
+            window = args.gradient_accumulation_steps if spans_the_step(args.loss_type) else None
             self._buffer = self._micro_batches(rollout, num=args.steps_per_generation, window=window)
             # Step 6: a pass for pi_old now, only for the micro-batches no training pass can give it to.
             with torch.no_grad():
@@ -394,11 +392,10 @@ class GRPOTrainer(ResumableTrainer):
         weights, sampling = sampling_weights(logps, inputs, self.args)
         if sampling is not None:  # every process's share of the sampling/* metrics
             metrics.add_sampling_metrics(self._metrics[mode], gather(sampling[None]))
-        normalizer = None
-        if self.args.loss_type == "dapo":
-            # Loss tokens of the whole optimizer step on all processes; divided by the process count because
-            # data parallelism averages the gradients of the processes.
-            normalizer = inputs["window_loss_tokens"] / self.accelerator.num_processes
+        # How this micro-batch's loss joins its optimizer step's: the loss type decides (objective/loss.py).
+        micro_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
+        step_tokens, processes = inputs.get("window_loss_tokens"), self.accelerator.num_processes
+        normalizer, factor = accumulation(self.args.loss_type, micro_steps, step_tokens, processes)
         loss, stats = policy_loss(
             logps,
             old_logps,
@@ -410,11 +407,8 @@ class GRPOTrainer(ResumableTrainer):
             normalizer=normalizer,
             **loss_settings(self.args),
         )
+        loss = loss * factor  # Trainer does not divide again (loss_is_scaled_for_ga)
         if mode == "train":
-            if self.args.loss_type != "dapo":
-                # grpo, bnpo and dr_grpo are means over this micro-batch: average them over the accumulation steps
-                # (dapo's normaliser spans the whole step). Trainer does not divide again (loss_is_scaled_for_ga).
-                loss = loss / self.current_gradient_accumulation_steps
             # Checked at the optimizer step, with what names the row of a non-finite term (grpo/training/nonfinite.py).
             terms = {"loss": loss.detach(), **stats}
             self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))

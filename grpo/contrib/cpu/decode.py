@@ -1,23 +1,21 @@
-"""Few-row matrix products on a CPU: the linear layers of a decoding step.
+"""Few-row matrix products on a CPU, the linear layers of a decoding step: opt-in CPU tuning for one kind of machine
+(`cpu_decode_kernel`; Linux x86-64 with AVX-512), imported only where a user switched it on.
 
 Each step of `generate` multiplies a handful of rows (one new token per sequence) by every weight matrix of the
 model. torch hands `F.linear` to MKL's sgemm, which at 8 rows reaches a fraction of the machine's memory bandwidth:
-on this project's AMD EPYC (Zen 4, AVX-512), SmolLM2-135M's 513 MiB of float32 weights took 73 ms per decoding step
-at 8 rows, while a plain read of the same bytes takes 20 ms (docs/performance.md). The step is bound by streaming
-the weights, so a kernel that reads each weight row once, for all the step's rows at a time, is what it needs.
+the step is bound by streaming the weights (docs/performance.md, "Decoding on a CPU", has the measurements), so a
+kernel that reads each weight row once, for all the step's rows at a time, is what it needs.
 
 `few_row_linear()` is a context in which `F.linear` calls with at most `MAX_ROWS` rows run such a kernel: for each
 block of 3 weight rows, the dot products with up to 8 input rows at once, 16 floats per AVX-512 instruction, the
 blocks split among torch's intra-op threads (OpenMP, the same runtime torch uses). It applies only where the result
 is the same product (float32 tensors on the CPU, contiguous, no gradient, no autocast; anything else goes to
 torch); the sums are taken in another order than MKL's, so results differ from torch's in the last bits (about
-1e-6 relative), and do not depend on the number of threads. The C source below is compiled once per machine with
-the system's C compiler into the user's cache directory; without a compiler, off Linux x86-64, or on a CPU
-without AVX-512, the context changes nothing.
-
-The same context draws the step's next tokens: `torch.multinomial(probs, 1)`, which `generate` samples with, takes
-rows x vocabulary exponential draws on a CPU (7.7 ms a step at 8 x 49,152, a tenth of the step once the products
-are fast); `categorical` draws from the same distribution with one uniform number per row.
+1e-6 relative), and do not depend on the number of threads. The C source below is compiled on first use, once per
+machine, with the system's C compiler into the user's cache directory ($XDG_CACHE_HOME/grpo/kernels, else
+~/.cache/grpo/kernels), and called through ctypes; without a compiler or a cache directory, off Linux x86-64, or
+where torch does not report the AVX512 CPU capability, the context changes nothing. With `draws=True` the same
+context also answers the step's `torch.multinomial` draws (sampling.py, `cpu_inverse_cdf_sampling`).
 """
 
 from __future__ import annotations
@@ -40,12 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from grpo.contrib.cpu import sampling
+
 logger = logging.getLogger(__name__)
 
 # Products with more rows than this go to torch: from about 16 rows on, sgemm's blocking pays for its packing.
 MAX_ROWS = 16
 # Models with fewer bytes of float32 weight matrices are left to torch: their weights stay in the CPU's caches, where
-# sgemm is not starved, and the context's per-operation cost is not repaid (the 2-layer test model: 1.08x TRL's step).
+# sgemm is not starved, and the context's per-operation cost is not repaid (docs/performance.md).
 MIN_WEIGHT_BYTES = 64 * 2**20
 
 _SOURCE = r"""
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     const long whole = K & ~15L;
     long k = 0;
     for (; k < whole; k += 16) {
-        /* the block after next into L2: the weights stream from memory, read once (into L1 instead: 1.3x slower) */
+        /* the block after next into L2: the weights stream from memory, read once (into L1 was slower) */
         for (int j = 0; j < nc; j++) _mm_prefetch((const char *)(w + (n0 + j + 2 * NB) * K + k), _MM_HINT_T1);
         STEP(WHOLE)
     }
@@ -116,38 +116,67 @@ void grpo_few_row_linear(const float *x, const float *w, const float *bias, floa
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
+def _supported() -> bool:
+    """Whether this machine can run the kernel: Linux on x86-64, where torch reports the AVX512 CPU capability (the
+    capability torch itself dispatches to; `ATEN_CPU_CAPABILITY` lowers it)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
         return False
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _cache_directory() -> Path | None:
+    """$XDG_CACHE_HOME/grpo/kernels, else ~/.cache/grpo/kernels; None for a user with neither (no home directory)."""
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except (RuntimeError, KeyError, OSError):  # Path.home(): "Could not determine home directory."
+        return None
+    return Path(base) / "grpo" / "kernels"
+
+
+def _library(cache: Path) -> Path:
+    """The compiled kernel's file in `cache`, named by a digest of its source and flags (a new source, a new file)."""
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    return cache / f"few_row_linear-{digest}.so"
+
+
+def _build(compiler: str, library: Path) -> None:
+    """Compile `_SOURCE` into `library`: aside in a temporary folder, then renamed, so never seen half-written."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as build:
+        source, output = Path(build) / "kernel.c", Path(build) / "kernel.so"
+        source.write_text(_SOURCE)
+        subprocess.run(
+            [compiler, *_FLAGS, str(source), "-o", str(output)], check=True, capture_output=True, timeout=120
+        )
+        os.replace(output, library)
+
+
+def _load(compiler: str, library: Path):
+    """The kernel's function from `library`, compiled first where it is missing. A cached library that does not load
+    (truncated or otherwise damaged) is compiled again, once; a second failure is the caller's."""
+    if library.exists():
+        try:
+            return ctypes.CDLL(str(library)).grpo_few_row_linear
+        except (OSError, AttributeError) as e:
+            logger.info("The cached few-row CPU kernel %s does not load (%s): compiling it again.", library, e)
+    _build(compiler, library)
+    return ctypes.CDLL(str(library)).grpo_few_row_linear
 
 
 @functools.cache
 def _kernel():
     """The compiled kernel as a ctypes function, or None where it cannot run here (see the module docstring)."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or not _cpu_has_avx512():
+    if not _supported():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.info("No C compiler found: decoding on the CPU uses torch's matrix products.")
+    cache = _cache_directory()
+    if compiler is None or cache is None:
+        missing = "C compiler" if compiler is None else "cache directory (no XDG_CACHE_HOME and no home directory)"
+        logger.info("No %s for the few-row CPU kernel: decoding uses torch's matrix products.", missing)
         return None
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo" / "kernels"
-    library = cache / f"few_row_linear-{digest}.so"
     try:
-        if not library.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as build:  # compiled aside, then renamed: never half-written
-                source, output = Path(build) / "kernel.c", Path(build) / "kernel.so"
-                source.write_text(_SOURCE)
-                subprocess.run(
-                    [compiler, *_FLAGS, str(source), "-o", str(output)], check=True, capture_output=True, timeout=120
-                )
-                os.replace(output, library)
-        function = ctypes.CDLL(str(library)).grpo_few_row_linear
-    except (OSError, subprocess.SubprocessError) as e:
+        function = _load(compiler, _library(cache))
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.info(
             "The few-row CPU kernel could not be built (%s %s): torch's matrix products are used.",
@@ -209,39 +238,11 @@ def _applies(x, weight, bias) -> bool:
     )
 
 
-def categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | None:
-    """One draw per row of `probs` (R, V), non-negative weights, as `torch.multinomial(probs, 1)` draws it: (R, 1)
-    int64, index v with probability probs[r, v] / sum(probs[r]). None where torch must answer instead (weights that
-    are negative, infinite, NaN or all zero, for which torch.multinomial raises its error).
-
-    By the inverse of the cumulative distribution: the first v whose cumulative sum (float64) exceeds u x total, u
-    uniform in [0, 1), so a weight of 0 is never drawn. It takes one random number per row, where torch's CPU draw
-    takes R x V exponentials: 7.7 ms for 8 x 49,152 on this project's CPU, against 0.4 ms."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    if not (bool(torch.isfinite(total).all()) and bool((total > 0).all()) and bool((probs >= 0).all())):
-        return None
-    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
-    index = torch.searchsorted(cdf, u, right=True)
-    past = index == probs.shape[-1]  # u x total rounded up to the total itself: the last index with a weight
-    if bool(past.any()):
-        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1, keepdim=True)
-        index = torch.where(past, last, index)
-    return index
-
-
-def _single_draw(input, num_samples, replacement=False, *, generator=None, out=None) -> torch.Tensor | None:  # noqa: A002
-    """`categorical` for a `torch.multinomial` call it answers (one sample of a 2-d float tensor on the CPU)."""
-    probs = input
-    plain = (
-        type(probs) is torch.Tensor and probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64)
-    )
-    if out is not None or num_samples != 1 or not plain or probs.dim() != 2 or probs.shape[-1] == 0:
-        return None
-    return categorical(probs, generator)
-
-
 class _FewRowLinear(TorchFunctionMode):
+    def __init__(self, draws: bool):
+        super().__init__()
+        self.draws = draws
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
@@ -249,11 +250,8 @@ class _FewRowLinear(TorchFunctionMode):
             bias = rest[0] if rest else kwargs.get("bias")
             if _applies(x, weight, bias):
                 return linear(x, weight, bias)
-        elif func is torch.multinomial or func is torch.Tensor.multinomial:
-            try:
-                draw = _single_draw(*args, **kwargs)
-            except TypeError:  # a call torch itself will answer, or reject with its own message
-                draw = None
+        elif self.draws and func in sampling.MULTINOMIAL:
+            draw = sampling.answer_multinomial(args, kwargs)
             if draw is not None:
                 return draw
         return func(*args, **kwargs)
@@ -269,12 +267,13 @@ def pays_for(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def few_row_linear() -> Iterator[None]:
+def few_row_linear(draws: bool = False) -> Iterator[None]:
     """Within it, in this thread, `F.linear` with at most `MAX_ROWS` rows runs the kernel where it applies (module
-    docstring), and `torch.multinomial`'s single draws on the CPU are `categorical`'s; a no-op where the kernel
-    cannot run. Callers open it where `pays_for` says so."""
+    docstring), and with `draws` `torch.multinomial`'s single draws on the CPU are `sampling.categorical`'s. Where
+    the kernel cannot run it changes no product (the draws still apply). Callers open it where `pays_for` says so."""
     if _kernel() is None:
-        yield
+        with sampling.inverse_cdf_draws() if draws else contextlib.nullcontext():
+            yield
         return
-    with _FewRowLinear():
+    with _FewRowLinear(draws):
         yield
