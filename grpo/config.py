@@ -614,6 +614,12 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Rows of that table (None = all rows of the generation batch)."},
     )
 
+    @property
+    def micro_steps_per_round(self) -> int:
+        """The micro-steps one generation round feeds: its `steps_per_generation` micro-batches, `num_iterations`
+        times. The sampler repeats each round this often, the trainer makes a round at every multiple of it."""
+        return self.steps_per_generation * self.num_iterations
+
     @classmethod
     def for_model(cls, model) -> GRPOConfig:
         """The default config for `model` (a path, hub id or loaded model): every default, output in

@@ -117,7 +117,7 @@ class Rollout:
         return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
     def token_inputs(self) -> dict[str, torch.Tensor]:
-        """The four tensors a forward pass needs (`GRPOTrainer._logprobs`)."""
+        """The four tensors a forward pass needs (`GRPOTrainer.logprobs`)."""
         names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         return {name: getattr(self, name) for name in names}
 

@@ -258,7 +258,7 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
     def logprobs_at(step, batch):
         model = tiny_model(tiny_tokenizer())
         model.load_state_dict(snapshots.weights[step])
-        return trainer._logprobs(model.eval(), batch)[0]
+        return trainer.logprobs(model.eval(), batch)[0]
 
     moved = 0.0
     for r, batch in enumerate(batches):

@@ -177,11 +177,11 @@ def test_rollout_tokens_rewards_and_functions(tmp_path):
     trainer = trainer_for(tmp_path, scored_rows(), reward_funcs=reward_len, reward_weights=[0.5])
     assert trainer.reward_names == ["reward", "reward_len"]
     inputs = [trainer.train_dataset[0], trainer.train_dataset[1]]
-    rollout, columns = trainer._sample(inputs, trainer.generation)
+    rollout, columns = trainer.sample_round(inputs, trainer.generation)
     tokenizer = trainer.processing_class
     assert rollout.completion_lists()[0] == tokenizer("ab", add_special_tokens=False)["input_ids"] + [258]
     assert rollout.group_sizes == [2, 3] and not rollout.is_truncated.any()
-    scored = trainer._score(rollout, columns, None)
+    scored = trainer.score_round(rollout, columns, None)
     combined = trainer.rewards.columns(scored.rewards_per_func, scored.step_rewards)[1]
     lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
     assert combined.tolist() == pytest.approx((torch.tensor([0.0, 1, 0, 1, 2]) + 0.5 * lengths).tolist())
@@ -240,7 +240,7 @@ def test_conversational_file(tmp_path):
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": str(i + 1)}], "reward": 1.0})
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": "no idea"}], "reward": 0.0})
     trainer = trainer_for(tmp_path, rows)
-    rollout, _ = trainer._sample([trainer.train_dataset[0]], trainer.generation)
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]], trainer.generation)
     tokenizer = trainer.processing_class
     rendered = tokenizer.apply_chat_template(rollout.prompts[0], tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()]) == rendered
@@ -253,9 +253,11 @@ def test_conversational_file(tmp_path):
 def completion_logps(trainer, rows):
     """Mean per-token log-prob of each stored completion under the trainer's current model."""
     groups = [trainer.train_dataset[g] for g in range(len(trainer.train_dataset))]
-    rollout, _ = trainer._offline.rollout(groups, trainer.processing_class, trainer.eos_token_ids, trainer.accelerator)
+    rollout, _ = trainer.offline_data.rollout(
+        groups, trainer.processing_class, trainer.eos_token_ids, trainer.accelerator
+    )
     with torch.no_grad():
-        logps, _ = trainer._logprobs(trainer.model, rollout.token_inputs())
+        logps, _ = trainer.logprobs(trainer.model, rollout.token_inputs())
     mask = rollout.completion_mask
     means = (logps * mask).sum(1) / mask.sum(1)
     rewards = [row["reward"] for group in groups for row in group["rows"]]
@@ -307,7 +309,7 @@ def test_save_rollouts_then_train_offline_on_them(tmp_path):
     offline = trainer_for(tmp_path, data, max_steps=1, max_completion_length=64)
     assert len(offline.train_dataset) == 2
     group = offline.train_dataset[0]
-    rollout, _ = offline._sample([group], offline.generation)
+    rollout, _ = offline.sample_round([group], offline.generation)
     assert rollout.is_truncated.tolist() == [row["truncated"] for row in group["rows"]] and rollout.is_truncated.any()
     ends = [ids[-1] for ids in rollout.completion_lists()]
     assert [end == 258 for end in ends] == [not row["truncated"] for row in group["rows"]]  # EOS only when finished

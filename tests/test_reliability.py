@@ -186,7 +186,7 @@ class InfiniteReference(TrainerCallback):
 
     def __init__(self, trainer, step, row):
         self.after = {}
-        logprobs = trainer._logprobs
+        logprobs = trainer.logprobs
 
         def with_minus_inf(model, batch, **kwargs):
             logps, entropy = logprobs(model, batch, **kwargs)
@@ -195,7 +195,7 @@ class InfiniteReference(TrainerCallback):
                 logps[row, 0] = -math.inf
             return logps, entropy
 
-        trainer._logprobs = with_minus_inf
+        trainer.logprobs = with_minus_inf
         trainer.add_callback(self)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -28,7 +28,7 @@ from grpo.training.nonfinite import NonFiniteError
 def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
     """Greedy completions of the first `count` rows of `dataset` (every row when None), each with its rewards (one
     per function) and `reward`, their weighted sum (the trainer's `reward`), made the way the trainer makes a round
-    (`GRPOTrainer._sample`, `_score`) with a greedy sampler, `per_device_eval_batch_size` rows at a time. Every
+    (`GRPOTrainer.sample_round`, `score_round`) with a greedy sampler, `per_device_eval_batch_size` rows at a time. Every
     process decodes every row: the rows are few, and the report needs them all in one place."""
     from grpo.generation import TransformersGeneration
 
@@ -44,8 +44,8 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
     samples, size = [], max(1, trainer.args.per_device_eval_batch_size)
     for start in range(0, count, size):
         rows = [dataset[i] for i in range(start, min(start + size, count))]
-        rollout, columns = trainer._sample(rows, greedy)
-        rollout = trainer._score(rollout, columns, mode=None)
+        rollout, columns = trainer.sample_round(rows, greedy)
+        rollout = trainer.score_round(rollout, columns, mode=None)
         # All processes' rows (a round may span processes), then this process's.
         per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         local = rollout.local_slice(trainer.accelerator.process_index)

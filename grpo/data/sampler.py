@@ -78,7 +78,7 @@ def train_sampler(args, num_samples: int, groups: bool = False) -> RepeatSampler
         num_samples=num_samples,
         num_generations=1 if groups else args.num_generations,
         prompts_per_round=args.generation_batch_size // args.num_generations,
-        repeat_count=args.steps_per_generation * args.num_iterations,
+        repeat_count=args.micro_steps_per_round,
         shuffle=args.shuffle_dataset,
         seed=args.seed,
     )
@@ -156,8 +156,7 @@ def step_schedule(args, num_samples: int) -> StepSchedule:
     whole rounds, each feeding `steps_per_generation x num_iterations` micro-steps, which is `len(dataloader)` on
     every process."""
     rounds = num_samples // (args.generation_batch_size // args.num_generations)
-    per_round = args.steps_per_generation * args.num_iterations
-    return StepSchedule(rounds * per_round, args.gradient_accumulation_steps)
+    return StepSchedule(rounds * args.micro_steps_per_round, args.gradient_accumulation_steps)
 
 
 def round_indices(args, num_samples: int, round_index: int, process_index: int, num_processes: int) -> list[int]:

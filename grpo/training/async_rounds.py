@@ -57,20 +57,20 @@ class AsyncRounds:
     def __init__(self, trainer):
         self.trainer = trainer
         args = trainer.args
-        if trainer._offline is not None:
+        if trainer.offline_data is not None:
             raise InputError(
                 "async_generation=True, but train_dataset holds stored completions (offline training): nothing is "
                 "generated. Set async_generation=False."
             )
 
         def logprobs(model, batch):
-            return trainer._logprobs(model, batch, batch_size=args.per_device_train_batch_size)[0]
+            return trainer.logprobs(model, batch, batch_size=args.per_device_train_batch_size)[0]
 
         pad_id = trainer.processing_class.pad_token_id
         trainer.generation = shared_engine(
             trainer.generation, args, trainer.accelerator, pad_id, trainer.eos_token_ids, logprobs
         )
-        self.per_round = args.steps_per_generation * args.num_iterations  # micro-steps each round feeds
+        self.per_round = args.micro_steps_per_round
         self.producer: RoundProducer | None = None
 
     def first_step(self, round_index: int) -> int:
@@ -85,8 +85,8 @@ class AsyncRounds:
             trainer.args, len(dataset), round_index, accelerator.process_index, accelerator.num_processes
         )
         sampler = VersionedSampler(trainer.generation)
-        rollout, columns = trainer._sample([dataset[i] for i in indices], sampler)
-        scores = trainer._local_scores(rollout, columns, "train")
+        rollout, columns = trainer.sample_round([dataset[i] for i in indices], sampler)
+        scores = trainer.local_scores(rollout, columns, "train")
         return {"rollout": replace(rollout, weights_version=sampler.version), "columns": columns, "scores": scores}
 
     def take(self, inputs: list[dict], step: int) -> tuple[Rollout, dict[str, list], Any]:
@@ -124,7 +124,7 @@ class AsyncRounds:
         device = trainer.accelerator.device
         local = torch.tensor([staleness, waited, dropped, trainer.generation.sync_seconds], device=device)
         everyone = gather(local[None]).reshape(-1, 4)
-        window = trainer._metrics["train"]
+        window = trainer.metric_windows["train"]
         window.add_mean("async/staleness", everyone[:, 0].mean().item())
         window.add_max("async/staleness_max", everyone[:, 0].max().item())
         window.add_mean("timing/async_wait", everyone[:, 1].max().item())

@@ -114,16 +114,16 @@ class GRPOTrainer(ResumableTrainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
 
-        # Checks needing no weights come first. self._offline: stored, scored completions as groups (data/offline.py).
-        self._offline = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
-        train_dataset = self._offline if self._offline is not None else train_dataset
+        # Checks needing no weights come first. self.offline_data: stored, scored completions as groups (data/offline.py).
+        self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
+        train_dataset = self.offline_data if self.offline_data is not None else train_dataset
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
         if hasattr(train_dataset, "__len__"):  # too few prompts (or groups) for one round: here, not at train()
-            train_sampler(args, len(train_dataset), groups=self._offline is not None)
+            train_sampler(args, len(train_dataset), groups=self.offline_data is not None)
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
-        rewards = offline.offline_rewards(self._offline, reward_funcs, reward_processing_classes, args)
+        rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, args)
         self.rewards = RewardSet(*rewards)
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
@@ -134,7 +134,7 @@ class GRPOTrainer(ResumableTrainer):
         attention = getattr(model.config, "_attn_implementation", None) or ""
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
 
-        self._metrics = {"train": MetricsWindow(), "eval": MetricsWindow()}
+        self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
         self._buffer: list[dict[str, torch.Tensor]] = []  # micro-batches of the current generation round
         self._step = 0  # training micro-steps taken (resumes from global_step)
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
@@ -157,7 +157,7 @@ class GRPOTrainer(ResumableTrainer):
             from grpo.contrib.cpu import memory
 
             memory.keep_freed_memory()
-        self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self._metrics["train"])
+        self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self.metric_windows["train"])
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
@@ -190,7 +190,7 @@ class GRPOTrainer(ResumableTrainer):
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return train_sampler(self.args, len(dataset), groups=self._offline is not None)
+        return train_sampler(self.args, len(dataset), groups=self.offline_data is not None)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -198,7 +198,9 @@ class GRPOTrainer(ResumableTrainer):
         return self._get_dataloader(
             dataset=self.train_dataset,
             description="Training",
-            batch_size=train_batch_size(self.args, self.accelerator.num_processes, groups=self._offline is not None),
+            batch_size=train_batch_size(
+                self.args, self.accelerator.num_processes, groups=self.offline_data is not None
+            ),
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
@@ -221,13 +223,13 @@ class GRPOTrainer(ResumableTrainer):
             self._step = schedule.first_micro_step(self.state.global_step)
         if self._async is not None:  # the sampler gets the weights of every optimizer step, not only at a round
             self.generation.sync_weights(unwrap_parallel(self.model), version=self.state.global_step)
-        if not self._buffer or self._step % (args.steps_per_generation * args.num_iterations) == 0:
+        if not self._buffer or self._step % args.micro_steps_per_round == 0:
             rollout = self._generate_and_score(inputs, "train")
             window = args.gradient_accumulation_steps if spans_the_step(args.loss_type) else None
             self._buffer = self._micro_batches(rollout, num=args.steps_per_generation, window=window)
             # Step 6: a pass for pi_old now, only for the micro-batches no training pass can give it to.
             with torch.no_grad():
-                logprobs = lambda micro_batch: self._logprobs(self.model, micro_batch)[0]  # noqa: E731
+                logprobs = lambda micro_batch: self.logprobs(self.model, micro_batch)[0]  # noqa: E731
                 steps_left = schedule.steps_left(self._step)
                 old_policy.plan(self._buffer, self._step, steps_left, args, self.state.global_step, logprobs)
         micro_batch = self._buffer[self._step % args.steps_per_generation]
@@ -259,17 +261,19 @@ class GRPOTrainer(ResumableTrainer):
         if self._async is not None and mode == "train":  # made ahead, this process's rows scored
             rollout, columns, scores = self._async.take(inputs, self._step)
         else:
-            rollout, columns = self._sample(inputs, self.generation)
-            scores = self._local_scores(rollout, columns, mode)
-        rollout = self._score(rollout, columns, mode, scores)
+            rollout, columns = self.sample_round(inputs, self.generation)
+            scores = self.local_scores(rollout, columns, mode)
+        rollout = self.score_round(rollout, columns, mode, scores)
         # Metrics cover every generated round, also those dynamic sampling drops.
         self._record_round_metrics(mode, rollout)
         return rollout
 
-    def _sample(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
-        """Steps 2-3 with `backend` (`sample_rollout`), on this process's device; offline, the stored completions."""
-        if self._offline is not None and self.model.training:
-            return self._offline.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
+    def sample_round(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
+        """Steps 2-3 for the dataset rows `inputs` with `backend` (`sample_rollout`), on this process's device:
+        (Rollout, the rows' other columns); offline, the stored completions. Public for the async producer and the
+        CLI's before/after report, which sample rounds the way training does."""
+        if self.offline_data is not None and self.model.training:
+            return self.offline_data.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
         policy, args = unwrap_parallel(self.model), self.args
         own = isinstance(backend, TransformersGeneration)  # `model.generate` on the policy's own weights
         # ZeRO-3: the weights gathered whole (unless ds3_gather_for_generation=False). Mixed precision: one autocast
@@ -279,8 +283,9 @@ class GRPOTrainer(ResumableTrainer):
             rollout, columns = sample_rollout(inputs, backend, policy, self.processing_class, self.eos_token_ids, args)
         return rollout.to(self.accelerator.device), columns
 
-    def _local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):
-        """Every reward function on this process's rows (`RewardSet.score`); no collective call."""
+    def local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):
+        """Every reward function on this process's rows (`RewardSet.score`); no collective call, so the async
+        producer thread calls it too."""
         return self.rewards.score(
             prompts=rollout.prompts,
             completions=rollout.completions,
@@ -292,17 +297,18 @@ class GRPOTrainer(ResumableTrainer):
             **call_settings(self.args, mode),
         )
 
-    def _score(self, rollout: Rollout, columns: dict[str, list], mode: str | None, scores=None) -> Rollout:
+    def score_round(self, rollout: Rollout, columns: dict[str, list], mode: str | None, scores=None) -> Rollout:
         """Step 4: every reward function on this process's rows (unless `scores` has them), then the rewards of
-        all processes (a group may span processes). `mode` None: no metrics recorded."""
+        all processes (a group may span processes); a collective call, on every process. `mode` None: no metrics
+        recorded."""
         args, device = self.args, self.accelerator.device
-        scores = self._local_scores(rollout, columns, mode) if scores is None else scores
+        scores = self.local_scores(rollout, columns, mode) if scores is None else scores
         if mode is not None:  # failed rows summed over processes, the slowest process's time
             errors = self.accelerator.reduce(torch.tensor(scores.errors, dtype=torch.float32, device=device), "sum")
             slowest = gather(torch.tensor([scores.seconds], device=device)).max()
             skip = args.reward_errors == "skip"
             metrics.add_reward_call_metrics(
-                self._metrics[mode], errors, slowest, self.rewards.names, count_errors=skip
+                self.metric_windows[mode], errors, slowest, self.rewards.names, count_errors=skip
             )
         rewards = self._finite_rewards(scores.rewards.to(device), self.rewards.names, rollout.num_rows)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
@@ -315,7 +321,7 @@ class GRPOTrainer(ResumableTrainer):
         rewards = gather_rows(self.accelerator, rewards, torch.nan)
         rewards, count = finite_rewards(rewards, names, self.args.nonfinite, self.state.global_step, rows)
         if count:
-            self._metrics["train"].add_sum("nonfinite/reward_rows", count)
+            self.metric_windows["train"].add_sum("nonfinite/reward_rows", count)
         return rewards
 
     def _advantages(self, rollout: Rollout) -> torch.Tensor:
@@ -343,7 +349,7 @@ class GRPOTrainer(ResumableTrainer):
             max_extra_rounds=args.max_dynamic_sampling_rounds,
         )
         for name, count in counts.items():
-            self._metrics["train"].add_mean(name, count, 1)
+            self.metric_windows["train"].add_mean(name, count, 1)
         return Rollout.select(rounds, chosen, rollout.local_slice(self.accelerator.process_index), pad_id)
 
     def _prepare_rollout(self, rollout: Rollout, mode: str) -> Rollout:
@@ -360,7 +366,7 @@ class GRPOTrainer(ResumableTrainer):
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         if args.beta != 0:
             with torch.no_grad(), reference_policy(self.model, self.ref_model) as reference:
-                rollout.ref_logps, _ = self._logprobs(reference, rollout.token_inputs(), batch_size=chunk)
+                rollout.ref_logps, _ = self.logprobs(reference, rollout.token_inputs(), batch_size=chunk)
         if args.log_completions and mode == "train":
             columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
             prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
@@ -374,7 +380,7 @@ class GRPOTrainer(ResumableTrainer):
         columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         lengths = gather_rows(self.accelerator, rollout.completion_mask.sum(dim=1))  # (B_global,)
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
-        window, groups = self._metrics[mode], rollout.groups(self.args.num_generations)
+        window, groups = self.metric_windows[mode], rollout.groups(self.args.num_generations)
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
@@ -387,11 +393,11 @@ class GRPOTrainer(ResumableTrainer):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
-        logps, entropy = self._logprobs(model, inputs, with_entropy=True)
+        logps, entropy = self.logprobs(model, inputs, with_entropy=True)
         old_logps = old_policy.take(inputs, logps, self.state.global_step)  # None: on-policy, logps.detach()
         weights, sampling = sampling_weights(logps, inputs, self.args)
         if sampling is not None:  # every process's share of the sampling/* metrics
-            metrics.add_sampling_metrics(self._metrics[mode], gather(sampling[None]))
+            metrics.add_sampling_metrics(self.metric_windows[mode], gather(sampling[None]))
         # How this micro-batch's loss joins its optimizer step's: the loss type decides (objective/loss.py).
         micro_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
         step_tokens, processes = inputs.get("window_loss_tokens"), self.accelerator.num_processes
@@ -414,10 +420,10 @@ class GRPOTrainer(ResumableTrainer):
             self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))
         # Token-weighted metrics, summed over processes.
         totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
-        metrics.add_token_metrics(self._metrics[mode], self.accelerator.reduce(totals, reduction="sum"), names)
+        metrics.add_token_metrics(self.metric_windows[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
 
-    def _logprobs(self, model, batch, with_entropy=False, batch_size=None):
+    def logprobs(self, model, batch, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
         autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call)."""
         with self.accelerator.autocast():
@@ -455,7 +461,7 @@ class GRPOTrainer(ResumableTrainer):
             "num_tokens": self._num_tokens,
             "refill_position": self._refill.position,
             "samples": self._samples,
-            "metrics": {mode: window.state_dict() for mode, window in self._metrics.items()},
+            "metrics": {mode: window.state_dict() for mode, window in self.metric_windows.items()},
         }
         save_state(os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), state)
         if self._reference_moves and self.args.should_save:  # the same on every process
@@ -470,13 +476,13 @@ class GRPOTrainer(ResumableTrainer):
             self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
             self._refill.position, self._samples = state["refill_position"], state["samples"]
             for mode, window in state["metrics"].items():
-                self._metrics[mode].load_state_dict(window)
+                self.metric_windows[mode].load_state_dict(window)
 
     # ---- Logging ----
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        logged = self._metrics[mode].pop()
+        logged = self.metric_windows[mode].pop()
         if mode == "eval":
             logged = {f"eval_{k}": v for k, v in logged.items()}
         logs.update(logged)  # in place: `evaluate()` returns it; a skipped step's inf loss replaces Trainer's stand-in
