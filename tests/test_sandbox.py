@@ -8,6 +8,7 @@ hold on their own. They need bubblewrap and skip without it, except under CI, wh
 `test_ci_runs_the_bubblewrap_tier`.
 """
 
+import ctypes
 import os
 import shutil
 import signal
@@ -49,22 +50,51 @@ def attack_all(codes, hook, tests=PASSES, **limits):
         return list(pool.map(one, codes))
 
 
-def sandbox_processes() -> list[int]:
-    """Processes still running the sandbox's harness (none may outlive `run_python`); zombies are ignored."""
-    left = []
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process on the machine (from /proc/PID/stat, whose 4th field is the parent)."""
+    parents = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"def supervise" in f.read():
-                    left.append(int(pid))
-        except OSError:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                # The command name (2nd field) is in parentheses and may hold spaces: read after its last ')'.
+                parents[int(pid)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             pass
+    return parents
+
+
+def sandbox_processes() -> list[int]:
+    """This test process's descendants still running the sandbox's harness (none may outlive `run_python`); zombies
+    are ignored. Only descendants count: another test run on the same machine has harness processes of its own.
+    `bystanders` makes this process a child subreaper, so a harness process that double-forks away from its parent
+    is reparented here, not to init, and is still counted."""
+    parents, me, left = _parents(), os.getpid(), []
+    for pid in parents:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"def supervise" not in f.read():
+                    continue
+        except OSError:
+            continue
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, me):
+            ancestor = parents.get(ancestor)
+        if ancestor == me:
+            left.append(pid)
     return left
+
+
+def become_subreaper() -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER, 1): orphaned descendants are reparented to this process (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # 36: PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 @pytest.fixture
 def bystanders(tmp_path):
     """A process and a file of the trainer's that no attack may touch; checked after the test."""
+    become_subreaper()  # a sandbox process that escapes its parent stays our descendant, so `sandbox_processes` sees it
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     keep = tmp_path / "keep.txt"
     keep.write_text("keep me")
