@@ -163,15 +163,20 @@ def test_nonfinite_gradient_stops_with_weights_and_checkpoint_intact(tmp_path, t
     assert not (tmp_path / "out" / "checkpoint-2").exists()
 
 
+def assert_step_2_skipped(trainer, after: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Of three steps, step 2 made no update and step 3 did (`after`: the parameters after each step)."""
+    assert trainer.state.global_step == 3
+    for name, value in after[2].items():
+        assert torch.equal(value, after[1][name]), name
+    assert any(not torch.equal(after[3][n], v) for n, v in after[2].items())
+
+
 def test_nonfinite_gradient_step_is_skipped_and_counted(tmp_path, tokenizer, prompt_dataset):
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], nonfinite="skip")
     poison = PoisonLogits(trainer.model, step=2)
     trainer.add_callback(poison)
     trainer.train()
-    assert trainer.state.global_step == 3
-    for name, value in poison.after[2].items():  # step 2 made no update ...
-        assert torch.equal(value, poison.after[1][name]), name
-    assert any(not torch.equal(poison.after[3][n], v) for n, v in poison.after[2].items())  # ... step 3 did
+    assert_step_2_skipped(trainer, poison.after)
     logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
     assert logged[2]["nonfinite/skipped_steps"] == 1 and "nonfinite/skipped_steps" not in logged[3]
 
@@ -232,10 +237,7 @@ def test_infinite_kl_step_is_skipped_counted_and_logged_as_it_was(tmp_path, toke
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, [reward_len], beta=0.04, nonfinite="skip")
     poison = InfiniteReference(trainer, step=2, row=1)
     trainer.train()
-    assert trainer.state.global_step == 3
-    for name, value in poison.after[2].items():  # step 2 made no update ...
-        assert torch.equal(value, poison.after[1][name]), name
-    assert any(not torch.equal(poison.after[3][n], v) for n, v in poison.after[2].items())  # ... step 3 did
+    assert_step_2_skipped(trainer, poison.after)
     logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
     # Not Trainer's logging_nan_inf_filter stand-in (the average of earlier losses, 0 at a window's first step).
     assert logged[2]["loss"] == math.inf and logged[2]["kl"] == math.inf
