@@ -66,14 +66,13 @@ def logprob_gap(trainer) -> tuple[float, float, float]:
     for g in range(len(groups)):
         group = groups[g]
         rollout, _ = groups.rollout([group], trainer.processing_class, trainer.eos_token_ids, trainer.accelerator)
-        batch = rollout.token_inputs()
         with torch.no_grad():  # the log-probs the trainer's loss takes, at its sampling temperature
             logps, _ = completion_logprobs(
                 trainer.model,
-                batch["prompt_ids"],
-                batch["prompt_mask"],
-                batch["completion_ids"],
-                batch["completion_mask"],
+                rollout.prompt_ids,
+                rollout.prompt_mask,
+                rollout.completion_ids,
+                rollout.completion_mask,
                 temperature=trainer.args.temperature,
             )
         means = (logps * rollout.completion_mask).sum(1) / rollout.completion_mask.sum(1)

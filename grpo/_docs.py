@@ -4,10 +4,10 @@
     python -m grpo._docs --check    exit 1 if the committed page differs from what this writes now
 
 Each field declared in `GRPOConfig`'s body (its own fields and the `TrainingArguments` defaults it overrides) gets
-its type, default and help text from the dataclass field, its valid range from `FIELD_RANGES`, and for a field that
-takes one of a few strings the error `__post_init__` raises on any other value, obtained by constructing a config
-with a bad value. It lives in the package rather than under docs/ so that tests import it like any module and ruff
-checks it; nothing at run time imports it.
+its type, default and help text from the dataclass field, its section and valid range from its `option(...)`
+declaration, and for a field that takes one of a few strings the error `__post_init__` raises on any other value,
+obtained by constructing a config with a bad value. It lives in the package rather than under docs/ so that tests
+import it like any module and ruff checks it; nothing at run time imports it.
 """
 
 from __future__ import annotations
@@ -20,22 +20,10 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from grpo.config import FIELD_RANGES, GRPOConfig, _field_kinds
+from grpo.config import INHERITED_RANGES, GRPOConfig, _field_kinds, numeric_ranges, options
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 COMMAND = "python -m grpo._docs"
-
-# Section titles, keyed by the first field of each section in GRPOConfig's body (the order of the fields there).
-SECTIONS = {
-    "learning_rate": "Overridden `TrainingArguments` defaults",
-    "model_init_kwargs": "Model",
-    "cpu_decode_kernel": "CPU tuning (opt-in: grpo/contrib/cpu/, one kind of machine)",
-    "num_generations": "Data and generation",
-    "reward_weights": "Rewards and advantages",
-    "loss_type": "Loss",
-    "use_vllm": "Generation on a vLLM server",
-    "log_completions": "Logging",
-}
 
 
 def own_fields() -> list[dataclasses.Field]:
@@ -66,8 +54,8 @@ def _choice_error(name: str) -> str | None:
 
 def valid_values(f: dataclasses.Field) -> str:
     """What `__post_init__` accepts for field `f`: its range, or the error a string outside its choices raises."""
-    if f.name in FIELD_RANGES:
-        interval = FIELD_RANGES[f.name]
+    interval = numeric_ranges().get(f.name)
+    if interval is not None:
         optional = "None" in str(f.type)
         text = f"{interval}{', or None' if optional else ''}"
         return f"{text}: {interval.why}" if interval.why else text
@@ -95,15 +83,17 @@ def render() -> str:
         "defaults are what they are, and the errors that involve several fields, are in [config.md](config.md).",
         "All other `transformers.TrainingArguments` fields keep their meaning and defaults.",
     ]
+    sections: dict[str, list[dataclasses.Field]] = {}  # in the order of each section's first field
     for f in own_fields():
-        if f.name in SECTIONS:
-            lines += ["", f"## {SECTIONS[f.name]}", "", "| field | type | default | help | valid values |"]
-            lines.append("|---|---|---|---|---|")
-        help_text = f.metadata.get("help", "")
-        lines.append(
-            f"| `{f.name}` | `{_cell(f.type)}` | {_cell(_default(f))} | {_cell(help_text)} | {_cell(valid_values(f))} |"
-        )
-    inherited = [name for name in FIELD_RANGES if name not in GRPOConfig.__dict__["__annotations__"]]
+        sections.setdefault(options()[f.name].section, []).append(f)
+    for title, fields in sections.items():
+        lines += ["", f"## {title}", "", "| field | type | default | help | valid values |", "|---|---|---|---|---|"]
+        for f in fields:
+            help_text = f.metadata.get("help", "")
+            lines.append(
+                f"| `{f.name}` | `{_cell(f.type)}` | {_cell(_default(f))} | {_cell(help_text)} "
+                f"| {_cell(valid_values(f))} |"
+            )
     lines += [
         "",
         "## `TrainingArguments` fields checked here",
@@ -115,8 +105,7 @@ def render() -> str:
         "|---|---|---|",
     ]
     defaults = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    for name in inherited:
-        interval = FIELD_RANGES[name]
+    for name, interval in INHERITED_RANGES.items():
         text = f"{interval}: {interval.why}" if interval.why else str(interval)
         lines.append(f"| `{name}` | {_cell(_default(defaults[name]))} | {_cell(text)} |")
     page = "\n".join(lines) + "\n"

@@ -1,7 +1,9 @@
 """`GRPOConfig`: every knob of the GRPO trainer, on top of `transformers.TrainingArguments`.
 
-Field names follow TRL's `GRPOConfig` so that configs carry over. Help text lives in the field metadata only;
-`docs/config.md` explains the defaults. Invalid combinations raise in `__post_init__` with the fix in the message.
+Field names follow TRL's `GRPOConfig` so that configs carry over. Each field is declared with `option`, which names
+its section of the generated reference and, for a number, its valid range; its help text lives in the field metadata
+only. `docs/config.md` explains the defaults. Invalid combinations raise in `__post_init__` with the fix in the
+message.
 """
 
 from __future__ import annotations
@@ -44,61 +46,75 @@ class Interval(NamedTuple):
         return f"<= {self.high}" if self.high is not None else "a finite number"
 
 
-# Every numeric field checked in `__post_init__`, with its valid values. Its type (int, float or bool, and whether
-# None is allowed) comes from the field's annotation; `_check_fields` checks type, finiteness and range for all of
-# them in one loop. All of GRPOConfig's own int/float fields are here (tests/test_bad_inputs.py checks that), plus the
-# TrainingArguments fields a GRPO user sets.
-FIELD_RANGES = {
-    # TrainingArguments fields
-    "learning_rate": Interval(0),
+class Section:
+    """The headings of the generated reference (docs/config-reference.md). Each field names its own in `option`; the
+    page lists the sections in the order of their first field in GRPOConfig's body."""
+
+    OVERRIDDEN = "Overridden `TrainingArguments` defaults"
+    MODEL = "Model"
+    CPU_TUNING = "CPU tuning (opt-in: grpo/contrib/cpu/, one kind of machine)"
+    DATA = "Data and generation"
+    REWARDS = "Rewards and advantages"
+    LOSS = "Loss"
+    VLLM = "Generation on a vLLM server"
+    ASYNC = "Asynchronous generation"
+    AGENTS = "Tools and environments (multi-turn episodes)"
+    OFFLINE = "Training from scored rollouts (offline)"
+    LOGGING = "Logging"
+
+
+class Option(NamedTuple):
+    """What a field of GRPOConfig declares besides its default and help text."""
+
+    section: str  # its heading in docs/config-reference.md, one of `Section`'s
+    range: Interval | None  # the valid values of a numeric field, checked in `__post_init__`
+
+
+# Each GRPOConfig field's Option, filled in by `option` as the class body runs (dataclasses keeps these Field objects).
+_OPTIONS: dict[dataclasses.Field, Option] = {}
+
+
+def option(*, default: Any, section: str, range: Interval | None = None, help: str) -> Any:
+    """A field of GRPOConfig: `field(default=default, metadata={"help": help})`, listed under `section` in the
+    generated reference and, for a number, checked against `range` in `__post_init__`.
+
+    Section and range stay out of the metadata because `HfArgumentParser`, with which TRL's scripts parse
+    GRPOConfig, passes every metadata key to argparse's `add_argument`: "help" is one of its arguments, others fail.
+    """
+    f = field(default=default, metadata={"help": help})
+    _OPTIONS[f] = Option(section, range)
+    return f
+
+
+@functools.cache
+def options() -> dict[str, Option]:
+    """{field name: Option} for the fields declared with `option`, in the order of GRPOConfig's body."""
+    return {f.name: _OPTIONS[f] for f in dataclasses.fields(GRPOConfig) if f in _OPTIONS}
+
+
+# The valid values of the TrainingArguments fields a GRPO user sets that GRPOConfig does not declare again (the ones
+# it declares, such as learning_rate, give their range in `option`).
+INHERITED_RANGES = {
     "max_steps": Interval(-1, why="-1 trains for num_train_epochs instead"),
     "num_train_epochs": Interval(0, open_low=True),
     "per_device_train_batch_size": Interval(1),
     "per_device_eval_batch_size": Interval(1),
     "gradient_accumulation_steps": Interval(1),
-    "logging_steps": Interval(0, open_low=True, why="a number of steps, or a fraction of all steps below 1"),
     "seed": Interval(0, 2**32 - 1, why="numpy's random seed range"),
     "weight_decay": Interval(0),
     "max_grad_norm": Interval(0, why="0 turns gradient clipping off"),
     "warmup_steps": Interval(0),
-    # GRPOConfig's own fields
-    "logprobs_chunk_size": Interval(1, why="a number of tokens, or None to choose it from the vocabulary size"),
-    "num_generations": Interval(
-        2, why="GRPO needs at least 2 completions per prompt, since the baseline of each is its group's mean reward"
-    ),
-    "max_prompt_length": Interval(1, why="a number of tokens, or None for no limit"),
-    "max_completion_length": Interval(1),
-    "generation_batch_size": Interval(1, why="a positive multiple of per_device_train_batch_size x processes"),
-    "steps_per_generation": Interval(1),
-    "temperature": Interval(0, open_low=True, why="GRPO samples several different completions per prompt"),
-    "top_p": Interval(0, 1, open_low=True, why="1.0 turns nucleus sampling off"),
-    "top_k": Interval(0, why="0 turns top-k sampling off"),
-    "max_staleness": Interval(0, why="0 never lets generation run ahead (the synchronous updates)"),
-    "min_p": Interval(0, 1, why="None turns it off"),
-    "repetition_penalty": Interval(0, open_low=True, why="1.0 turns it off"),
-    "reward_timeout": Interval(0, open_low=True, why="a number of seconds, or None for no limit"),
-    "reward_num_workers": Interval(0, why="0 calls the reward functions in the trainer's thread"),
-    "max_dynamic_sampling_rounds": Interval(0, why="extra generation rounds allowed per batch"),
-    "beta": Interval(0, why="0 disables the KL penalty and the reference model"),
-    "epsilon": Interval(0, open_low=True),
-    "ref_model_mixup_alpha": Interval(0, 1, open_low=True, why="1 copies the policy into the reference"),
-    "ref_model_sync_steps": Interval(1),
-    "ref_model_reset_steps": Interval(1, why="None never resets the reference"),
-    "epsilon_high": Interval(0, open_low=True, why="None uses epsilon"),
-    "delta": Interval(1, open_low=True, why="it must also exceed 1 + epsilon_high; None turns it off"),
-    "top_entropy_quantile": Interval(0, 1, open_low=True, why="the fraction of highest-entropy tokens; 1.0 = all"),
-    "num_iterations": Interval(1),
-    "vllm_server_port": Interval(1, 65535),
-    "vllm_server_timeout": Interval(0, open_low=True, why="seconds"),
-    "vllm_group_port": Interval(1, 65535),
-    "vllm_sync_bucket_mb": Interval(0, open_low=True),
-    "vllm_importance_sampling_cap": Interval(0, open_low=True),
-    "vllm_gpu_memory_utilization": Interval(0, 1, open_low=True, why="the fraction of each GPU's memory vLLM takes"),
-    "vllm_tensor_parallel_size": Interval(1, 1, why="one engine per process is built; server mode for more"),
-    "vllm_max_model_length": Interval(1, why="prompt + completion tokens, or None for the model's own limit"),
-    "num_completions_to_print": Interval(0, why="None prints every row"),
-    "offline_baseline": Interval(why="the reward a lone stored completion is compared with; None refuses such groups"),
 }
+
+
+@functools.cache
+def numeric_ranges() -> dict[str, Interval]:
+    """{field: valid values} for every numeric field `_check_fields` checks: INHERITED_RANGES, then the ranges
+    GRPOConfig's fields declare (every int and float field of its own has one; tests/test_bad_inputs.py checks that).
+    Whether a field takes an int or a float, and None, comes from its annotation (`_field_kinds`)."""
+    declared = {name: o.range for name, o in options().items() if o.range is not None}
+    return INHERITED_RANGES | declared
+
 
 # Keyword arguments of `model.generate` itself: generation_kwargs become a `GenerationConfig`, which would keep
 # these as inert attributes, so they are refused with their own message.
@@ -113,16 +129,18 @@ def generation_config_fields() -> frozenset[str]:
 
 @functools.cache
 def _field_kinds() -> dict[str, tuple[type, bool]]:
-    """{field: (int, float or bool, whether None is allowed)} for the fields `_check_fields` covers: those in
-    FIELD_RANGES and every bool field of GRPOConfig's own (a string "false" would otherwise count as true)."""
+    """{field: (int, float or bool, whether None is allowed)} for the fields `_check_fields` covers: those with a
+    range in `numeric_ranges()` and every bool field of GRPOConfig's own (a string "false" would otherwise count as
+    true)."""
     hints = typing.get_type_hints(GRPOConfig)
     own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    ranges = numeric_ranges()
     kinds = {}
     for name, hint in hints.items():
         args = typing.get_args(hint) or (hint,)
         types = [a for a in args if a is not type(None)]
         if len(types) == 1 and types[0] in (int, float, bool):
-            if name in FIELD_RANGES or (types[0] is bool and (name in own or name == "bf16")):
+            if name in ranges or (types[0] is bool and (name in own or name == "bf16")):
                 kinds[name] = (types[0], len(types) < len(args))
     return kinds
 
@@ -134,484 +152,537 @@ def _type_name(kind: type) -> str:
 @dataclass
 class GRPOConfig(TrainingArguments):
     # ---- Overridden TrainingArguments defaults ----
-    learning_rate: float = field(
+    learning_rate: float = option(
         default=1e-6,
-        metadata={
-            "help": "Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training."
-        },
+        section=Section.OVERRIDDEN,
+        range=Interval(0),
+        help="Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training.",
     )
-    logging_steps: float = field(
+    logging_steps: float = option(
         default=10,
-        metadata={"help": "Log every N optimizer steps (a float in (0, 1) is a fraction of all steps)."},
+        section=Section.OVERRIDDEN,
+        range=Interval(0, open_low=True, why="a number of steps, or a fraction of all steps below 1"),
+        help="Log every N optimizer steps (a float in (0, 1) is a fraction of all steps).",
     )
-    bf16: bool | None = field(
+    bf16: bool | None = option(
         default=None,
-        metadata={
-            "help": "bfloat16 mixed precision. None (default) turns it on only where a CUDA device supports it, so the "
-            "same script runs unchanged on a CPU-only machine."
-        },
+        section=Section.OVERRIDDEN,
+        help="bfloat16 mixed precision. None (default) turns it on only where a CUDA device supports it and training "
+        "runs on it (not with use_cpu=True), so the same script runs unchanged on a CPU-only machine.",
     )
-    remove_unused_columns: bool = field(
+    remove_unused_columns: bool = option(
         default=False,
-        metadata={
-            "help": "Kept False: the trainer needs the `prompt` column and passes every other column to the reward "
-            "functions."
-        },
+        section=Section.OVERRIDDEN,
+        help="Kept False: the trainer needs the `prompt` column and passes every other column to the reward "
+        "functions.",
     )
 
     # ---- Model ----
-    model_init_kwargs: dict[str, Any] | None = field(
+    model_init_kwargs: dict[str, Any] | None = option(
         default=None,
-        metadata={
-            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id. "
-            "The default loads float32 weights (`dtype=torch.float32`), the right master copy for mixed precision."
-        },
+        section=Section.MODEL,
+        help="Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id. "
+        "The default loads float32 weights (`dtype=torch.float32`), the right master copy for mixed precision.",
     )
-    disable_dropout: bool = field(
+    disable_dropout: bool = option(
         default=True,
-        metadata={
-            "help": "Set every dropout probability of the policy (and reference) to 0. Dropout makes the log-probs of "
-            "the same tokens differ between passes, so the ratio pi/pi_old would not be 1 on-policy."
-        },
+        section=Section.MODEL,
+        help="Set every dropout probability of the policy (and reference) to 0. Dropout makes the log-probs of "
+        "the same tokens differ between passes, so the ratio pi/pi_old would not be 1 on-policy.",
     )
-    logprobs_chunk_size: int | None = field(
+    logprobs_chunk_size: int | None = option(
         default=None,
-        metadata={
-            "help": "Completion tokens projected onto the vocabulary at a time when computing log-probs (the full "
-            "batch x length x vocabulary logits are never built). None picks it from the vocabulary size so one "
-            "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster."
-        },
+        section=Section.MODEL,
+        range=Interval(1, why="a number of tokens, or None to choose it from the vocabulary size"),
+        help="Completion tokens projected onto the vocabulary at a time when computing log-probs (the full "
+        "batch x length x vocabulary logits are never built). None picks it from the vocabulary size so one "
+        "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster.",
     )
-    padding_free: bool | None = field(
+    padding_free: bool | None = option(
         default=None,
-        metadata={
-            "help": "Run the log-prob forward passes on all sequences of a micro-batch packed into one row, without "
-            "padding. None turns it on where the attention implementation has variable-length kernels "
-            "(flash_attention_2/3), where packing saves work; with sdpa or eager it is correct but builds a dense "
-            "mask over the packed row, so it is off by default there."
-        },
+        section=Section.MODEL,
+        help="Run the log-prob forward passes on all sequences of a micro-batch packed into one row, without "
+        "padding. None turns it on where the attention implementation has variable-length kernels "
+        "(flash_attention_2/3), where packing saves work; with sdpa or eager it is correct but builds a dense "
+        "mask over the packed row, so it is off by default there.",
     )
 
     # ---- CPU tuning (opt-in; grpo/contrib/cpu/, docs/performance.md) ----
     # Each tunes CPU training on one kind of machine and changes something the library does not otherwise touch, so
     # each is off by default: the same seed samples the same way on every machine unless a user switches one on.
-    cpu_decode_kernel: bool = field(
+    cpu_decode_kernel: bool = option(
         default=False,
-        metadata={
-            "help": "CPU tuning for one kind of machine (x86-64 with AVX-512 under Linux), off by default. Sampling "
-            "with `model.generate` on a CPU: the decoding steps' matrix products of at most 16 rows (one new token "
-            "per sequence) run grpo's own AVX-512 kernel (grpo/contrib/cpu/decode.py), which reads each weight once "
-            "for all rows. It compiles C code: once per machine, with the system's C compiler, into "
-            "$XDG_CACHE_HOME/grpo/kernels (~/.cache/grpo/kernels), and loads it through ctypes. Only for float32 "
-            "models with at least 64 MiB of weight matrices and without autocast (bf16); results differ from "
-            "torch's in the last bits. Without a C compiler, off Linux x86-64 or where "
-            "torch.backends.cpu.get_cpu_capability() is not AVX512, torch's (MKL) products are used."
-        },
+        section=Section.CPU_TUNING,
+        help="CPU tuning for one kind of machine (x86-64 with AVX-512 under Linux), off by default. Sampling "
+        "with `model.generate` on a CPU: the decoding steps' matrix products of at most 16 rows (one new token "
+        "per sequence) run grpo's own AVX-512 kernel (grpo/contrib/cpu/decode.py), which reads each weight once "
+        "for all rows. It compiles C code: once per machine, with the system's C compiler, into "
+        "$XDG_CACHE_HOME/grpo/kernels (~/.cache/grpo/kernels), and loads it through ctypes. Only for float32 "
+        "models with at least 64 MiB of weight matrices and without autocast (bf16); results differ from "
+        "torch's in the last bits. Without a C compiler, off Linux x86-64 or where "
+        "torch.backends.cpu.get_cpu_capability() is not AVX512, torch's (MKL) products are used.",
     )
-    cpu_inverse_cdf_sampling: bool = field(
+    cpu_inverse_cdf_sampling: bool = option(
         default=False,
-        metadata={
-            "help": "CPU tuning, off by default. Sampling with `model.generate` on a CPU: the next token of each "
-            "row drawn by the inverse of the cumulative distribution with one uniform number per row "
-            "(grpo/contrib/cpu/sampling.py) instead of torch.multinomial's row x vocabulary exponentials, which "
-            "take a noticeable part of a decoding step at large vocabularies. For the models the decoding kernel "
-            "serves (float32, at least 64 MiB of weight matrices, no autocast), whatever the CPU. The same "
-            "distribution from another random stream: a seed gives other samples than with False."
-        },
+        section=Section.CPU_TUNING,
+        help="CPU tuning, off by default. Sampling with `model.generate` on a CPU: the next token of each "
+        "row drawn by the inverse of the cumulative distribution with one uniform number per row "
+        "(grpo/contrib/cpu/sampling.py) instead of torch.multinomial's row x vocabulary exponentials, which "
+        "take a noticeable part of a decoding step at large vocabularies. For the models the decoding kernel "
+        "serves (float32, at least 64 MiB of weight matrices, no autocast), whatever the CPU. The same "
+        "distribution from another random stream: a seed gives other samples than with False.",
     )
-    keep_freed_cpu_memory: bool = field(
+    keep_freed_cpu_memory: bool = option(
         default=False,
-        metadata={
-            "help": "CPU tuning for one kind of machine (Linux with glibc), off by default. Training on a CPU: "
-            "changes the malloc settings of the whole process, irreversibly (glibc's mallopt, "
-            "grpo/contrib/cpu/memory.py): every block from the heap, none mapped afresh, up to 1 GiB of free heap "
-            "kept rather than handed back to the OS, which saves the page faults of allocating every gradient "
-            "anew at each step. Freed memory then stays in the process's resident size until reused. No effect on "
-            "a GPU, on another C library or under a preloaded jemalloc or tcmalloc; False leaves the C library's "
-            "settings alone."
-        },
+        section=Section.CPU_TUNING,
+        help="CPU tuning for one kind of machine (Linux with glibc), off by default. Training on a CPU: "
+        "changes the malloc settings of the whole process, irreversibly (glibc's mallopt, "
+        "grpo/contrib/cpu/memory.py): every block from the heap, none mapped afresh, up to 1 GiB of free heap "
+        "kept rather than handed back to the OS, which saves the page faults of allocating every gradient "
+        "anew at each step. Freed memory then stays in the process's resident size until reused. No effect on "
+        "a GPU, on another C library or under a preloaded jemalloc or tcmalloc; False leaves the C library's "
+        "settings alone.",
     )
 
     # ---- Data and generation ----
-    num_generations: int = field(
+    num_generations: int = option(
         default=8,
-        metadata={"help": "G, completions sampled per prompt (a group). At least 2: the baseline is the group mean."},
+        section=Section.DATA,
+        range=Interval(
+            2,
+            why="GRPO needs at least 2 completions per prompt, since the baseline of each is its group's mean reward",
+        ),
+        help="G, completions sampled per prompt (a group). At least 2: the baseline is the group mean.",
     )
-    max_prompt_length: int | None = field(
+    max_prompt_length: int | None = option(
         default=512,
-        metadata={"help": "Keep only the last N prompt tokens (left truncation). None keeps whole prompts."},
+        section=Section.DATA,
+        range=Interval(1, why="a number of tokens, or None for no limit"),
+        help="Keep only the last N prompt tokens (left truncation). None keeps whole prompts.",
     )
-    max_completion_length: int = field(
+    max_completion_length: int = option(
         default=256,
-        metadata={"help": "Maximum number of tokens sampled per completion."},
+        section=Section.DATA,
+        range=Interval(1),
+        help="Maximum number of tokens sampled per completion.",
     )
-    generation_batch_size: int | None = field(
+    generation_batch_size: int | None = option(
         default=None,
-        metadata={
-            "help": "Rows (prompts x G) sampled per generation round, over all processes. Set this or "
-            "`steps_per_generation`, not both; by default one round feeds `gradient_accumulation_steps` micro-steps."
-        },
+        section=Section.DATA,
+        range=Interval(1, why="a positive multiple of per_device_train_batch_size x processes"),
+        help="Rows (prompts x G) sampled per generation round, over all processes. Set this or "
+        "`steps_per_generation`, not both; by default one round feeds `gradient_accumulation_steps` micro-steps.",
     )
-    steps_per_generation: int | None = field(
+    steps_per_generation: int | None = option(
         default=None,
-        metadata={
-            "help": "Micro-steps fed by one generation round. Default: `gradient_accumulation_steps`, so one round "
-            "makes one optimizer step."
-        },
+        section=Section.DATA,
+        range=Interval(1),
+        help="Micro-steps fed by one generation round. Default: `gradient_accumulation_steps`, so one round "
+        "makes one optimizer step.",
     )
-    shuffle_dataset: bool = field(
+    shuffle_dataset: bool = option(
         default=True,
-        metadata={"help": "Shuffle the prompts (seeded by `seed`, identically on every process)."},
+        section=Section.DATA,
+        help="Shuffle the prompts (seeded by `seed`, identically on every process).",
     )
-    temperature: float = field(
+    temperature: float = option(
         default=1.0,
-        metadata={"help": "Sampling temperature. Log-probs for the loss use the same temperature."},
+        section=Section.DATA,
+        range=Interval(0, open_low=True, why="GRPO samples several different completions per prompt"),
+        help="Sampling temperature. Log-probs for the loss use the same temperature.",
     )
-    top_p: float = field(
+    top_p: float = option(
         default=1.0,
-        metadata={"help": "Nucleus sampling: keep the smallest token set with this total probability (1.0 = off)."},
+        section=Section.DATA,
+        range=Interval(0, 1, open_low=True, why="1.0 turns nucleus sampling off"),
+        help="Nucleus sampling: keep the smallest token set with this total probability (1.0 = off).",
     )
-    top_k: int = field(
+    top_k: int = option(
         default=0,
-        metadata={"help": "Keep only the k most likely tokens when sampling (0 = off)."},
+        section=Section.DATA,
+        range=Interval(0, why="0 turns top-k sampling off"),
+        help="Keep only the k most likely tokens when sampling (0 = off).",
     )
-    min_p: float | None = field(
+    min_p: float | None = option(
         default=None,
-        metadata={"help": "Drop tokens whose probability is below min_p times the top token's (None = off)."},
+        section=Section.DATA,
+        range=Interval(0, 1, why="None turns it off"),
+        help="Drop tokens whose probability is below min_p times the top token's (None = off).",
     )
-    repetition_penalty: float = field(
+    repetition_penalty: float = option(
         default=1.0,
-        metadata={"help": "Penalty on tokens already present in prompt or completion (1.0 = off)."},
+        section=Section.DATA,
+        range=Interval(0, open_low=True, why="1.0 turns it off"),
+        help="Penalty on tokens already present in prompt or completion (1.0 = off).",
     )
-    generation_kwargs: dict[str, Any] | None = field(
+    generation_kwargs: dict[str, Any] | None = option(
         default=None,
-        metadata={
-            "help": "Extra keyword arguments for the generation backend (for `model.generate`, fields of "
-            "`GenerationConfig`); they override top_p, top_k, min_p and repetition_penalty. temperature and the "
-            "length come from their own fields."
-        },
+        section=Section.DATA,
+        help="Extra keyword arguments for the generation backend (for `model.generate`, fields of "
+        "`GenerationConfig`); they override top_p, top_k, min_p and repetition_penalty. temperature and the "
+        "length come from their own fields.",
     )
-    ds3_gather_for_generation: bool = field(
+    ds3_gather_for_generation: bool = option(
         default=True,
-        metadata={
-            "help": "DeepSpeed ZeRO-3 without vLLM: gather all of the policy's weights on every process for the "
-            "length of `model.generate` (fast; each process then holds the whole model in the training dtype). "
-            "False keeps them partitioned: every layer is gathered again at every generated token (slow, but no "
-            "more memory than training), for models that do not fit whole on one device. No effect otherwise."
-        },
+        section=Section.DATA,
+        help="DeepSpeed ZeRO-3 without vLLM: gather all of the policy's weights on every process for the "
+        "length of `model.generate` (fast; each process then holds the whole model in the training dtype). "
+        "False keeps them partitioned: every layer is gathered again at every generated token (slow, but no "
+        "more memory than training), for models that do not fit whole on one device. No effect otherwise.",
     )
 
     # ---- Rewards and advantages ----
-    reward_weights: list[float] | None = field(
+    reward_weights: list[float] | None = option(
         default=None,
-        metadata={"help": "One weight per reward function for the weighted sum of rewards (default: all 1.0)."},
+        section=Section.REWARDS,
+        help="One weight per reward function for the weighted sum of rewards (default: all 1.0).",
     )
-    reward_errors: str = field(
+    reward_errors: str = option(
         default="raise",
-        metadata={
-            "help": "What an exception (or timeout) in a reward function does: 'raise' stops training with an error "
-            "naming the function, the row and the exception; 'skip' gives that row None for that function, counts "
-            "it in `rewards/<name>/errors` and continues."
-        },
+        section=Section.REWARDS,
+        help="What an exception (or timeout) in a reward function does: 'raise' stops training with an error "
+        "naming the function, the row and the exception; 'skip' gives that row None for that function, counts "
+        "it in `rewards/<name>/errors` and continues.",
     )
-    nonfinite: str = field(
+    nonfinite: str = option(
         default="error",
-        metadata={
-            "help": "What a non-finite reward (+-inf), loss term (loss, KL, ratio, advantage) or gradient does: "
-            "'error' stops training before the optimizer step with an error naming the step, the reward function "
-            "or loss term with its row, and the likely fix (weights and checkpoints untouched); 'skip' treats such "
-            "reward rows as unscored and skips such steps (no update), counting them in `nonfinite/reward_rows` and "
-            "`nonfinite/skipped_steps`. Rewards whose spread overflows float32 are an error either way."
-        },
+        section=Section.REWARDS,
+        help="What a non-finite reward (+-inf), loss term (loss, KL, ratio, advantage) or gradient does: "
+        "'error' stops training before the optimizer step with an error naming the step, the reward function "
+        "or loss term with its row, and the likely fix (weights and checkpoints untouched); 'skip' treats such "
+        "reward rows as unscored and skips such steps (no update), counting them in `nonfinite/reward_rows` and "
+        "`nonfinite/skipped_steps`. Rewards whose spread overflows float32 are an error either way.",
     )
-    reward_timeout: float | None = field(
+    reward_timeout: float | None = option(
         default=None,
-        metadata={
-            "help": "Seconds one reward-function call may take (None = no limit). A call that takes longer is "
-            "abandoned and treated as a failure of its rows (see reward_errors). Synchronous functions then run in "
-            "threads."
-        },
+        section=Section.REWARDS,
+        range=Interval(0, open_low=True, why="a number of seconds, or None for no limit"),
+        help="Seconds one reward-function call may take (None = no limit). A call that takes longer is "
+        "abandoned and treated as a failure of its rows (see reward_errors). Synchronous functions then run in "
+        "threads.",
     )
-    reward_num_workers: int = field(
+    reward_num_workers: int = option(
         default=0,
-        metadata={
-            "help": "Threads for synchronous reward functions: with N > 0, each function is called on N slices of the "
-            "rows at once (for slow row-wise functions such as remote judges or code execution). 0 calls them in "
-            "the trainer's thread, one after the other. Async functions always run concurrently."
-        },
+        section=Section.REWARDS,
+        range=Interval(0, why="0 calls the reward functions in the trainer's thread"),
+        help="Threads for synchronous reward functions: with N > 0, each function is called on N slices of the "
+        "rows at once (for slow row-wise functions such as remote judges or code execution). 0 calls them in "
+        "the trainer's thread, one after the other. Async functions always run concurrently.",
     )
-    reward_worker_type: str = field(
+    reward_worker_type: str = option(
         default="thread",
-        metadata={
-            "help": "What runs the reward_num_workers slices: 'thread' (for functions that wait: HTTP calls, "
-            "subprocesses) or 'process', a pool of spawned worker processes (for CPU-bound pure-Python functions; "
-            "the function and its arguments must be picklable, so define it at the top level of a module)."
-        },
+        section=Section.REWARDS,
+        help="What runs the reward_num_workers slices: 'thread' (for functions that wait: HTTP calls, "
+        "subprocesses) or 'process', a pool of spawned worker processes (for CPU-bound pure-Python functions; "
+        "the function and its arguments must be picklable, so define it at the top level of a module).",
     )
-    scale_rewards: str = field(
+    scale_rewards: str = option(
         default="group",
-        metadata={
-            "help": "Divide advantages by the reward std of the 'group' (GRPO), of the whole 'batch', or 'none' "
-            "(Dr. GRPO). True means 'group', False means 'none'."
-        },
+        section=Section.REWARDS,
+        help="Divide advantages by the reward std of the 'group' (GRPO), of the whole 'batch', or 'none' "
+        "(Dr. GRPO). True means 'group', False means 'none'.",
     )
-    dynamic_sampling: bool = field(
+    dynamic_sampling: bool = option(
         default=False,
-        metadata={
-            "help": "DAPO dynamic sampling: drop the groups whose advantages are all zero (equal rewards: no gradient) "
-            "and generate extra rounds from further prompts until the generation batch is full again."
-        },
+        section=Section.REWARDS,
+        help="DAPO dynamic sampling: drop the groups whose advantages are all zero (equal rewards: no gradient) "
+        "and generate extra rounds from further prompts until the generation batch is full again.",
     )
-    max_dynamic_sampling_rounds: int = field(
+    max_dynamic_sampling_rounds: int = option(
         default=4,
-        metadata={
-            "help": "Most extra generation rounds per generation batch under `dynamic_sampling`. If the batch is still "
-            "not full, the remaining slots keep zero-advantage groups, so the batch size never changes."
-        },
+        section=Section.REWARDS,
+        range=Interval(0, why="extra generation rounds allowed per batch"),
+        help="Most extra generation rounds per generation batch under `dynamic_sampling`. If the batch is still "
+        "not full, the remaining slots keep zero-advantage groups, so the batch size never changes.",
     )
 
     # ---- Loss ----
-    loss_type: str = field(
+    loss_type: str = option(
         default="dapo",
-        metadata={
-            "help": "How per-token losses become one number: 'grpo' (mean per sequence, then over sequences), 'bnpo' "
-            "(token mean per micro-batch), 'dr_grpo' (sum / (rows x max_completion_length)), 'dapo' (token mean over "
-            "the whole accumulated global batch; no length bias). See docs/method.md."
-        },
+        section=Section.LOSS,
+        help="How per-token losses become one number: 'grpo' (mean per sequence, then over sequences), 'bnpo' "
+        "(token mean per micro-batch), 'dr_grpo' (sum / (rows x max_completion_length)), 'dapo' (token mean over "
+        "the whole accumulated global batch; no length bias). See docs/method.md.",
     )
-    beta: float = field(
+    beta: float = option(
         default=0.0,
-        metadata={
-            "help": "Weight of the k3 KL penalty to the reference model. 0 (default) loads no reference model and "
-            "saves its memory and forward pass; DeepSeekMath used 0.04."
-        },
+        section=Section.LOSS,
+        range=Interval(0, why="0 disables the KL penalty and the reference model"),
+        help="Weight of the k3 KL penalty to the reference model. 0 (default) loads no reference model and "
+        "saves its memory and forward pass; DeepSeekMath used 0.04.",
     )
-    sync_ref_model: bool = field(
+    sync_ref_model: bool = option(
         default=False,
-        metadata={
-            "help": "Move the reference toward the policy every `ref_model_sync_steps` optimizer steps: "
-            "ref = alpha * policy + (1 - alpha) * ref with alpha = `ref_model_mixup_alpha` (TR-DPO, Gorbatovski et "
-            "al., arXiv:2404.09656). Needs beta > 0 and a reference copy (not a PEFT adapter-disabled reference)."
-        },
+        section=Section.LOSS,
+        help="Move the reference toward the policy every `ref_model_sync_steps` optimizer steps: "
+        "ref = alpha * policy + (1 - alpha) * ref with alpha = `ref_model_mixup_alpha` (TR-DPO, Gorbatovski et "
+        "al., arXiv:2404.09656). Needs beta > 0 and a reference copy (not a PEFT adapter-disabled reference).",
     )
-    ref_model_mixup_alpha: float = field(
+    ref_model_mixup_alpha: float = option(
         default=0.6,
-        metadata={"help": "alpha of the soft reference update under `sync_ref_model`: 1 copies the policy."},
+        section=Section.LOSS,
+        range=Interval(0, 1, open_low=True, why="1 copies the policy into the reference"),
+        help="alpha of the soft reference update under `sync_ref_model`: 1 copies the policy.",
     )
-    ref_model_sync_steps: int = field(
+    ref_model_sync_steps: int = option(
         default=512,
-        metadata={"help": "Optimizer steps between two soft reference updates under `sync_ref_model`."},
+        section=Section.LOSS,
+        range=Interval(1),
+        help="Optimizer steps between two soft reference updates under `sync_ref_model`.",
     )
-    ref_model_reset_steps: int | None = field(
+    ref_model_reset_steps: int | None = option(
         default=None,
-        metadata={
-            "help": "The iterative scheme of DeepSeekMath (arXiv:2402.03300, Algorithm 1): every K optimizer steps "
-            "the reference becomes the current policy, and callbacks with an `on_reference_reset` method run (where "
-            "a reward model is refreshed on new samples; docs/method.md). None: the reference never resets. Needs "
-            "beta > 0 and a reference copy."
-        },
+        section=Section.LOSS,
+        range=Interval(1, why="None never resets the reference"),
+        help="The iterative scheme of DeepSeekMath (arXiv:2402.03300, Algorithm 1): every K optimizer steps "
+        "the reference becomes the current policy, and callbacks with an `on_reference_reset` method run (where "
+        "a reward model is refreshed on new samples; docs/method.md). None: the reference never resets. Needs "
+        "beta > 0 and a reference copy.",
     )
-    epsilon: float = field(
+    epsilon: float = option(
         default=0.2,
-        metadata={"help": "Lower clipping range: the ratio is clipped below at 1 - epsilon."},
+        section=Section.LOSS,
+        range=Interval(0, open_low=True),
+        help="Lower clipping range: the ratio is clipped below at 1 - epsilon.",
     )
-    epsilon_high: float | None = field(
+    epsilon_high: float | None = option(
         default=None,
-        metadata={
-            "help": "Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28."
-        },
+        section=Section.LOSS,
+        range=Interval(0, open_low=True, why="None uses epsilon"),
+        help="Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28.",
     )
-    delta: float | None = field(
+    delta: float | None = option(
         default=None,
-        metadata={
-            "help": "Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta, which bounds the update of a "
-            "token with negative advantage whose ratio has grown large. Must exceed 1 + epsilon_high; None = off."
-        },
+        section=Section.LOSS,
+        range=Interval(1, open_low=True, why="it must also exceed 1 + epsilon_high; None turns it off"),
+        help="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta, which bounds the update of a "
+        "token with negative advantage whose ratio has grown large. Must exceed 1 + epsilon_high; None = off.",
     )
-    importance_sampling_level: str = field(
+    importance_sampling_level: str = option(
         default="token",
-        metadata={
-            "help": "'token': one ratio per token (GRPO). 'sequence': one ratio per completion, exp of the mean "
-            "per-token log-ratio, clipped as a whole (GSPO)."
-        },
+        section=Section.LOSS,
+        help="'token': one ratio per token (GRPO). 'sequence': one ratio per completion, exp of the mean "
+        "per-token log-ratio, clipped as a whole (GSPO).",
     )
-    top_entropy_quantile: float = field(
+    top_entropy_quantile: float = option(
         default=1.0,
-        metadata={
-            "help": "Train the policy term only on this fraction of completion tokens with the highest entropy "
-            "(threshold over all processes' tokens of the micro-step). 1.0 = all tokens; 0.2 is the paper's choice."
-        },
+        section=Section.LOSS,
+        range=Interval(0, 1, open_low=True, why="the fraction of highest-entropy tokens; 1.0 = all"),
+        help="Train the policy term only on this fraction of completion tokens with the highest entropy "
+        "(threshold over all processes' tokens of the micro-step). 1.0 = all tokens; 0.2 is the paper's choice.",
     )
-    num_iterations: int = field(
+    num_iterations: int = option(
         default=1,
-        metadata={"help": "Optimisation passes over each generation batch (mu in the GRPO paper)."},
+        section=Section.LOSS,
+        range=Interval(1),
+        help="Optimisation passes over each generation batch (mu in the GRPO paper).",
     )
-    mask_truncated_completions: bool = field(
+    mask_truncated_completions: bool = option(
         default=False,
-        metadata={"help": "Exclude completions that hit `max_completion_length` without EOS from the loss (DAPO)."},
+        section=Section.LOSS,
+        help="Exclude completions that hit `max_completion_length` without EOS from the loss (DAPO).",
     )
 
     # ---- Generation on a vLLM server (docs/vllm.md) ----
-    use_vllm: bool = field(
+    use_vllm: bool = option(
         default=False,
-        metadata={
-            "help": "Generate completions on a vLLM server started with `grpo vllm-serve` instead of with "
-            "`model.generate`. The trainer pushes its weights to the server before each generation that follows an "
-            "optimizer step."
-        },
+        section=Section.VLLM,
+        help="Generate completions on a vLLM server started with `grpo vllm-serve` instead of with "
+        "`model.generate`. The trainer pushes its weights to the server before each generation that follows an "
+        "optimizer step.",
     )
-    vllm_mode: str = field(
+    vllm_mode: str = option(
         default="server",
-        metadata={
-            "help": "How vLLM runs: 'server' (a separate `grpo vllm-serve` process the trainer pushes weights to) or "
-            "'colocate' (a vLLM engine inside each training process, sharing its device; docs/vllm.md#colocate-mode)."
-        },
+        section=Section.VLLM,
+        help="How vLLM runs: 'server' (a separate `grpo vllm-serve` process the trainer pushes weights to) or "
+        "'colocate' (a vLLM engine inside each training process, sharing its device; docs/vllm.md#colocate-mode).",
     )
-    vllm_server_base_url: str | None = field(
+    vllm_server_base_url: str | None = option(
         default=None,
-        metadata={"help": "The server's base URL, e.g. 'http://10.0.0.5:8000'; when set, host and port are ignored."},
+        section=Section.VLLM,
+        help="The server's base URL, e.g. 'http://10.0.0.5:8000'; when set, host and port are ignored.",
     )
-    vllm_server_host: str = field(
-        default="127.0.0.1", metadata={"help": "Host of the vLLM server (ignored when vllm_server_base_url is set)."}
+    vllm_server_host: str = option(
+        default="127.0.0.1",
+        section=Section.VLLM,
+        help="Host of the vLLM server (ignored when vllm_server_base_url is set).",
     )
-    vllm_server_port: int = field(
-        default=8000, metadata={"help": "Port of the vLLM server (ignored when vllm_server_base_url is set)."}
+    vllm_server_port: int = option(
+        default=8000,
+        section=Section.VLLM,
+        range=Interval(1, 65535),
+        help="Port of the vLLM server (ignored when vllm_server_base_url is set).",
     )
-    vllm_server_timeout: float = field(
+    vllm_server_timeout: float = option(
         default=240.0,
-        metadata={
-            "help": "Seconds to keep retrying, with backoff, when the server does not answer (still starting, or "
-            "gone) before failing with an error that says how to start it; also the weight-sync group's timeout."
-        },
+        section=Section.VLLM,
+        range=Interval(0, open_low=True, why="seconds"),
+        help="Seconds to keep retrying, with backoff, when the server does not answer (still starting, or "
+        "gone) before failing with an error that says how to start it; also the weight-sync group's timeout.",
     )
-    vllm_group_port: int = field(
+    vllm_group_port: int = option(
         default=51216,
-        metadata={"help": "Port on the server's host for the weight-sync process group (any free port)."},
+        section=Section.VLLM,
+        range=Interval(1, 65535),
+        help="Port on the server's host for the weight-sync process group (any free port).",
     )
-    vllm_sync_bucket_mb: float = field(
+    vllm_sync_bucket_mb: float = option(
         default=256.0,
-        metadata={"help": "Size of the buckets the weights are sent in, in MiB (one broadcast per bucket)."},
+        section=Section.VLLM,
+        range=Interval(0, open_low=True),
+        help="Size of the buckets the weights are sent in, in MiB (one broadcast per bucket).",
     )
-    vllm_gpu_memory_utilization: float = field(
+    vllm_gpu_memory_utilization: float = option(
         default=0.3,
-        metadata={
-            "help": "Colocate mode: the fraction of each GPU's memory the engine takes for its weights and KV cache "
-            "(the trainer keeps the rest). vLLM's CPU build ignores it and sizes its KV cache from "
-            "VLLM_CPU_KVCACHE_SPACE (GiB). Server mode: pass --gpu-memory-utilization to `grpo vllm-serve` instead."
-        },
+        section=Section.VLLM,
+        range=Interval(0, 1, open_low=True, why="the fraction of each GPU's memory vLLM takes"),
+        help="Colocate mode: the fraction of each GPU's memory the engine takes for its weights and KV cache "
+        "(the trainer keeps the rest). vLLM's CPU build ignores it and sizes its KV cache from "
+        "VLLM_CPU_KVCACHE_SPACE (GiB). Server mode: pass --gpu-memory-utilization to `grpo vllm-serve` instead.",
     )
-    vllm_tensor_parallel_size: int = field(
+    vllm_tensor_parallel_size: int = option(
         default=1,
-        metadata={
-            "help": "Colocate mode: devices per engine. Only 1 is built (one engine per training process); for a "
-            "model that needs tensor parallelism use server mode (`grpo vllm-serve --tensor-parallel-size N`)."
-        },
+        section=Section.VLLM,
+        range=Interval(1, 1, why="one engine per process is built; server mode for more"),
+        help="Colocate mode: devices per engine. Only 1 is built (one engine per training process); for a "
+        "model that needs tensor parallelism use server mode (`grpo vllm-serve --tensor-parallel-size N`).",
     )
-    vllm_enable_sleep_mode: bool = field(
+    vllm_enable_sleep_mode: bool = option(
         default=False,
-        metadata={
-            "help": "Colocate mode: put the engine to sleep after each generation (weights offloaded to CPU memory, KV "
-            "cache freed) and wake it before the next, so training gets that memory back. Needs a CUDA, ROCm or XPU "
-            "build of vLLM; elsewhere (vLLM's CPU build) it is an error when the engine starts."
-        },
+        section=Section.VLLM,
+        help="Colocate mode: put the engine to sleep after each generation (weights offloaded to CPU memory, KV "
+        "cache freed) and wake it before the next, so training gets that memory back. Needs a CUDA, ROCm or XPU "
+        "build of vLLM; elsewhere (vLLM's CPU build) it is an error when the engine starts.",
     )
-    vllm_max_model_length: int | None = field(
+    vllm_max_model_length: int | None = option(
         default=None,
-        metadata={
-            "help": "Colocate mode: the engine's context length (prompt + completion tokens), which bounds its KV "
-            "cache per sequence; None takes the model's own limit. Server mode: --max-model-len."
-        },
+        section=Section.VLLM,
+        range=Interval(1, why="prompt + completion tokens, or None for the model's own limit"),
+        help="Colocate mode: the engine's context length (prompt + completion tokens), which bounds its KV "
+        "cache per sequence; None takes the model's own limit. Server mode: --max-model-len.",
     )
-    vllm_importance_sampling_correction: bool = field(
+    vllm_importance_sampling_correction: bool = option(
         default=True,
-        metadata={
-            "help": "Reweight each token's loss by the capped ratio of the trainer's and the sampler's probability of "
-            "the sampled token (truncated importance sampling), correcting for their numerical mismatch (vLLM) and, "
-            "under async_generation, for the older weights that sampled a stale round."
-        },
+        section=Section.VLLM,
+        help="Reweight each token's loss by the capped ratio of the trainer's and the sampler's probability of "
+        "the sampled token (truncated importance sampling), correcting for their numerical mismatch (vLLM) and, "
+        "under async_generation, for the older weights that sampled a stale round.",
     )
-    vllm_importance_sampling_mode: str = field(
+    vllm_importance_sampling_mode: str = option(
         default="token_truncate",
-        metadata={
-            "help": "'token_truncate' (min(ratio, cap) per token), 'token_mask' (0 above the cap), "
-            "'sequence_truncate' or 'sequence_mask' (one ratio per completion: the product over its tokens)."
-        },
+        section=Section.VLLM,
+        help="'token_truncate' (min(ratio, cap) per token), 'token_mask' (0 above the cap), "
+        "'sequence_truncate' or 'sequence_mask' (one ratio per completion: the product over its tokens).",
     )
-    vllm_importance_sampling_cap: float = field(
+    vllm_importance_sampling_cap: float = option(
         default=2.0,
-        metadata={"help": "The cap C of the importance-sampling ratio (truncation or masking threshold)."},
+        section=Section.VLLM,
+        range=Interval(0, open_low=True),
+        help="The cap C of the importance-sampling ratio (truncation or masking threshold).",
     )
 
     # ---- Asynchronous generation (docs/vllm.md#asynchronous-generation) ----
-    async_generation: bool = field(
+    async_generation: bool = option(
         default=False,
-        metadata={
-            "help": "Generate and score the next round in a background thread while the trainer trains on the "
-            "current one; the sampler gets the new weights after each optimizer step. Needs a sampler with weights of "
-            "its own: vLLM (server or colocate), or without vLLM a copy of the policy that `model.generate` samples "
-            "from (the weights' memory twice). Rounds lag the weights they train by at most `max_staleness` steps."
-        },
+        section=Section.ASYNC,
+        help="Generate and score the next round in a background thread while the trainer trains on the "
+        "current one; the sampler gets the new weights after each optimizer step. Needs a sampler with weights of "
+        "its own: vLLM (server or colocate), or without vLLM a copy of the policy that `model.generate` samples "
+        "from (the weights' memory twice). Rounds lag the weights they train by at most `max_staleness` steps.",
     )
-    max_staleness: int = field(
+    max_staleness: int = option(
         default=1,
-        metadata={
-            "help": "Async generation: the most optimizer steps by which the weights a round was sampled with may lag "
-            "the weights that first train on it. 0 gives the synchronous updates (no overlap); 1 samples round k+1 "
-            "while round k trains. A stale round trains against the sampler's log-probs as its behaviour policy "
-            "(truncated importance sampling, `vllm_importance_sampling_*`)."
-        },
+        section=Section.ASYNC,
+        range=Interval(0, why="0 never lets generation run ahead (the synchronous updates)"),
+        help="Async generation: the most optimizer steps by which the weights a round was sampled with may lag "
+        "the weights that first train on it. 0 gives the synchronous updates (no overlap); 1 samples round k+1 "
+        "while round k trains. A stale round trains against the sampler's log-probs as its behaviour policy "
+        "(truncated importance sampling, `vllm_importance_sampling_*`).",
+    )
+
+    # ---- Tools and environments: multi-turn episodes (docs/agents.md) ----
+    max_tool_calling_iterations: int | None = option(
+        default=None,
+        section=Section.AGENTS,
+        range=Interval(0, why="0 offers the tools but never runs a call"),
+        help="With tools or an environment_factory: the most tool turns in one episode (TRL's name); None: as many "
+        "as the episode's token budget, max_completion_length (every policy turn and tool answer), allows.",
+    )
+    tool_timeout: float | None = option(
+        default=60.0,
+        section=Section.AGENTS,
+        range=Interval(0, open_low=True, why="seconds one tool call may run"),
+        help="Seconds one tool call may run; a call that takes longer is answered with an error (a sync tool's thread "
+        "cannot be stopped and runs on in the background). None: no limit, so a hung tool stalls training.",
+    )
+    tool_errors: str = option(
+        default="answer",
+        section=Section.AGENTS,
+        help="What a tool that raises or times out does: 'answer' gives the model 'Error: ...' as the tool's answer "
+        "and counts it (tools/errors, tools/timeouts), 'raise' stops training naming the tool and the episode.",
+    )
+    tool_num_workers: int = option(
+        default=32,
+        section=Section.AGENTS,
+        range=Interval(1),
+        help="Synchronous tool calls running at once (threads); async tools run on one event loop.",
+    )
+    tool_call_parser: str | None = option(
+        default=None,
+        section=Section.AGENTS,
+        help="How tool calls are read from a policy turn: 'hermes' (<tool_call> JSON, Qwen and ChatML models) or "
+        "'llama3_json'; None picks one from the chat template. A parser of your own: GRPOTrainer(tool_call_parser=f).",
     )
 
     # ---- Training on stored, scored completions (docs/offline.md) ----
-    offline_completion_column: str = field(
+    offline_completion_column: str = option(
         default="completion",
-        metadata={
-            "help": "A train_dataset with this column (one row per completion), or with this name plus 's' (one row "
-            "per prompt, lists of completions), is trained on as it is, without generation: rows are grouped by "
-            "prompt and scored by the stored reward (and the reward functions, if any). docs/offline.md."
-        },
+        section=Section.OFFLINE,
+        help="A train_dataset with this column (one row per completion), or with this name plus 's' (one row "
+        "per prompt, lists of completions), is trained on as it is, without generation: rows are grouped by "
+        "prompt and scored by the stored reward (and the reward functions, if any). docs/offline.md.",
     )
-    offline_reward_column: str = field(
+    offline_reward_column: str = option(
         default="reward",
-        metadata={
-            "help": "The stored reward's column in offline data: a number per completion (a list per prompt in the "
-            "per-prompt form). It counts as the first reward (weight 1, or reward_weights' first entry when that "
-            "list has one more entry than there are reward functions)."
-        },
+        section=Section.OFFLINE,
+        help="The stored reward's column in offline data: a number per completion (a list per prompt in the "
+        "per-prompt form). It counts as the first reward (weight 1, or reward_weights' first entry when that "
+        "list has one more entry than there are reward functions).",
     )
-    offline_logprobs_column: str | None = field(
+    offline_logprobs_column: str | None = option(
         default=None,
-        metadata={
-            "help": "Offline data: a column of behaviour log-probs, one per completion token (the appended EOS "
-            "included), from the policy that produced the data. They become pi_old, so the ratio is clipped against "
-            "that policy. None: pi_old is the current policy (the ratio is 1, the update the plain policy gradient)."
-        },
+        section=Section.OFFLINE,
+        help="Offline data: a column of behaviour log-probs, one per completion token (the appended EOS "
+        "included), from the policy that produced the data. They become pi_old, so the ratio is clipped against "
+        "that policy. None: pi_old is the current policy (the ratio is 1, the update the plain policy gradient).",
     )
-    offline_baseline: float | None = field(
+    offline_baseline: float | None = option(
         default=None,
-        metadata={
-            "help": "Offline data: a prompt with a single stored completion gets advantage reward - offline_baseline "
-            "(unscaled). None makes such prompts an error, since alone in its group a completion's advantage is 0. "
-            "Groups of two or more never use it."
-        },
+        section=Section.OFFLINE,
+        range=Interval(why="the reward a lone stored completion is compared with; None refuses such groups"),
+        help="Offline data: a prompt with a single stored completion gets advantage reward - offline_baseline "
+        "(unscaled). None makes such prompts an error, since alone in its group a completion's advantage is 0. "
+        "Groups of two or more never use it.",
     )
-    save_rollouts: bool = field(
+    save_rollouts: bool = option(
         default=False,
-        metadata={
-            "help": "Append every training round's completions with their rewards to output_dir/rollouts.jsonl, in "
-            "the form offline training reads back (prompt, completion, reward = the combined reward, rewards per "
-            "function, truncated, step)."
-        },
+        section=Section.OFFLINE,
+        help="Append every training round's completions with their rewards to output_dir/rollouts.jsonl, in "
+        "the form offline training reads back (prompt, completion, reward = the combined reward, rewards per "
+        "function, truncated, step).",
     )
 
     # ---- Logging ----
-    log_completions: bool = field(
+    log_completions: bool = option(
         default=False,
-        metadata={"help": "Print a table of sampled completions with their rewards every `logging_steps`."},
+        section=Section.LOGGING,
+        help="Print a table of sampled completions with their rewards every `logging_steps`.",
     )
-    num_completions_to_print: int | None = field(
+    num_completions_to_print: int | None = option(
         default=None,
-        metadata={"help": "Rows of that table (None = all rows of the generation batch)."},
+        section=Section.LOGGING,
+        range=Interval(0, why="None prints every row"),
+        help="Rows of that table (None = all rows of the generation batch).",
     )
 
     @property
@@ -629,7 +700,8 @@ class GRPOConfig(TrainingArguments):
 
     def __post_init__(self):
         if self.bf16 is None:
-            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
+            gpu = torch.cuda.is_available() and not self.use_cpu
+            self.bf16 = bool(gpu and torch.cuda.is_bf16_supported()) and not self.fp16
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.dataloader_pin_memory and not torch.cuda.is_available():
@@ -647,7 +719,7 @@ class GRPOConfig(TrainingArguments):
             value = getattr(self, name)
             if value is None and optional:
                 continue
-            interval = FIELD_RANGES.get(name, Interval())
+            interval = numeric_ranges().get(name, Interval())
             valid = f"{_type_name(kind)}{'' if kind is bool else ' ' + str(interval)}{', or None' if optional else ''}"
             well_typed = isinstance(value, bool) if kind is bool else isinstance(value, numbers.Real)
             if kind is int:
@@ -718,6 +790,11 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"nonfinite={self.nonfinite!r} is not one of ('error', 'skip'): 'error' stops training at a non-finite "
                 "reward, loss or gradient, 'skip' skips that reward row or optimizer step and counts it."
+            )
+        if self.tool_errors not in ("answer", "raise"):
+            raise ValueError(
+                f"tool_errors={self.tool_errors!r} is not one of ('answer', 'raise'): 'answer' gives the model the "
+                "error as the tool's answer and counts it, 'raise' stops training."
             )
         if self.reward_worker_type not in REWARD_WORKER_TYPES:
             raise ValueError(f"reward_worker_type={self.reward_worker_type!r} is not one of {REWARD_WORKER_TYPES}.")

@@ -11,7 +11,7 @@ Its rows come in two scopes:
 
 Token tensors are padded: prompts on the left, completions on the right. `trim` drops the columns that are padding
 in every row; `gather` makes every field global (dynamic sampling chooses groups across processes); `select` builds
-a rollout from chosen rows of several gathered ones; `micro_batches` cuts the local rows into the dicts
+a rollout from chosen rows of several gathered ones; `micro_batches` cuts the local rows into the `MicroBatch`es
 `GRPOTrainer.compute_loss` takes (and checkpoints store).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -27,6 +27,16 @@ from accelerate.utils import gather, gather_object
 from grpo.data import content_widths, pad
 
 LOCAL, GATHERED = "local", "gathered"
+
+
+class TokenBatch(NamedTuple):
+    """The four tensors a forward pass over (prompt, completion) rows needs; a `Rollout` and a `MicroBatch` have
+    them as fields too, so anything that reads these attributes takes any of the three."""
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, T) long, right-padded
+    completion_mask: torch.Tensor  # (B, T)
 
 
 def _tensor(scope: str, padded: str | None = None, default_none: bool = False):
@@ -46,7 +56,9 @@ class Rollout:
     prompt_mask: torch.Tensor = _tensor(LOCAL, "left")  # (B, P) 1 on prompt tokens
     completion_ids: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) long, cut after the first EOS
     completion_mask: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) 1 on completion tokens
-    loss_mask: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) completion_mask, 0 on masked truncated rows
+    # (B, T) 1 on the tokens the policy sampled: completion_mask, but 0 on the tool answers of a multi-turn episode
+    sampled_mask: torch.Tensor = _tensor(LOCAL, "right")
+    loss_mask: torch.Tensor = _tensor(LOCAL, "right")  # (B, T) sampled_mask, 0 on masked truncated rows
     is_truncated: torch.Tensor = _tensor(LOCAL)  # (B,) bool: no EOS within max_completion_length
     rewards_per_func: torch.Tensor = _tensor(GATHERED)  # (B_g, K) float32, NaN where a function gave none
     step_rewards: torch.Tensor = _tensor(GATHERED, "right")  # (B_g, K_p, T_g) at each step's last token, else NaN
@@ -62,6 +74,9 @@ class Rollout:
     first_row: int | None = None
     # The optimizer step whose weights sampled this process's rows (async generation; None: the current ones).
     weights_version: int | None = None
+    # Multi-turn episodes (grpo/generation/episodes.py): this process's sums of turns, tool calls, errors... (None:
+    # single-turn completions).
+    episode_stats: dict[str, float] | None = None
 
     @classmethod
     def from_tokens(
@@ -74,13 +89,16 @@ class Rollout:
         pad_token_id: int,
         mask_truncated: bool = False,
         sampling_logps: Sequence[Sequence[float]] | None = None,
+        sampled_masks: Sequence[Sequence[int]] | None = None,
     ) -> Rollout:
         """A rollout of unpadded token lists (completions already cut after their EOS), not yet scored: prompts
-        padded on the left, completions on the right; with `mask_truncated`, truncated rows get no loss tokens."""
+        padded on the left, completions on the right; with `mask_truncated`, truncated rows get no loss tokens.
+        `sampled_masks`: per completion token, 1 where the policy sampled it (None: every token)."""
         prompt_ids, prompt_mask = pad(prompt_ids, pad_token_id, side="left")
         completion_ids, completion_mask = pad(completion_ids, pad_token_id, side="right")
+        sampled_mask = completion_mask if sampled_masks is None else pad(sampled_masks, 0, side="right")[0]
         truncated = torch.tensor(list(is_truncated), dtype=torch.bool)
-        loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if mask_truncated else completion_mask
+        loss_mask = sampled_mask * (~truncated).long().unsqueeze(1) if mask_truncated else sampled_mask
         if sampling_logps is not None:
             width = completion_ids.shape[1]
             sampling_logps = torch.tensor([list(row) + [0.0] * (width - len(row)) for row in sampling_logps])
@@ -91,6 +109,7 @@ class Rollout:
             prompt_mask=prompt_mask,
             completion_ids=completion_ids,
             completion_mask=completion_mask,
+            sampled_mask=sampled_mask,
             loss_mask=loss_mask,
             is_truncated=truncated,
             rewards_per_func=torch.empty(0, 0),
@@ -116,10 +135,9 @@ class Rollout:
         """The local completions' token ids without padding, one list per row (what reward functions receive)."""
         return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
-    def token_inputs(self) -> dict[str, torch.Tensor]:
+    def token_inputs(self) -> TokenBatch:
         """The four tensors a forward pass needs (`GRPOTrainer.logprobs`)."""
-        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        return {name: getattr(self, name) for name in names}
+        return TokenBatch(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask)
 
     def to(self, device: torch.device | str) -> Rollout:
         return replace(self, **{name: getattr(self, name).to(device) for name, _ in self._tensors()})
@@ -174,10 +192,10 @@ class Rollout:
             out[name] = stack_rows([getattr(rollouts[r], name)[i] for r, i in chosen], fill, side)
         return cls(**out).trim()
 
-    def micro_batches(self, num: int) -> list[dict[str, torch.Tensor]]:
-        """The local rows cut into `num` consecutive micro-batches, each trimmed to its own longest prompt and
-        completion: dicts of the local tensors (what `compute_loss` reads and checkpoints store). Rows that do not
-        divide evenly (offline groups of different sizes) go one more to each of the first micro-batches."""
+    def micro_batches(self, num: int) -> list[MicroBatch]:
+        """The local rows cut into `num` consecutive `MicroBatch`es, each trimmed to its own longest prompt and
+        completion (what `compute_loss` reads and checkpoints store). Rows that do not divide evenly (offline groups
+        of different sizes) go one more to each of the first micro-batches. Needs the advantages (step 5)."""
         if self.num_rows < num:
             raise ValueError(
                 f"This process holds {self.num_rows} rows for {num} micro-batches (steps_per_generation): each needs "
@@ -188,13 +206,66 @@ class Rollout:
         out = []
         for i in range(num):
             part = self._rows(slice(bounds[i], bounds[i + 1])).trim()
-            out.append({name: getattr(part, name) for name, _ in part._tensors(LOCAL) if name != "is_truncated"})
+            out.append(MicroBatch(**{name: getattr(part, name) for name in MicroBatch.ROLLOUT_FIELDS}))
         return out
 
     def _rows(self, rows: slice) -> Rollout:
         """Local rows `rows` (gathered fields unchanged)."""
         cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
         return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], **cut)
+
+
+@dataclass
+class MicroBatch:
+    """What one `compute_loss` reads: consecutive local rows of a scored `Rollout` (`Rollout.micro_batches`), trimmed
+    to their own widths, plus what the trainer adds per micro-batch. The trainer's buffer of them goes into
+    checkpoints as plain dicts (`state_dict` / `from_state_dict`), so loading unpickles no class. Shapes: b rows, P
+    prompt and T completion columns."""
+
+    prompt_ids: torch.Tensor  # (b, P) long, left-padded
+    prompt_mask: torch.Tensor  # (b, P)
+    completion_ids: torch.Tensor  # (b, T) long, right-padded
+    completion_mask: torch.Tensor  # (b, T)
+    loss_mask: torch.Tensor  # (b, T) the tokens the loss counts
+    advantages: torch.Tensor  # (b,), or (b, T) with process rewards
+    sampling_logps: torch.Tensor | None = None  # (b, T) the sampler's own log-probs (vLLM), for its correction
+    ref_logps: torch.Tensor | None = None  # (b, T) pi_ref, when beta != 0
+    # pi_old (grpo/objective/old_policy.py): its log-probs from a no-grad pass or stored (offline); None: from the
+    # training pass. `old_logps_at_step`: record them from the first training pass, which must come at this step.
+    old_logps: torch.Tensor | None = None  # (b, T)
+    old_logps_at_step: int | None = None
+    # The loss tokens of this micro-batch's optimizer step on all processes, for loss types normalised over the step
+    # (grpo/objective/loss.py, `accumulation`); None for the others.
+    window_loss_tokens: torch.Tensor | None = None  # 0-d float
+
+    # The fields copied from the rollout's local rows.
+    ROLLOUT_FIELDS = (
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "loss_mask",
+        "advantages",
+        "sampling_logps",
+        "ref_logps",
+        "old_logps",
+    )
+
+    @property
+    def num_rows(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The set fields, as a dict of tensors and ints (what a checkpoint stores)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> MicroBatch:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(state) - names)
+        if unknown:
+            raise ValueError(f"A saved micro-batch has fields {unknown} that MicroBatch does not: {sorted(names)}.")
+        return cls(**state)
 
 
 def gather_rows(accelerator, value: torch.Tensor, fill: float = 0) -> torch.Tensor:

@@ -17,8 +17,8 @@ from grpo.generation import Completions
 from grpo.generation.async_engine import ProducerError, RoundProducer, SharedEngine
 from grpo.testing import tiny_model, tiny_tokenizer
 from grpo.training.async_rounds import AsyncRounds
-from tests.compare import assert_close_to_scale, assert_same_update, updates
-from tests.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, use_sampler
+from tests.helpers.compare import assert_close_to_scale, assert_same_update, updates
+from tests.helpers.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, use_sampler
 
 
 class _OneProcess:
@@ -263,11 +263,11 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
     moved = 0.0
     for r, batch in enumerate(batches):
         behaviour, current = logprobs_at(versions[r], batch), logprobs_at(r, batch)
-        mask = batch["completion_mask"].bool()
-        assert_close_to_scale(batch["sampling_logps"][mask], behaviour[mask], f"round {r}")
+        mask = batch.completion_mask.bool()
+        assert_close_to_scale(batch.sampling_logps[mask], behaviour[mask], f"round {r}")
         # Each round trains in one step, so pi_old comes from its training pass (no pass of its own) and the
         # importance weight pi_old / behaviour the loss logged is the current weights' over the sampler's.
-        assert "old_logps" not in batch
+        assert batch.old_logps is None
         logged = trainer.state.log_history[r]["sampling/importance_sampling_ratio/max"]
         assert logged == pytest.approx((current - behaviour)[mask].exp().max().item(), rel=1e-4)
         moved = max(moved, (current - behaviour)[mask].abs().max().item())

@@ -15,7 +15,7 @@ from datasets import Dataset, DatasetDict
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import main
-from grpo.config import FIELD_RANGES
+from grpo.config import numeric_ranges
 from grpo.data import RESERVED_COLUMNS, InputError, check_prompt_dataset
 from grpo.rewards.names import check_reward_funcs, load_reward_funcs
 from grpo.rewards.scoring import RewardSet, score_rewards
@@ -115,7 +115,7 @@ def test_every_numeric_field_of_grpo_config_has_a_range():
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     hints = {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig) if f.name not in inherited}
     numeric = {name for name, hint in hints.items() if re.fullmatch(r"(int|float)( \| None)?", hint)}
-    assert numeric <= set(FIELD_RANGES), sorted(numeric - set(FIELD_RANGES))
+    assert numeric <= set(numeric_ranges()), sorted(numeric - set(numeric_ranges()))
     assert config(learning_rate=1, beta=0).learning_rate == 1  # an int is a fine float
 
 
@@ -250,7 +250,7 @@ REWARD_CASES = [
         "Fix the path",
     ),
     ("no_such_module:f", r"cannot import module 'no_such_module'", r"Put no_such_module.py in the working directory"),
-    ("tests.reward_module:nope", r"has no attribute 'nope'", r"Check the function's name"),
+    ("tests.helpers.reward_module:nope", r"has no attribute 'nope'", r"Check the function's name"),
     (
         "soft_overlong_punishment",
         r"'soft_overlong_punishment' needs settings",

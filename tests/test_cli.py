@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.net import launch_two_processes
+from tests.helpers.net import launch_two_processes
 
 ROOT = Path(__file__).parent.parent
 

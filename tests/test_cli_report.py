@@ -11,7 +11,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.cli import _quiet_deepspeed_on_cpu, before_after_report, evaluate_held_out, greedy_metrics, greedy_samples
 from grpo.cli.plot import panels, split_history
 from grpo.rewards import completion_text
-from tests.scripted import TINY
+from tests.helpers.scripted import TINY
 
 
 def even_length(completions, **kwargs):

@@ -1,6 +1,12 @@
+import math
+import re
+
 import pytest
+import torch
 
 from grpo import GRPOConfig
+from grpo._docs import own_fields
+from grpo.config import INHERITED_RANGES, Interval, Section, _field_kinds, numeric_ranges, options
 
 
 def make(**kwargs):
@@ -12,7 +18,10 @@ def test_defaults_resolve():
     assert args.steps_per_generation == 2 and args.generation_batch_size == 8
     assert args.epsilon_high == args.epsilon == 0.2
     assert args.loss_type == "dapo" and args.beta == 0.0 and args.top_k == 0
-    assert args.bf16 is False  # no CUDA here: the CPU run must not fail on precision
+    # bf16 where a CUDA device supports it, else off: the same script runs unchanged on a CPU-only machine.
+    assert args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    # use_cpu=True trains on the CPU even where a GPU is: no bf16 autocast there unless asked for.
+    assert GRPOConfig(output_dir="unused", report_to="none", use_cpu=True).bf16 is False
     assert args.remove_unused_columns is False
 
 
@@ -123,3 +132,64 @@ def test_reward_call_options_are_checked():
         make(reward_num_workers=-1)
     with pytest.raises(ValueError, match="reward_worker_type='gpu' is not one of"):
         make(reward_worker_type="gpu")
+
+
+# ---- What each field declares: its docs section and its valid range ----
+
+
+def test_every_field_declares_its_docs_section():
+    # A field declared with plain `field(...)` has no section and would be missing from docs/config-reference.md.
+    sections = {v for k, v in vars(Section).items() if not k.startswith("_")}
+    declared = options()
+    for f in own_fields():
+        assert f.name in declared, f"{f.name} is declared with field(), not option(section=..., help=...)"
+        assert declared[f.name].section in sections, (f.name, declared[f.name].section)
+    assert set(INHERITED_RANGES).isdisjoint(declared)  # a redeclared field gives its range in option() instead
+
+
+def outside(interval: Interval, kind: type) -> list:
+    """Values of type `kind` just outside `interval`: at an open end, below a closed one, above the top."""
+    step = 1 if kind is int else 0.5
+    values = []
+    if interval.low is not None:
+        values.append(interval.low if interval.open_low else interval.low - step)
+    if interval.high is not None:
+        values.append(interval.high + step)
+    return values
+
+
+@pytest.mark.parametrize("name", list(numeric_ranges()))
+def test_every_declared_range_is_enforced(name):
+    interval = numeric_ranges()[name]
+    kind, _ = _field_kinds().get(name, (None, False))
+    assert kind in (int, float), f"{name} declares a range but is not an int or float field"
+    values = outside(interval, kind)
+    if not values:  # unbounded: only the finiteness check applies
+        assert kind is float and interval.why, name
+        values = [math.nan]
+    for value in values:
+        with pytest.raises(ValueError, match=f"^{re.escape(f'{name}={value!r}')} "):
+            make(**{name: value})
+
+
+def test_outside_values_are_just_outside():
+    # The helper above, checked on the shapes it meets: an open and a closed low end, a top, an int and a float field.
+    assert outside(Interval(2), int) == [1]
+    assert outside(Interval(0, 1, open_low=True), float) == [0, 1.5]
+    assert outside(Interval(0, 2**32 - 1), int) == [-1, 2**32]
+    assert outside(Interval(), float) == []
+
+
+def test_argument_parser_reads_the_config(monkeypatch):
+    # TRL's scripts parse GRPOConfig with HfArgumentParser, which hands every metadata key to argparse: a key other
+    # than "help" in a field's metadata makes building the parser fail.
+    from dataclasses import fields
+
+    from transformers import HfArgumentParser
+
+    for f in fields(GRPOConfig):  # the parser replaces each field's annotation string with the type; put them back
+        monkeypatch.setattr(f, "type", f.type)
+    (args,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/grpo-test-config", "--report_to", "none", "--num_generations", "4", "--beta", "0.04"]
+    )
+    assert args.num_generations == 4 and args.beta == 0.04

@@ -13,7 +13,7 @@ import pytest
 
 import grpo.contrib.cpu.memory
 from grpo import GRPOTrainer
-from tests.scripted import TINY
+from tests.helpers.scripted import TINY
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,18 +107,18 @@ def test_the_trainer_keeps_freed_memory_on_a_cpu_only_when_switched_on(
 
     calls = []
     monkeypatch.setattr(grpo.contrib.cpu.memory, "keep_freed_memory", lambda: calls.append(1))
-    # use_cpu: the trainer runs on the CPU on a machine with a GPU too, so that the setting applies there as well.
+    # TINY's use_cpu: the trainer runs on the CPU on a machine with a GPU too, so that the setting applies there as well.
     GRPOTrainer(
         tiny_model_path,
         lambda completions, **kw: [0.0] * len(completions),
-        args=GRPOConfig(output_dir=str(tmp_path / "a"), keep_freed_cpu_memory=True, use_cpu=True, **TINY),
+        args=GRPOConfig(output_dir=str(tmp_path / "a"), keep_freed_cpu_memory=True, **TINY),
         train_dataset=prompt_dataset,
     )
     assert calls == [1]
     GRPOTrainer(  # the default: the C library's settings are left alone
         tiny_model_path,
         lambda completions, **kw: [0.0] * len(completions),
-        args=GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, **TINY),
+        args=GRPOConfig(output_dir=str(tmp_path / "b"), **TINY),
         train_dataset=prompt_dataset,
     )
     assert calls == [1]

@@ -2,8 +2,8 @@
 
 DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) runs its collectives over torch's gloo group; the first launch on a
 machine JIT-compiles its shared-memory all-reduce op (ninja and a C++ compiler, 1-4 min, cached in
-~/.cache/torch_extensions). accelerate 1.15 does not start DeepSpeed on a CPU by itself: tests/deepspeed_update.py
-patches the same routing decision as tests/fsdp_update.py."""
+~/.cache/torch_extensions). accelerate 1.15 does not start DeepSpeed on a CPU by itself:
+tests/helpers/deepspeed_update.py patches the same routing decision as tests/helpers/fsdp_update.py."""
 
 from pathlib import Path
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from grpo.testing import save_tiny_model, save_tiny_reward_model, tiny_model
-from tests.compare import assert_same_update, updates
-from tests.fsdp_update import LOSS_TYPES, STEPS, trained
-from tests.net import launch_two_processes
-from tests.scripted import reward_len
+from tests.helpers.compare import assert_same_update, updates
+from tests.helpers.fsdp_update import LOSS_TYPES, STEPS, trained
+from tests.helpers.net import launch_two_processes
+from tests.helpers.scripted import reward_len
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'grpo[deepspeed]'")
 
@@ -23,16 +23,19 @@ DS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None, "DS_ACCE
 
 
 def launch(stage, out_file, *extra):
-    """Run tests/deepspeed_update.py on 2 processes under ZeRO stage `stage`'s config; its results."""
-    config = ROOT / "tests" / f"accelerate_cpu_zero{stage}.yaml"
-    launch_two_processes(ROOT / "tests" / "deepspeed_update.py", out_file, *extra, config=config, env=DS_ENV)
+    """Run tests/helpers/deepspeed_update.py on 2 processes under ZeRO stage `stage`'s config; its results."""
+    config = ROOT / "tests" / "configs" / f"accelerate_cpu_zero{stage}.yaml"
+    launch_two_processes(
+        ROOT / "tests" / "helpers" / "deepspeed_update.py", out_file, *extra, config=config, env=DS_ENV
+    )
     return torch.load(out_file, weights_only=False)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def zero(request, tmp_path_factory):
-    """(ZeRO stage, the results of tests/deepspeed_update.py on 2 processes under that stage's config, where they
-    were written). The script also trains the tiny model and a reward model from folders, written here first."""
+    """(ZeRO stage, the results of tests/helpers/deepspeed_update.py on 2 processes under that stage's config,
+    where they were written). The script also trains the tiny model and a reward model from folders, written here
+    first."""
     stage = request.param
     out_file = tmp_path_factory.mktemp(f"zero{stage}") / "two.pt"
     save_tiny_model(f"{out_file}.model")
@@ -133,7 +136,7 @@ def test_zero_resumes_from_a_checkpoint(zero, tmp_path):
     stage, results = zero
     saved, info = results["saved"]
     assert info["steps_run"] == 3
-    output_dir = results["out_file"] + ".c"  # where tests/deepspeed_update.py saved it
+    output_dir = results["out_file"] + ".c"  # where tests/helpers/deepspeed_update.py saved it
     resumed, resumed_info = launch(stage, tmp_path / "resumed.pt", "--resume", output_dir)["resumed"]
     assert resumed_info["steps_run"] == 1 and resumed_info["distributed_type"] == "DistributedType.DEEPSPEED"
     assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.compare import assert_same_update
-from tests.distributed_update import EXTRA, LOSS_TYPES, VARIANTS, one_step
-from tests.net import launch_two_processes
+from tests.helpers.compare import assert_same_update
+from tests.helpers.distributed_update import EXTRA, LOSS_TYPES, VARIANTS, one_step
+from tests.helpers.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("per_device, accumulation", [(4, 1), (2, 2)])
 def test_two_processes_match_one(tmp_path, per_device, accumulation):
     out_file = tmp_path / "two.pt"
-    launch_two_processes(ROOT / "tests" / "distributed_update.py", out_file, per_device, accumulation)
+    launch_two_processes(ROOT / "tests" / "helpers" / "distributed_update.py", out_file, per_device, accumulation)
     two = torch.load(out_file)
     # The global batch: 2 processes x per_device x accumulation rows = one process with twice the rows per step.
     # EXTRA: "lora" (a LoRA adapter, the reference its base) where peft is installed.

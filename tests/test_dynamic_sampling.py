@@ -24,6 +24,7 @@ def _round(prompt_rows, completion_rows, rewards):
         prompt_mask=(prompt_ids != PAD).long(),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
+        sampled_mask=completion_mask.clone(),
         loss_mask=completion_mask.clone(),
         is_truncated=torch.tensor([len(r) == c_width for r in completion_rows]),
         rewards_per_func=torch.tensor(rewards).unsqueeze(1),

@@ -1,7 +1,8 @@
 """FSDP2 (torch `fully_shard`) on two CPU processes over gloo against one process (docs/distributed.md).
 
-accelerate 1.15 does not run FSDP on CPU by itself (`test_accelerate_alone_drops_fsdp_on_cpu`): tests/fsdp_update.py
-patches its device routing and then runs the unpatched trainer, `fully_shard` and the gathers."""
+accelerate 1.15 does not run FSDP on CPU by itself (`test_accelerate_alone_drops_fsdp_on_cpu`):
+tests/helpers/fsdp_update.py patches its device routing and then runs the unpatched trainer, `fully_shard` and the
+gathers."""
 
 from pathlib import Path
 
@@ -10,12 +11,21 @@ import torch
 
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import tiny_model
-from tests.compare import assert_close_to_scale, assert_same_update, updates
-from tests.fsdp_update import HEADS, LAYOUTS, LOSS_TYPES, STEPS, head_variant, logprob_batch, logprob_loss, trained
-from tests.net import launch_two_processes
+from tests.helpers.compare import assert_close_to_scale, assert_same_update, updates
+from tests.helpers.fsdp_update import (
+    HEADS,
+    LAYOUTS,
+    LOSS_TYPES,
+    STEPS,
+    head_variant,
+    logprob_batch,
+    logprob_loss,
+    trained,
+)
+from tests.helpers.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "tests" / "accelerate_cpu_fsdp2.yaml"
+CONFIG = ROOT / "tests" / "configs" / "accelerate_cpu_fsdp2.yaml"
 SHARDED = ("DistributedType.FSDP", "DTensor", 2)  # what a sharded 2-process run reports (`ran`)
 
 
@@ -24,19 +34,19 @@ FSDP2_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "ACCELERATE_USE_CPU": None}
 
 
 def ran(info):
-    """(distributed type, class of the policy's parameters, process count) of a run of tests/fsdp_update.py."""
+    """(distributed type, class of the policy's parameters, process count) of a run of tests/helpers/fsdp_update.py."""
     return info["distributed_type"], info["param_class"], info["world_size"]
 
 
 def launch(out_file, *extra, **env):
-    """Run tests/fsdp_update.py on 2 processes with `env` added (a value of None removes the variable)."""
-    launch_two_processes(ROOT / "tests" / "fsdp_update.py", out_file, *extra, config=CONFIG, env=env)
+    """Run tests/helpers/fsdp_update.py on 2 processes with `env` added (a value of None removes the variable)."""
+    launch_two_processes(ROOT / "tests" / "helpers" / "fsdp_update.py", out_file, *extra, config=CONFIG, env=env)
     return torch.load(out_file, weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    """The results of tests/fsdp_update.py on 2 processes (one launch for every test here)."""
+    """The results of tests/helpers/fsdp_update.py on 2 processes (one launch for every test here)."""
     out_file = tmp_path_factory.mktemp("fsdp2") / "two.pt"
     return {**launch(out_file, **FSDP2_ENV), "out_file": str(out_file)}
 
@@ -145,7 +155,7 @@ def test_fsdp2_resumes_from_a_checkpoint(fsdp2, tmp_path):
     state) takes the one step left and ends with the same parameters."""
     saved, info = fsdp2["saved"]
     assert ran(info) == SHARDED and info["steps_run"] == 3
-    output_dir = fsdp2["out_file"] + ".c"  # where tests/fsdp_update.py saved it
+    output_dir = fsdp2["out_file"] + ".c"  # where tests/helpers/fsdp_update.py saved it
     resumed, resumed_info = launch(tmp_path / "resumed.pt", "--resume", output_dir, **FSDP2_ENV)["resumed"]
     assert ran(resumed_info) == SHARDED and resumed_info["steps_run"] == 1
     assert resumed_info["losses"] == pytest.approx(info["losses"], rel=1e-5)

@@ -10,7 +10,7 @@ from grpo.objective.logprobs import (
     selective_log_softmax,
 )
 from grpo.testing import tiny_config, tiny_model
-from tests.compare import assert_close_to_scale
+from tests.helpers.compare import assert_close_to_scale
 
 
 def test_selective_log_softmax_equals_full_log_softmax():

@@ -1,5 +1,5 @@
-"""The GRPO math (grpo/objective/loss.py): hand-worked numbers, equality with the naive loops in tests/naive.py, and the
-properties docs/method.md requires."""
+"""The GRPO math (grpo/objective/loss.py): hand-worked numbers, equality with the naive loops in
+tests/helpers/naive.py, and the properties docs/method.md requires."""
 
 import math
 
@@ -18,7 +18,7 @@ from grpo.objective.loss import (
     spans_the_step,
     window_token_totals,
 )
-from tests.naive import (
+from tests.helpers.naive import (
     naive_group_advantages,
     naive_mixed_advantages,
     naive_policy_loss,

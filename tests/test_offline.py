@@ -14,10 +14,10 @@ from grpo.data import InputError
 from grpo.data.offline import OfflineGroups, load_scored_rollouts, prompt_key
 from grpo.objective.advantages import group_advantages, group_reward_stats, grouped_advantages, mixed_advantages
 from grpo.testing import tiny_model, tiny_tokenizer
-from tests.compare import assert_same_update
-from tests.naive import naive_grouped_advantages, naive_policy_loss
-from tests.net import launch_two_processes
-from tests.scripted import TINY, ScriptedGeneration, capture_batches, reward_len
+from tests.helpers.compare import assert_same_update
+from tests.helpers.naive import naive_grouped_advantages, naive_policy_loss
+from tests.helpers.net import launch_two_processes
+from tests.helpers.scripted import TINY, ScriptedGeneration, capture_batches, reward_len
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ def test_single_completion_is_an_error_unless_a_baseline_is_set(tmp_path):
     batches = capture_batches(trainer)
     # The lone group sorts first ("Alone" < "Question"); one round = 2 groups: "Alone" and "Question 0".
     trainer.train()
-    assert batches[0]["advantages"][0].item() == pytest.approx(2.0 - 0.5)
+    assert batches[0].advantages[0].item() == pytest.approx(2.0 - 0.5)
 
 
 @pytest.mark.parametrize(
@@ -191,13 +191,13 @@ def _naive_logps(model, batch):
     """Per-token log-probs of the completion tokens, one row at a time from a plain forward pass of the unpadded
     prompt + completion (log_softmax over the vocabulary at each position, the completion's next token picked)."""
     rows = []
-    for i in range(batch["prompt_ids"].shape[0]):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+    for i in range(batch.prompt_ids.shape[0]):
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+        completion = batch.completion_ids[i][batch.completion_mask[i].bool()]
         ids = torch.cat([prompt, completion])[None]
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # positions predicting the completion
         logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[:, None])[:, 0]
-        width = batch["completion_ids"].shape[1]
+        width = batch.completion_ids.shape[1]
         rows.append(torch.cat([logps, logps.new_zeros(width - len(logps))]))
     return torch.stack(rows)
 
@@ -218,15 +218,15 @@ def test_offline_loss_equals_naive_computation(tmp_path):
     trainer.train()
     batch = batches[0]
     naive_adv = naive_grouped_advantages([r["reward"] for r in rows], [2, 3])
-    assert batch["advantages"].tolist() == pytest.approx(naive_adv, abs=1e-6)
-    old = torch.zeros_like(batch["old_logps"])
+    assert batch.advantages.tolist() == pytest.approx(naive_adv, abs=1e-6)
+    old = torch.zeros_like(batch.old_logps)
     for i, row in enumerate(rows):
         old[i, : len(row["behaviour"])] = torch.tensor(row["behaviour"])
-    assert torch.equal(batch["old_logps"], old)
+    assert torch.equal(batch.old_logps, old)
     # Recompute at the weights the loss saw: undo the step by reloading the initial model.
     fresh = tiny_model(tokenizer)
     logps = _naive_logps(fresh, batch)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     expected = naive_policy_loss(logps, old, logps.detach(), torch.tensor(naive_adv), mask, "dapo", 0.04, 0.2, 0.2)
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4)
 
@@ -257,7 +257,7 @@ def completion_logps(trainer, rows):
         groups, trainer.processing_class, trainer.eos_token_ids, trainer.accelerator
     )
     with torch.no_grad():
-        logps, _ = trainer.logprobs(trainer.model, rollout.token_inputs())
+        logps, _ = trainer.logprobs(trainer.model, rollout)
     mask = rollout.completion_mask
     means = (logps * mask).sum(1) / mask.sum(1)
     rewards = [row["reward"] for group in groups for row in group["rows"]]
@@ -352,8 +352,8 @@ def test_two_processes_match_one(tmp_path):
     """The same file on 2 CPU processes (each holding whole groups of different sizes) gives the update and loss
     of 1 process (loss_type dapo, whose normaliser counts the tokens of all processes)."""
     out_file = tmp_path / "two.pt"
-    launch_two_processes(ROOT / "tests" / "offline_update.py", out_file)
-    from tests.offline_update import offline_update
+    launch_two_processes(ROOT / "tests" / "helpers" / "offline_update.py", out_file)
+    from tests.helpers.offline_update import offline_update
 
     update, world_size, loss, _ = torch.load(out_file)
     assert world_size == 2

@@ -1,6 +1,8 @@
 """pi_old from the training pass (grpo/objective/old_policy.py): which micro-batches need a pass of their own, and
 that taking the others' from their first training pass changes no update."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from datasets import Dataset
@@ -8,9 +10,10 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data.sampler import StepSchedule
 from grpo.objective import old_policy
-from grpo.objective.old_policy import RECORD_AT_STEP, first_pass_micro_batches, plan, take
-from tests.compare import assert_same_update
-from tests.scripted import sgd_step_update
+from grpo.objective.old_policy import first_pass_micro_batches, plan, take
+from grpo.rollout import MicroBatch
+from tests.helpers.compare import assert_same_update
+from tests.helpers.scripted import sgd_step_update
 
 
 @pytest.mark.parametrize(
@@ -41,6 +44,12 @@ def test_step_schedule_follows_short_steps_at_epoch_ends():
     assert first_pass_micro_batches(2, schedule.steps_left(10)) == 1
 
 
+def _micro_batch(i: int) -> MicroBatch:
+    """A stand-in micro-batch whose prompt_ids hold its index (plan and take read only the pi_old fields)."""
+    one = torch.ones(1, 1)
+    return MicroBatch(torch.tensor(i), one, one, one, one, torch.zeros(1))
+
+
 def _args(**kwargs):
     settings = dict(steps_per_generation=4, gradient_accumulation_steps=2, num_iterations=2)
     return GRPOConfig(output_dir="unused", report_to="none", **{**settings, **kwargs})
@@ -49,38 +58,39 @@ def _args(**kwargs):
 def test_plan_passes_only_the_micro_batches_after_an_update_in_training_order():
     # A round made at micro-step 6 with 4 micro-batches: trained in the order 2, 3, 0, 1 (the buffer index is the
     # micro-step's); 6 % 2 == 0, so the first 2 of that order (2 and 3) come before the update.
-    batches = [{"id": torch.tensor(i)} for i in range(4)]
+    batches = [_micro_batch(i) for i in range(4)]
     passed = []
 
     def logprobs(micro_batch):
-        passed.append(int(micro_batch["id"]))
-        return torch.full((1,), float(micro_batch["id"]))
+        passed.append(int(micro_batch.prompt_ids))
+        return torch.full((1,), float(micro_batch.prompt_ids))
 
     plan(batches, 6, 2, _args(), global_step=3, logprobs=logprobs)
     assert passed == [0, 1]
-    assert [RECORD_AT_STEP in b for b in batches] == [False, False, True, True]
-    assert batches[2][RECORD_AT_STEP] == 3 and batches[0]["old_logps"].item() == 0.0
+    assert [b.old_logps_at_step for b in batches] == [None, None, 3, 3]
+    assert batches[0].old_logps.item() == 0.0 and batches[2].old_logps is None
 
 
 def test_plan_marks_nothing_without_replays_and_keeps_given_old_logps():
     given = torch.tensor([-1.0])
-    batches = [{"old_logps": given}, {}, {}, {}]
+    batches = [_micro_batch(i) for i in range(4)]
+    batches[0].old_logps = given
     plan(batches, 0, 2, _args(num_iterations=1), global_step=0, logprobs=lambda mb: torch.zeros(1))
-    assert batches[0]["old_logps"] is given  # offline: the stored behaviour policy's, kept
-    assert batches[1] == {}  # on-policy and trained once: nothing to record
-    assert all("old_logps" in b for b in batches[2:])
+    assert batches[0].old_logps is given  # offline: the stored behaviour policy's, kept
+    assert batches[1].old_logps is None and batches[1].old_logps_at_step is None  # trained once: nothing to record
+    assert all(b.old_logps is not None for b in batches[2:])
 
 
 def test_take_records_the_first_pass_and_refuses_one_after_an_update():
     logps = torch.randn(2, 3, requires_grad=True)
-    inputs = {RECORD_AT_STEP: 5}
-    old = take(inputs, logps, global_step=5)
-    assert RECORD_AT_STEP not in inputs and inputs["old_logps"] is old
+    marked = replace(_micro_batch(0), old_logps_at_step=5)
+    old = take(marked, logps, global_step=5)
+    assert marked.old_logps_at_step is None and marked.old_logps is old
     assert torch.equal(old, logps) and not old.requires_grad
-    assert take(inputs, logps * 2, global_step=6) is old  # the replay reads what the first pass recorded
-    assert take({}, logps, global_step=6) is None  # on-policy: the loss uses logps.detach()
+    assert take(marked, logps * 2, global_step=6) is old  # the replay reads what the first pass recorded
+    assert take(_micro_batch(0), logps, global_step=6) is None  # on-policy: the loss uses logps.detach()
     with pytest.raises(RuntimeError, match="first trained at step 7, after an update"):
-        take({RECORD_AT_STEP: 6}, logps, global_step=7)
+        take(replace(_micro_batch(0), old_logps_at_step=6), logps, global_step=7)
 
 
 def _counted_passes(monkeypatch) -> list[int]:

@@ -3,7 +3,7 @@
 What trains (only the adapter), the reference (the same network with the adapter disabled, equal to the original
 model), the KL at the first step, generation with the adapter, gradient checkpointing, the saved adapter, and the
 recipe section. Exact resume with LoRA is a scenario of tests/test_resume.py; two processes against one, a case of
-tests/distributed_update.py."""
+tests/helpers/distributed_update.py."""
 
 import json
 
@@ -16,9 +16,9 @@ from grpo.cli.recipe import RecipeError, load_recipe
 from grpo.data import InputError
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import tiny_model
-from tests.compare import assert_close_to_scale, assert_same_update
-from tests.distributed_update import lora_config, lora_step_update
-from tests.scripted import TINY, capture_batches, reward_len
+from tests.helpers.compare import assert_close_to_scale, assert_same_update
+from tests.helpers.distributed_update import lora_config, lora_step_update
+from tests.helpers.scripted import TINY, capture_batches, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 
 peft = pytest.importorskip("peft", reason="the PEFT tests need `pip install peft`")
@@ -86,12 +86,12 @@ def test_reference_logprobs_are_the_original_models_while_the_adapter_is_not_zer
     def logps(model):
         with torch.no_grad():
             out, _ = completion_logprobs(
-                model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
             )
-        return out[batch["completion_mask"].bool()]
+        return out[batch.completion_mask.bool()]
 
     expected = logps(original)
-    assert_close_to_scale(batch["ref_logps"][batch["completion_mask"].bool()], expected, "reference log-probs")
+    assert_close_to_scale(batch.ref_logps[batch.completion_mask.bool()], expected, "reference log-probs")
     # Not vacuous: with the adapter on, the same tokens have clearly different log-probs.
     assert (logps(trainer.model.eval()) - expected).abs().max() > 1e-3
 

@@ -82,9 +82,9 @@ def test_resolve_rewards():
     assert resolve_reward(RewardSpec("accuracy")) is accuracy
     fmt = resolve_reward(RewardSpec("format_reward", kwargs={"pattern": r"\d+"}))
     assert fmt(["12", "x"]) == [1.0, 0.0]
-    digit = resolve_reward(RewardSpec("tests.reward_module:contains_digit"))
+    digit = resolve_reward(RewardSpec("tests.helpers.reward_module:contains_digit"))
     assert digit(["a1", "b"]) == [1.0, 0.0]
-    short = resolve_reward(RewardSpec("tests.reward_module:length_at_most", kwargs={"limit": 2}))
+    short = resolve_reward(RewardSpec("tests.helpers.reward_module:length_at_most", kwargs={"limit": 2}))
     assert short(["ab", "abc"]) == [1.0, 0.0]
     with pytest.raises(RecipeError, match="cannot import module 'no_such_module'"):
         resolve_reward(RewardSpec("no_such_module:f"))

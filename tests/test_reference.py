@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.objective.reference import ReferenceResetCallback, mix_into
 from grpo.testing import tiny_model
-from tests.scripted import TINY, reward_len
+from tests.helpers.scripted import TINY, reward_len
 from tests.test_resume import comparable, run, step_logs
 
 

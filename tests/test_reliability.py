@@ -29,7 +29,7 @@ from grpo.training.nonfinite import (
     reward_overflow_message,
     terms_finite,
 )
-from tests.scripted import TINY, reward_len
+from tests.helpers.scripted import TINY, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 
 

@@ -1,5 +1,6 @@
 """Exact resume: a run SIGKILLed and resumed logs the same losses and rewards and ends with bit-identical weights as
-one never stopped (CPU, same seed). Each run is a process of its own (tests/resume_run.py), with real sampling."""
+one never stopped (CPU, same seed). Each run is a process of its own (tests/helpers/resume_run.py), with real
+sampling."""
 
 import json
 import shutil
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 from grpo.training.checkpoints import newest_checkpoint
-from tests.net import launch_two_processes
+from tests.helpers.net import launch_two_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).with_name("resume_run.py")
+SCRIPT = Path(__file__).parent / "helpers" / "resume_run.py"
 
 # Each scenario kills the run inside a generation round, so the resumed run must take the rest of that round from
 # the checkpoint rather than generate it again.

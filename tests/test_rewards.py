@@ -117,7 +117,7 @@ def test_every_built_in_plugs_into_the_trainer(tmp_path, tiny_model_path):
     pytest.importorskip("reasoning_gym")
     from grpo import GRPOConfig, GRPOTrainer
     from grpo.rewards import code_execution
-    from tests.scripted import TINY
+    from tests.helpers.scripted import TINY
 
     dataset = reasoning_gym_dataset("basic_arithmetic", size=4, seed=0)
     dataset = dataset.add_column("tests", [["assert answer() == 42"]] * 4)

@@ -45,7 +45,7 @@ def test_micro_batches_are_consecutive_rows_each_trimmed_to_its_own_width():
     r.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     r.ref_logps = torch.arange(12.0).view(4, 3)
     first, second = r.micro_batches(2)
-    assert set(first) == {
+    assert set(first.state_dict()) == {
         "prompt_ids",
         "prompt_mask",
         "completion_ids",
@@ -55,12 +55,12 @@ def test_micro_batches_are_consecutive_rows_each_trimmed_to_its_own_width():
         "ref_logps",
     }
     # Rows 0-1: prompts of 1 and 2 tokens, completions of 1 and 2 -> widths 2 and 2.
-    assert first["prompt_ids"].tolist() == [[PAD, 5], [6, 6]]
-    assert first["completion_ids"].tolist() == [[1, PAD], [2, 2]]
-    assert first["ref_logps"].tolist() == [[0.0, 1.0], [3.0, 4.0]]
+    assert first.prompt_ids.tolist() == [[PAD, 5], [6, 6]]
+    assert first.completion_ids.tolist() == [[1, PAD], [2, 2]]
+    assert first.ref_logps.tolist() == [[0.0, 1.0], [3.0, 4.0]]
     # Rows 2-3: prompts of 1 and 2 tokens, completions of 3 and 1 -> widths 2 and 3.
-    assert second["completion_ids"].tolist() == [[3, 3, 3], [4, PAD, PAD]]
-    assert second["advantages"].tolist() == [0.5, -0.5]
+    assert second.completion_ids.tolist() == [[3, 3, 3], [4, PAD, PAD]]
+    assert second.advantages.tolist() == [0.5, -0.5]
 
 
 def test_trim_drops_columns_that_are_padding_in_every_row():
@@ -73,6 +73,7 @@ def test_trim_drops_columns_that_are_padding_in_every_row():
             "completion_ids": torch.cat([r.completion_ids, torch.full((4, 2), PAD)], dim=1),
             "completion_mask": torch.cat([r.completion_mask, torch.zeros(4, 2, dtype=torch.long)], dim=1),
             "loss_mask": torch.cat([r.loss_mask, torch.zeros(4, 2, dtype=torch.long)], dim=1),
+            "sampled_mask": torch.cat([r.sampled_mask, torch.zeros(4, 2, dtype=torch.long)], dim=1),
             "advantages": torch.ones(4, 5),  # per token: trimmed with the completions
         }
     )

@@ -352,7 +352,7 @@ def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
     import os
     import time
 
-    from tests.process_rewards import fails_on_row_1, sleeps_on_long_completions, worker_pid
+    from tests.helpers.process_rewards import fails_on_row_1, sleeps_on_long_completions, worker_pid
 
     options = {"num_workers": 2, "worker_type": "process"}
     pids = _score([worker_pid], options=options)[:, 0].tolist()

@@ -9,7 +9,7 @@ from grpo.objective import shared_prompt
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.shared_prompt import prompt_groups
 from grpo.testing import tiny_model
-from tests.compare import assert_close_to_scale
+from tests.helpers.compare import assert_close_to_scale
 
 PAD, EOS = 256, 258
 

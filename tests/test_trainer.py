@@ -10,8 +10,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model
-from tests.compare import assert_same_update
-from tests.scripted import TINY, capture_batches, reward_len, sgd_step_update
+from tests.helpers.compare import assert_same_update
+from tests.helpers.scripted import TINY, capture_batches, reward_len, sgd_step_update
 
 
 def make_config(tmp_path, **kwargs):
@@ -88,10 +88,10 @@ def test_model_object_with_processing_class_and_reused_batches(tmp_path, tokeniz
     trainer = GRPOTrainer(model, reward_len, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     captured = capture_batches(trainer)
     trainer.train()
-    assert all("old_logps" in batch for batch in captured)  # recorded by the first pass, read by the replay
-    assert captured[0]["advantages"].data_ptr() == captured[1]["advantages"].data_ptr()  # the same round, replayed
-    truncated = captured[0]["completion_mask"].sum(1) == 8
-    assert (captured[0]["loss_mask"][truncated] == 0).all()  # masked truncated rows count zero tokens
+    assert all(batch.old_logps is not None for batch in captured)  # recorded by the first pass, read by the replay
+    assert captured[0].advantages.data_ptr() == captured[1].advantages.data_ptr()  # the same round, replayed
+    truncated = captured[0].completion_mask.sum(1) == 8
+    assert (captured[0].loss_mask[truncated] == 0).all()  # masked truncated rows count zero tokens
 
 
 def test_misuse_gives_clear_errors(tmp_path, tiny_model_path, tokenizer):

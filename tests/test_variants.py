@@ -1,45 +1,123 @@
 """The loss and advantage variants inside the trainer: GSPO, clip-higher and two-sided clipping, top-entropy tokens,
-process rewards and dynamic sampling. The math itself is proven in tests/test_loss.py; these tests check the wiring
-and the batch-layout properties docs/method.md requires."""
-
-import math
+process rewards and dynamic sampling. The math itself is proven in tests/test_loss.py; these tests check that each
+switch reaches it and changes what it should (the loss the trainer computes equals the naive objective with that
+variant's knobs, and not the default's; the advantages are the naive mixed ones; dynamic sampling trains exactly the
+groups it keeps), and the batch-layout properties docs/method.md requires."""
 
 import pytest
+import torch
+from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
-from tests.compare import assert_same_update
-from tests.scripted import (
+from grpo.testing import tiny_model, tiny_tokenizer
+from tests.helpers.compare import assert_same_update
+from tests.helpers.naive import naive_mixed_advantages, naive_policy_loss
+from tests.helpers.scripted import (
     TINY,
+    ScriptedGeneration,
     capture_batches,
     half_flat_dataset,
     half_flat_reward,
     len_as_final_step,
     reward_len,
     sgd_step_update,
+    use_sampler,
 )
 
+# ---- What each loss variant changes: the loss ----
 
-def test_variants_train_and_log(tmp_path, tiny_model_path, prompt_dataset):
-    # GSPO ratio, clip-higher, two-sided clipping and top-entropy tokens together, with replayed batches so that
-    # the ratio moves away from 1.
+# Each variant as GRPOConfig settings and as the knobs of the naive objective (tests/helpers/naive.py) they mean;
+# a knob left out keeps its default: a token-level ratio, epsilon 0.2 on both sides, no delta cap, every token trained.
+DEFAULT_KNOBS = dict(level="token", eps_high=0.2, delta=None, top_entropy_quantile=1.0)
+VARIANTS = {
+    "gspo": (dict(importance_sampling_level="sequence"), dict(level="sequence")),
+    "clip-higher": (dict(epsilon_high=0.28), dict(eps_high=0.28)),
+    "two-sided": (dict(delta=1.5), dict(delta=1.5)),
+    "top-entropy": (dict(top_entropy_quantile=0.5), dict(top_entropy_quantile=0.5)),
+    "together": (
+        dict(importance_sampling_level="sequence", epsilon_high=0.28, delta=2.0, top_entropy_quantile=0.5),
+        dict(level="sequence", eps_high=0.28, delta=2.0, top_entropy_quantile=0.5),
+    ),
+}
+BETA = 0.04
+
+
+def log_ratios(rows, columns):
+    """log(pi_theta / pi_old) of each token: ratios from 0.55 to 4.5, a spread in every row, so that clipping on
+    either side, the delta cap and the sequence-level ratio all change the loss (as a stale sampler or stored
+    completions would)."""
+    return torch.tensor([[-0.6 + 0.3 * ((t + 2 * i) % 8) for t in range(columns)] for i in range(rows)])
+
+
+def loss_taken(output_dir, **config):
+    """(record, trainer) of one optimizer step on one scripted group whose pi_old log-probs are the policy's minus
+    `log_ratios`. The record holds the tensors the loss took, with the log-probs and entropies from a forward pass of
+    our own at the same weights, and the loss the trainer computed."""
+    tokenizer = tiny_tokenizer()
     args = GRPOConfig(
-        output_dir=str(tmp_path),
-        **{**TINY, "max_steps": 2, "num_iterations": 2, "learning_rate": 1e-2, "beta": 0.04},
-        importance_sampling_level="sequence",
-        epsilon_high=0.28,
-        delta=2.0,
-        top_entropy_quantile=0.5,
+        output_dir=str(output_dir), **{**TINY, "max_steps": 1, "beta": BETA, "loss_type": "dapo", **config}
     )
-    trainer = GRPOTrainer(tiny_model_path, reward_len, args=args, train_dataset=prompt_dataset)
+    dataset = Dataset.from_dict({"prompt": ["Question 0: count to three."]})
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    use_sampler(trainer, ScriptedGeneration(args.num_generations, args.max_completion_length))
+    records, compute_loss = [], trainer.compute_loss
+
+    def record(model, inputs, **kwargs):
+        with torch.no_grad():
+            logps, entropy = trainer.logprobs(model, inputs, with_entropy=True)
+        inputs.old_logps = logps - log_ratios(*logps.shape)  # as stored behaviour log-probs are given
+        loss = compute_loss(model, inputs, **kwargs)
+        tensors = dict(logps=logps, entropy=entropy, old=inputs.old_logps, ref=inputs.ref_logps)
+        records.append({**tensors, "advantages": inputs.advantages, "mask": inputs.loss_mask.bool()})
+        records[-1]["loss"] = loss.item()
+        return loss
+
+    trainer.compute_loss = record
     trainer.train()
+    (taken,) = records
+    return taken, trainer
+
+
+def naive_loss(record, level, eps_high, delta, top_entropy_quantile):
+    """The dapo loss of the recorded micro-batch built token by token in float64 with these knobs."""
+    mask, entropy = record["mask"], record["entropy"]
+    policy_mask = None
+    if top_entropy_quantile < 1:  # the top fraction of the loss tokens by entropy (one micro-batch, one process)
+        policy_mask = entropy >= torch.quantile(entropy[mask], 1 - top_entropy_quantile)
+    logps, old, ref, advantages = (record[k].double() for k in ("logps", "old", "ref", "advantages"))
+    knobs = dict(level=level, delta=delta, policy_mask=policy_mask)
+    return naive_policy_loss(logps, old, ref, advantages, mask, "dapo", BETA, 0.2, eps_high, **knobs).item()
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_each_variant_gives_the_loss_of_the_naive_objective_with_its_knobs(tmp_path, variant):
+    config, knobs = variant
+    record, trainer = loss_taken(tmp_path, **config)
+    want = naive_loss(record, **{**DEFAULT_KNOBS, **knobs})
+    # The loss averages at most 32 token terms, each at most max|A| x max ratio in size (the KL term is 0: the
+    # reference is the policy at step 1); each float32 operation rounds by eps, and 32 eps bounds the sum's error.
+    ratio = torch.exp(log_ratios(*record["logps"].shape))
+    scale = record["advantages"].abs().max().item() * ratio[record["mask"]].max().item()
+    bound = 32 * torch.finfo(torch.float32).eps * scale
+    assert record["loss"] == pytest.approx(want, abs=bound)
+    # The default knobs give another loss on the same tensors, far outside that bound: the check above fails when
+    # the setting is ignored.
+    assert abs(naive_loss(record, **DEFAULT_KNOBS) - want) > 100 * bound
     logs = trainer.state.log_history[0]
     for key in ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        assert math.isfinite(logs[key]), key
+        assert key in logs, key
+
+
+# ---- Process rewards and dynamic sampling: what reaches the loss ----
 
 
 def test_process_reward_per_token_advantages_reach_the_loss(tmp_path, tiny_model_path, prompt_dataset):
     # A process function and an outcome function with weights: advantages become (B, T), trimmed with the
-    # completions, and zero after each row's last step.
+    # completions: the outcome advantage on every token plus 0.5 x the process function's token advantages, which
+    # are zero after each row's last step (docs/method.md, "Process supervision"). The weights follow the order of
+    # reward_funcs; the outcome's, 2.0, scales rewards that group normalisation then divides by their spread.
     @process_reward
     def first_and_last(completions, completion_ids):
         return [
@@ -49,14 +127,25 @@ def test_process_reward_per_token_advantages_reach_the_loss(tmp_path, tiny_model
             for ids in completion_ids
         ]
 
-    args = GRPOConfig(output_dir=str(tmp_path), **{**TINY, "max_steps": 2}, reward_weights=[1.0, 0.5])
+    scored = []  # the outcome rewards of each round
+
+    def reward_len(prompts, completions):  # scripted.reward_len, recording what it returns
+        scored.append([float(len(completion)) for completion in completions])
+        return scored[-1]
+
+    args = GRPOConfig(output_dir=str(tmp_path), **{**TINY, "max_steps": 2}, reward_weights=[0.5, 2.0])
     trainer = GRPOTrainer(tiny_model_path, [first_and_last, reward_len], args=args, train_dataset=prompt_dataset)
     captured = capture_batches(trainer)
     trainer.train()
     assert trainer.reward_names == ["reward_len", "first_and_last"]  # outcome functions first
-    for batch in captured:
-        assert batch["advantages"].shape == batch["completion_ids"].shape
-        assert (batch["advantages"][batch["completion_mask"] == 0] == 0).all()
+    assert len(captured) == len(scored) == 2  # a round of one group per step
+    for batch, rewards in zip(captured, scored):
+        assert batch.advantages.shape == batch.completion_ids.shape
+        assert (batch.advantages[batch.completion_mask == 0] == 0).all()
+        steps = [[(n % 3, 0), (1.0, n - 1)] if n > 1 else [(0.0, 0)] for n in batch.completion_mask.sum(1).tolist()]
+        width, outcome = batch.completion_ids.shape[1], [2.0 * r for r in rewards]
+        expected = naive_mixed_advantages(outcome, [steps], [0.5], width, args.num_generations)
+        assert batch.advantages.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
     logs = trainer.state.log_history[0]
     assert "rewards/first_and_last/mean" in logs and "rewards/reward_len/mean" in logs
 
@@ -72,13 +161,15 @@ def test_outcome_reward_as_a_single_final_step_gives_the_same_update(tmp_path, l
     assert_same_update(process, outcome, dict(trainer.model.named_parameters()), what=loss_type)
 
 
-def test_dynamic_sampling_keeps_the_batch_full_of_groups_with_spread(tmp_path):
+def test_dynamic_sampling_keeps_the_batch_full_of_groups_with_spread(tmp_path, tokenizer):
     # 2 prompts per generation round (8 rows, G = 4), half of all prompts flat: the first round of every step holds
     # one flat group (shuffle off, consecutive prompts), which must be replaced from extra rounds.
+    captured = []
     update, trainer = sgd_step_update(
-        tmp_path,
+        tmp_path / "dynamic",
         reward_funcs=half_flat_reward,
         dataset=half_flat_dataset(),
+        captured=captured,
         gradient_accumulation_steps=2,
         dynamic_sampling=True,
         max_steps=3,
@@ -87,12 +178,19 @@ def test_dynamic_sampling_keeps_the_batch_full_of_groups_with_spread(tmp_path):
     assert all(h["dynamic_sampling/dropped_groups"] >= 1 for h in logs)
     assert all(h["dynamic_sampling/zero_std_groups_kept"] == 0 for h in logs)
     assert sum(d.abs().sum() for d in update.values()) > 0
+    # What dynamic sampling changes is which groups train, and nothing else: none of the groups it kept is flat, and
+    # a run without it on exactly those prompts, in that order, gives the same update.
+    kept = [tokenizer.decode(b.prompt_ids[0][b.prompt_mask[0].bool()]) for b in captured]  # a group per micro-batch
+    flat = {row["prompt"] for row in half_flat_dataset() if row["flat"]}
+    assert len(kept) == 6 and not flat & set(kept)
+    dataset = Dataset.from_dict({"prompt": kept, "flat": [False] * len(kept)})
+    reference, _ = sgd_step_update(
+        tmp_path / "kept", reward_funcs=half_flat_reward, dataset=dataset, gradient_accumulation_steps=2, max_steps=3
+    )
+    assert_same_update(update, reference, dict(trainer.model.named_parameters()), steps=3, what="kept groups")
 
 
 def test_dynamic_sampling_no_zero_variance_group_reaches_the_loss(tmp_path, tokenizer):
-    from grpo.testing import tiny_model
-    from tests.scripted import ScriptedGeneration
-
     args = GRPOConfig(
         output_dir=str(tmp_path),
         **{**TINY, "max_steps": 3, "gradient_accumulation_steps": 2, "shuffle_dataset": False},
@@ -118,8 +216,8 @@ def test_dynamic_sampling_no_zero_variance_group_reaches_the_loss(tmp_path, toke
     assert True in seen_flat  # flat groups were generated ...
     assert len(captured) == 6
     for batch in captured:
-        assert batch["prompt_ids"].shape[0] == args.per_device_train_batch_size  # ... the batch size is kept ...
-        groups = batch["advantages"].view(-1, args.num_generations)
+        assert batch.prompt_ids.shape[0] == args.per_device_train_batch_size  # ... the batch size is kept ...
+        groups = batch.advantages.view(-1, args.num_generations)
         assert (groups != 0).any(dim=1).all()  # ... and none reaches the loss
 
 
@@ -158,7 +256,8 @@ def test_dynamic_sampling_cap_keeps_zero_variance_groups_when_nothing_else_comes
 )
 def test_variants_give_the_same_update_for_any_accumulation(tmp_path, loss_type, variant):
     # per_device x accumulation = 8 rows in every layout. (top_entropy_quantile is not layout-invariant by design:
-    # its threshold is taken per micro-step; tests/test_distributed.py checks it across processes.)
+    # its threshold is taken per micro-step; tests/test_distributed.py checks it across processes.) What each variant
+    # changes in the loss is checked above; this is the one step of each, cut into micro-batches three ways.
     reference, trainer = sgd_step_update(
         tmp_path / "ref", loss_type=loss_type, per_device_train_batch_size=8, gradient_accumulation_steps=1, **variant
     )

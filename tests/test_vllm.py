@@ -28,7 +28,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation.policy_weights import checkpoint_tensors  # noqa: E402
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.net import free_port, launch_two_processes  # noqa: E402
+from tests.helpers.net import free_port, launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -366,7 +366,7 @@ def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, 
 def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
     port, _ = server
     out = tmp_path / "result.json"
-    script = Path(__file__).with_name("vllm_two_processes.py")
+    script = Path(__file__).parent / "helpers" / "vllm_two_processes.py"
     launch_two_processes(script, model_path, port, free_port(), out)
     outcome = json.loads(out.read_text())
     assert outcome["world_size"] == 2
@@ -400,7 +400,7 @@ def test_two_trainer_processes_generate_asynchronously_on_one_server(server, mod
     with every process's engine lock held, so no generation sees half-loaded weights."""
     port, _ = server
     out = tmp_path / "result.json"
-    script = Path(__file__).with_name("vllm_two_processes.py")
+    script = Path(__file__).parent / "helpers" / "vllm_two_processes.py"
     launch_two_processes(script, model_path, port, free_port(), out, "async")
     outcome = json.loads(out.read_text())
     assert outcome["world_size"] == 2

@@ -27,7 +27,7 @@ from grpo.generation.vllm.weight_sync import (
 )
 from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
-from tests.net import free_port, stand_in_server
+from tests.helpers.net import free_port, stand_in_server
 
 TOKEN = bytes(range(32))
 

@@ -21,7 +21,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.net import launch_two_processes  # noqa: E402
+from tests.helpers.net import launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -197,7 +197,7 @@ def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokeni
 
 def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
     out = tmp_path / "result.json"
-    launch_two_processes(Path(__file__).with_name("vllm_colocate_two_processes.py"), model_path, out)
+    launch_two_processes(Path(__file__).parent / "helpers" / "vllm_colocate_two_processes.py", model_path, out)
     outcome = json.loads(out.read_text())
     assert outcome["world_size"] == 2
     # Both engines hold the trained weights.

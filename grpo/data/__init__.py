@@ -43,8 +43,9 @@ def completion_text(completion: str | dict | list) -> str:
     return completion["content"] if isinstance(completion, dict) else completion
 
 
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
-    """The text the model is conditioned on: the prompt itself, or its messages through the chat template."""
+def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+    """The text the model is conditioned on: the prompt itself, or its messages through the chat template (with the
+    JSON schemas of `tools`, for multi-turn episodes)."""
     if isinstance(prompt, str):
         return prompt
     if not is_conversational(prompt):
@@ -59,7 +60,7 @@ def render_prompt(prompt: str | list[dict], tokenizer) -> str:
         )
     prefill = prompt[-1]["role"] == "assistant"
     return tokenizer.apply_chat_template(
-        prompt, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
+        prompt, tools=tools, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
     )
 
 

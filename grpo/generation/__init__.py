@@ -4,7 +4,7 @@ sampled completion per row, through the backend `make_generation_backend` picks 
 Backends implement `GenerationBackend` (base.py): `TransformersGeneration` (model_generate.py, the policy's own
 `generate`), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-serve` server, whose HTTP client is
 vllm/client.py and whose server is vllm/serve.py) and `VLLMColocateGeneration` (vllm/colocate.py, an engine inside
-each training process). The weights a vLLM engine needs come from policy_weights.py and travel by
+each training process); offline training replays stored completions through `StoredCompletions` (stored.py). The weights a vLLM engine needs come from policy_weights.py and travel by
 vllm/weight_sync.py (all of them) or vllm/lora_sync.py (the adapter alone); docs/vllm.md. Asynchronous generation's
 engine, shared between the producer thread and the trainer, is async_engine.py.
 """
@@ -18,12 +18,16 @@ from torch import nn
 
 from grpo.data import decode_completions, render_prompt, tokenize_prompts
 from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
+from grpo.generation.stored import StoredCompletions
 from grpo.rollout import Rollout
 
 __all__ = [
     "Completions",
+    "AgentLoop",
     "GenerationBackend",
+    "StoredCompletions",
     "TransformersGeneration",
     "cut_at_eos",
     "make_generation_backend",
@@ -31,9 +35,14 @@ __all__ = [
 ]
 
 
-def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int]) -> GenerationBackend:
+def make_generation_backend(
+    args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int], stored=None
+) -> GenerationBackend:
     """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or with `use_vllm` a vLLM server
-    (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md."""
+    (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
+    (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them."""
+    if stored is not None:
+        return StoredCompletions(stored, accelerator)
     sampling = dict(
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
@@ -82,11 +91,24 @@ def make_generation_backend(args, accelerator, pad_token_id: int, eos_token_ids:
 
 
 def sample_rollout(
-    inputs: list[dict[str, Any]], backend: GenerationBackend, model: nn.Module, tokenizer, eos_token_ids, args
+    inputs: list[dict[str, Any]],
+    backend: GenerationBackend,
+    model: nn.Module,
+    tokenizer,
+    eos_token_ids,
+    args,
+    agent: AgentLoop | None = None,
+    lockstep=None,
 ) -> tuple[Rollout, dict[str, list]]:
     """Steps 2-3 of a round: render and tokenize the prompts of `inputs` (dataset rows), sample one completion per
     row with `backend`, cut each after its first EOS (kept; a completion without one is truncated) and decode. The
-    rollout is not scored yet. Also returns the rows' other columns, for the reward functions."""
+    rollout is not scored yet. Also returns the rows' other columns, for the reward functions. Offline training's
+    backend, `StoredCompletions`, makes the rollout of its drawn groups itself. With an `agent` (tools or
+    environments), each row is a multi-turn episode (`AgentLoop.rollout`, episodes.py; `lockstep` there)."""
+    if isinstance(backend, StoredCompletions):
+        return backend.rollout(inputs, tokenizer, eos_token_ids)
+    if agent is not None:
+        return agent.rollout(inputs, backend, model, lockstep)
     if "prompt" not in inputs[0]:
         raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
     prompts = [example["prompt"] for example in inputs]

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+from grpo.rollout import TokenBatch
 
 
 @torch.no_grad()
@@ -260,12 +261,9 @@ class PolicyCopyGeneration:
         device = next(self.copy.parameters()).device
         prompt, prompt_mask = pad(prompt_ids, self.pad_token_id, side="left")
         completion, completion_mask = pad(ids, self.pad_token_id, side="right")
-        batch = {
-            "prompt_ids": prompt.to(device),
-            "prompt_mask": prompt_mask.to(device),
-            "completion_ids": completion.to(device),
-            "completion_mask": completion_mask.to(device),
-        }
+        batch = TokenBatch(
+            prompt.to(device), prompt_mask.to(device), completion.to(device), completion_mask.to(device)
+        )
         with torch.no_grad():
             logps = self.logprobs(self.copy, batch).float().cpu()
         return Completions(raw.ids, [row[: len(r)].tolist() for row, r in zip(logps, ids)])

@@ -4,7 +4,7 @@ each step's reward against its group's step rewards (process rewards), and the t
     A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4)          scale_rewards="group" (DeepSeekMath)
 
 Notation as in loss.py (docs/method.md): G completions per prompt, B rows, T completion tokens. Every function takes
-tensors and scalar knobs and returns tensors; tests compare each with a naive loop (tests/naive.py) and with numbers
+tensors and scalar knobs and returns tensors; tests compare each with a naive loop (tests/helpers/naive.py) and with numbers
 worked out by hand.
 """
 

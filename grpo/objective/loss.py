@@ -6,7 +6,7 @@ Notation (docs/method.md): G completions per prompt, B rows (prompts x G), T com
 log-probs under the policy, the sampling policy and the reference policy.
 
 Every function takes tensors and scalar knobs and returns tensors: no trainer, no config object. The tests compare
-each one with a naive loop over the same inputs (tests/naive.py) and with numbers worked out by hand.
+each one with a naive loop over the same inputs (tests/helpers/naive.py) and with numbers worked out by hand.
 """
 
 from __future__ import annotations

@@ -29,9 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-# A micro-batch that takes pi_old from its first training pass and is replayed: the optimizer step (global_step)
-# its first pass must come in, checked when it does (`take`).
-RECORD_AT_STEP = "record_old_logps_at_step"
+from grpo.rollout import MicroBatch
 
 
 def first_pass_micro_batches(steps_per_generation: int, steps_left: int) -> int:
@@ -41,36 +39,36 @@ def first_pass_micro_batches(steps_per_generation: int, steps_left: int) -> int:
 
 
 def plan(
-    micro_batches: list[dict],
+    micro_batches: list[MicroBatch],
     step: int,
     steps_left: int,
     args,
     global_step: int,
-    logprobs: Callable[[dict], torch.Tensor],
+    logprobs: Callable[[MicroBatch], torch.Tensor],
 ) -> None:
     """Give each micro-batch of a round made at micro-step `step` its pi_old, in place. They are trained in the order
     `step % steps_per_generation`, ..., wrapping around (the buffer's index is the micro-step's); the first
     `first_pass_micro_batches` of that order (`steps_left`: micro-steps left in the optimizer step of `step`) take
-    pi_old from their training pass (marked `RECORD_AT_STEP` when the round is replayed, left alone otherwise); the
+    pi_old from their training pass (`old_logps_at_step` set when the round is replayed, left alone otherwise); the
     others get `old_logps` from `logprobs(micro_batch)`, a no-grad pass run now, before any update. A micro-batch that
     already holds `old_logps` (offline data: the stored behaviour policy's) is left as it is. `args`: the run's
     GRPOConfig."""
     start = step % args.steps_per_generation
     first = first_pass_micro_batches(args.steps_per_generation, steps_left)
     for i, micro_batch in enumerate(micro_batches[start:] + micro_batches[:start]):
-        if "old_logps" in micro_batch:
+        if micro_batch.old_logps is not None:
             continue
         if i >= first:
-            micro_batch["old_logps"] = logprobs(micro_batch)
+            micro_batch.old_logps = logprobs(micro_batch)
         elif args.num_iterations > 1:
-            micro_batch[RECORD_AT_STEP] = global_step
+            micro_batch.old_logps_at_step = global_step
 
 
-def take(inputs: dict, logps: torch.Tensor, global_step: int) -> torch.Tensor | None:
-    """pi_old's log-probs for the micro-batch `inputs` whose training pass gave `logps`; None means `logps.detach()`
+def take(micro_batch: MicroBatch, logps: torch.Tensor, global_step: int) -> torch.Tensor | None:
+    """pi_old's log-probs for `micro_batch` whose training pass gave `logps`; None means `logps.detach()`
     (on-policy). A micro-batch marked by `plan` records `logps.detach()` as its `old_logps` (in place: its replays
     read them), after checking that no optimizer step came between its round and this pass."""
-    step = inputs.pop(RECORD_AT_STEP, None)
+    step, micro_batch.old_logps_at_step = micro_batch.old_logps_at_step, None
     if step is not None:
         if step != global_step:
             raise RuntimeError(
@@ -78,5 +76,5 @@ def take(inputs: dict, logps: torch.Tensor, global_step: int) -> torch.Tensor | 
                 f"{step} was first trained at step {global_step}, after an update: its old log-probs would be wrong. "
                 "This is a bug in grpo's step accounting; please report it with your GRPOConfig."
             )
-        inputs["old_logps"] = logps.detach()
-    return inputs.get("old_logps")
+        micro_batch.old_logps = logps.detach()
+    return micro_batch.old_logps

@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import gather
 
 from grpo.objective.loss import entropy_threshold, sampling_correction
+from grpo.rollout import MicroBatch
 
 
 def policy_mask(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float, accelerator) -> torch.Tensor | None:
@@ -22,22 +23,22 @@ def policy_mask(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float,
     return entropy >= entropy_threshold(everyone, quantile)
 
 
-def sampling_weights(logps: torch.Tensor, inputs: dict, args) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def sampling_weights(logps: torch.Tensor, batch: MicroBatch, args) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The sampler drew the tokens from its own distribution, not exactly pi_old (numerics, or older weights):
     truncated importance-sampling weights pi_old / pi_sampler (`sampling_correction`) and this process's share of the
     sampling/* metrics (`sampling_summary`); (None, None) without sampler log-probs. On-policy, pi_old is the current
     policy (logps.detach()): no extra forward."""
-    if "sampling_logps" not in inputs:
+    if batch.sampling_logps is None:
         return None, None
-    old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
+    old = batch.old_logps if batch.old_logps is not None else logps.detach()
     weights, stats = sampling_correction(
         old,
-        inputs["sampling_logps"],
-        inputs["loss_mask"],
+        batch.sampling_logps,
+        batch.loss_mask,
         mode=args.vllm_importance_sampling_mode,
         cap=args.vllm_importance_sampling_cap,
     )
-    return weights, sampling_summary(stats, inputs["loss_mask"])
+    return weights, sampling_summary(stats, batch.loss_mask)
 
 
 def sampling_summary(stats: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:

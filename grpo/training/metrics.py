@@ -190,8 +190,9 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     rows = samples if max_rows is None else samples[:max_rows]
 
     def clip(value, width):
-        text = str(completion_text(value))
-        text = text.replace("\n", "\\n")
+        if isinstance(value, list) and len(value) > 1:  # a multi-turn episode: each message clipped on its own
+            return " / ".join(clip(f"{m.get('name') or m['role']}: {m['content']}", width // 2) for m in value)
+        text = str(completion_text(value)).replace("\n", "\\n")
         return text if len(text) <= width else text[: width - 3] + "..."
 
     header = ["prompt", "completion", *reward_names, "advantage"]
@@ -214,3 +215,20 @@ def write_completions(path: str, step: int, samples: list[dict], reward_names: l
             record = {"step": step, "prompt": s["prompt"], "completion": s["completion"], "rewards": rewards}
             record["advantage"] = None if math.isnan(s["advantage"]) else s["advantage"]
             f.write(json.dumps(record) + "\n")
+
+
+def add_episode_metrics(window: MetricsWindow, stats: dict[str, float], accelerator) -> None:
+    """The tool metrics of a round of multi-turn episodes (grpo/generation/episodes.py), from this process's sums
+    (`episode_stats`) summed over processes: per episode `tools/turns` (policy turns), `tools/call_frequency`,
+    `tools/errors`, `tools/timeouts`, `tools/parse_failures` and `tools/budget_cut_ratio` (episodes whose tool
+    answers did not fit in max_completion_length); `tools/failure_frequency`, failed calls over calls (TRL's)."""
+    names = list(stats)
+    totals = accelerator.reduce(torch.tensor([stats[n] for n in names], device=accelerator.device), reduction="sum")
+    total = dict(zip(names, totals.tolist()))
+    episodes = total.pop("episodes")
+    renamed = {"tool_calls": "call_frequency", "tool_errors": "errors", "tool_timeouts": "timeouts"}
+    for name, value in total.items():
+        name = "budget_cut_ratio" if name == "budget_cuts" else renamed.get(name, name)
+        window.add_mean(f"tools/{name}", value, episodes)
+    failed = total["tool_errors"] + total["tool_timeouts"]
+    window.add_mean("tools/failure_frequency", failed, max(total["tool_calls"], 1.0))

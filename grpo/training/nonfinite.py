@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from grpo.objective.advantages import group_reward_stats
 from grpo.objective.loss import importance_ratio, kl_k3
+from grpo.rollout import MicroBatch
 
 
 class NonFiniteError(RuntimeError):
@@ -118,15 +119,15 @@ class LossRecord:
     level: str = "token"  # importance_sampling_level
 
     @classmethod
-    def of(cls, inputs: dict, logps, old_logps, terms: dict[str, torch.Tensor], args) -> LossRecord:
-        """The record of a micro-batch `inputs` whose training pass gave `logps` (pi_old: `old_logps`) and `terms`."""
+    def of(cls, batch: MicroBatch, logps, old_logps, terms: dict[str, torch.Tensor], args) -> LossRecord:
+        """The record of a micro-batch whose training pass gave `logps` (pi_old: `old_logps`) and `terms`."""
         return cls(
             terms=terms,
             logps=logps.detach(),
             old_logps=old_logps,
-            ref_logps=inputs.get("ref_logps"),
-            advantages=inputs["advantages"],
-            mask=inputs["loss_mask"],
+            ref_logps=batch.ref_logps,
+            advantages=batch.advantages,
+            mask=batch.loss_mask,
             level=args.importance_sampling_level,
         )
 

@@ -21,9 +21,11 @@ from transformers import (
 
 from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, offline
-from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
+from grpo.data.sampler import train_sampler
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
+from grpo.generation.episodes import make_agent
 from grpo.generation.policy_weights import zero3_gathered_for_generation
+from grpo.generation.tools import Toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
 from grpo.objective.advantages import mixed_advantages
@@ -31,8 +33,9 @@ from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
 from grpo.objective.token_weights import policy_mask, sampling_weights
+from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
-from grpo.rollout import Rollout, gather_rows
+from grpo.rollout import MicroBatch, Rollout, TokenBatch, gather_rows
 from grpo.training import metrics
 from grpo.training.async_rounds import AsyncRounds
 from grpo.training.checkpoints import (
@@ -45,6 +48,7 @@ from grpo.training.checkpoints import (
     save_state,
 )
 from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
+from grpo.training.loaders import RoundLoaders
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 
@@ -55,7 +59,7 @@ def _identity(features):
     return features
 
 
-class GRPOTrainer(ResumableTrainer):
+class GRPOTrainer(RoundLoaders, ResumableTrainer):
     """Trains a causal LM with GRPO (DeepSeekMath, arXiv:2402.03300) and its variants (see `GRPOConfig.loss_type`).
 
     One optimizer step, as data flows (docs/method.md, "What one step computes"):
@@ -108,6 +112,8 @@ class GRPOTrainer(ResumableTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
         peft_config=None,
+        tools: list[Callable] | None = None,
+        environment_factory=None,
     ):
         model = source = os.fspath(model) if isinstance(model, os.PathLike) else model
         args = GRPOConfig.for_model(model) if args is None else args
@@ -122,12 +128,16 @@ class GRPOTrainer(ResumableTrainer):
         if hasattr(train_dataset, "__len__"):  # too few prompts (or groups) for one round: here, not at train()
             train_sampler(args, len(train_dataset), groups=self.offline_data is not None)
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
+        # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
+        self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
+        reward_funcs = with_environment_rewards(reward_funcs, self.toolbox)
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, args)
         self.rewards = RewardSet(*rewards)
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
         )
+        self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
         # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
@@ -135,7 +145,7 @@ class GRPOTrainer(ResumableTrainer):
         self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
 
         self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
-        self._buffer: list[dict[str, torch.Tensor]] = []  # micro-batches of the current generation round
+        self._buffer: list[MicroBatch] = []  # micro-batches of the current generation round
         self._step = 0  # training micro-steps taken (resumes from global_step)
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
@@ -161,6 +171,18 @@ class GRPOTrainer(ResumableTrainer):
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
+        self._prepare_frozen_models()
+        # The sampler; offline, the stored completions replayed (grpo/generation/stored.py).
+        self.generation = make_generation_backend(
+            args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids, stored=self.offline_data
+        )
+        # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
+        self._async = AsyncRounds(self) if args.async_generation else None
+        # Each process samples with its own seed: rows of one group on two processes must not share random draws.
+        set_seed(args.seed, device_specific=True)
+
+    def _prepare_frozen_models(self) -> None:
+        """The reference and the reward models on the accelerator's device (ZeRO-3: as DeepSpeed engines)."""
         self._frozen_engines = []  # DeepSpeed engines of frozen ZeRO-3 models (grpo.models.prepare_frozen)
         if self.ref_model is not None:
             self.ref_model = prepare_frozen(self.ref_model, self.accelerator, self._frozen_engines)
@@ -168,13 +190,6 @@ class GRPOTrainer(ResumableTrainer):
             prepare_frozen(f, self.accelerator, self._frozen_engines) if isinstance(f, PreTrainedModel) else f
             for f in self.rewards.outcome_funcs
         ]
-        self.generation = make_generation_backend(
-            args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids
-        )
-        # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
-        self._async = AsyncRounds(self) if args.async_generation else None
-        # Each process samples with its own seed: rows of one group on two processes must not share random draws.
-        set_seed(args.seed, device_specific=True)
 
     @property
     def reward_names(self) -> list[str]:
@@ -186,36 +201,9 @@ class GRPOTrainer(ResumableTrainer):
         """The outcome reward functions and reward models (process functions: `self.rewards.process_funcs`)."""
         return self.rewards.outcome_funcs
 
-    # ---- Data loading: one loader batch = this process's share of a generation round (see grpo/data/sampler.py) ----
-
-    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return train_sampler(self.args, len(dataset), groups=self.offline_data is not None)
-
-    def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise ValueError("GRPOTrainer: training requires a train_dataset.")
-        return self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=train_batch_size(
-                self.args, self.accelerator.num_processes, groups=self.offline_data is not None
-            ),
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
-        return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
-
-    @property
-    def step_schedule(self) -> StepSchedule:
-        """Where Trainer's optimizer steps fall among the run's micro-steps (short epoch-end steps included)."""
-        return step_schedule(self.args, len(self.train_dataset))
-
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
 
-    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> MicroBatch:
         if not self.model.training:  # evaluation: every batch is generated and scored afresh
             return self._micro_batches(self._generate_and_score(inputs, "eval"), num=1, window=1)[0]
         args, schedule = self.args, self.step_schedule
@@ -236,15 +224,15 @@ class GRPOTrainer(ResumableTrainer):
         self._step += 1
         return micro_batch
 
-    def _micro_batches(self, rollout: Rollout, num: int, window: int | None) -> list[dict[str, torch.Tensor]]:
+    def _micro_batches(self, rollout: Rollout, num: int, window: int | None) -> list[MicroBatch]:
         """This process's rows in `num` micro-batches. With `window`, each also carries `window_loss_tokens`: the
         loss tokens of the `window` micro-batches of its optimizer step on all processes (dapo's normaliser)."""
         micro_batches = rollout.micro_batches(num)
         if window is not None:
-            local = torch.stack([mb["loss_mask"].sum() for mb in micro_batches]).float()  # (num,)
+            local = torch.stack([mb.loss_mask.sum() for mb in micro_batches]).float()  # (num,)
             totals = window_token_totals(self.accelerator.reduce(local, reduction="sum"), window)
             for mb, tokens in zip(micro_batches, totals):
-                mb["window_loss_tokens"] = tokens
+                mb.window_loss_tokens = tokens
         return micro_batches
 
     def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> Rollout:
@@ -270,18 +258,24 @@ class GRPOTrainer(ResumableTrainer):
 
     def sample_round(self, inputs: list[dict[str, Any]], backend) -> tuple[Rollout, dict[str, list]]:
         """Steps 2-3 for the dataset rows `inputs` with `backend` (`sample_rollout`), on this process's device:
-        (Rollout, the rows' other columns); offline, the stored completions. Public for the async producer and the
-        CLI's before/after report, which sample rounds the way training does."""
-        if self.offline_data is not None and self.model.training:
-            return self.offline_data.rollout(inputs, self.processing_class, self.eos_token_ids, self.accelerator)
+        (Rollout, the rows' other columns); offline (`StoredCompletions`), the stored completions of the drawn groups.
+        Public for the async producer and the CLI's before/after report, which sample rounds the way training does."""
         policy, args = unwrap_parallel(self.model), self.args
         own = isinstance(backend, TransformersGeneration)  # `model.generate` on the policy's own weights
         # ZeRO-3: the weights gathered whole (unless ds3_gather_for_generation=False). Mixed precision: one autocast
         # region around the round, so each weight is cast to bf16 / fp16 once, not at every generated token.
         gathered = zero3_gathered_for_generation(self.model_wrapped, own and args.ds3_gather_for_generation)
+        # Episodes of a sharded policy (FSDP, ZeRO-3) generate collectively: every process runs as many turns.
+        lockstep = self._any_process if own and self.accelerator.num_processes > 1 else None
         with gathered, self.accelerator.autocast() if own else contextlib.nullcontext():
-            rollout, columns = sample_rollout(inputs, backend, policy, self.processing_class, self.eos_token_ids, args)
+            rollout, columns = sample_rollout(
+                inputs, backend, policy, self.processing_class, self.eos_token_ids, args, self.agent, lockstep
+            )
         return rollout.to(self.accelerator.device), columns
+
+    def _any_process(self, flag: bool) -> bool:
+        flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
+        return bool(flags.item())
 
     def local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):
         """Every reward function on this process's rows (`RewardSet.score`); no collective call, so the async
@@ -366,7 +360,7 @@ class GRPOTrainer(ResumableTrainer):
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         if args.beta != 0:
             with torch.no_grad(), reference_policy(self.model, self.ref_model) as reference:
-                rollout.ref_logps, _ = self.logprobs(reference, rollout.token_inputs(), batch_size=chunk)
+                rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
         if args.log_completions and mode == "train":
             columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
             prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
@@ -378,10 +372,12 @@ class GRPOTrainer(ResumableTrainer):
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (grpo/training/metrics.py)."""
         columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
-        lengths = gather_rows(self.accelerator, rollout.completion_mask.sum(dim=1))  # (B_global,)
+        lengths = gather_rows(self.accelerator, rollout.sampled_mask.sum(dim=1))  # (B_global,) policy tokens
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
         window, groups = self.metric_windows[mode], rollout.groups(self.args.num_generations)
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
+        if rollout.episode_stats is not None:  # multi-turn episodes: tools/* per episode, over all processes
+            metrics.add_episode_metrics(window, rollout.episode_stats, self.accelerator)
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
             self._num_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
@@ -400,15 +396,15 @@ class GRPOTrainer(ResumableTrainer):
             metrics.add_sampling_metrics(self.metric_windows[mode], gather(sampling[None]))
         # How this micro-batch's loss joins its optimizer step's: the loss type decides (objective/loss.py).
         micro_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
-        step_tokens, processes = inputs.get("window_loss_tokens"), self.accelerator.num_processes
-        normalizer, factor = accumulation(self.args.loss_type, micro_steps, step_tokens, processes)
+        processes = self.accelerator.num_processes
+        normalizer, factor = accumulation(self.args.loss_type, micro_steps, inputs.window_loss_tokens, processes)
         loss, stats = policy_loss(
             logps,
             old_logps,
-            inputs.get("ref_logps"),
-            inputs["advantages"],
-            inputs["loss_mask"],
-            policy_mask=policy_mask(entropy, inputs["loss_mask"], self.args.top_entropy_quantile, self.accelerator),
+            inputs.ref_logps,
+            inputs.advantages,
+            inputs.loss_mask,
+            policy_mask=policy_mask(entropy, inputs.loss_mask, self.args.top_entropy_quantile, self.accelerator),
             sampling_weights=weights,
             normalizer=normalizer,
             **loss_settings(self.args),
@@ -419,20 +415,20 @@ class GRPOTrainer(ResumableTrainer):
             terms = {"loss": loss.detach(), **stats}
             self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))
         # Token-weighted metrics, summed over processes.
-        totals, names = metrics.token_metric_totals(stats, entropy, inputs["loss_mask"])
+        totals, names = metrics.token_metric_totals(stats, entropy, inputs.loss_mask)
         metrics.add_token_metrics(self.metric_windows[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
 
-    def logprobs(self, model, batch, with_entropy=False, batch_size=None):
+    def logprobs(self, model, batch: TokenBatch | MicroBatch | Rollout, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
         autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call)."""
         with self.accelerator.autocast():
             return completion_logprobs(
                 model,
-                batch["prompt_ids"],
-                batch["prompt_mask"],
-                batch["completion_ids"],
-                batch["completion_mask"],
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
                 temperature=self.args.temperature,
                 with_entropy=with_entropy,
                 batch_size=batch_size,
@@ -449,6 +445,8 @@ class GRPOTrainer(ResumableTrainer):
     def _end_training(self) -> None:
         if self._async is not None:
             self._async.close()
+        if self.agent is not None:
+            self.agent.close()
 
     # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/training/checkpoints.py, `ResumableTrainer`) ----
 
@@ -457,7 +455,7 @@ class GRPOTrainer(ResumableTrainer):
         state = {
             "settings": round_settings(self.args, self.accelerator.num_processes),
             "step": self._step,
-            "buffer": self._buffer,
+            "buffer": [micro_batch.state_dict() for micro_batch in self._buffer],
             "num_tokens": self._num_tokens,
             "refill_position": self._refill.position,
             "samples": self._samples,
@@ -473,7 +471,8 @@ class GRPOTrainer(ResumableTrainer):
         settings = round_settings(self.args, self.accelerator.num_processes)
         state = load_state(checkpoint, self.accelerator.process_index, settings, self.accelerator.device)
         if state is not None:
-            self._buffer, self._step, self._num_tokens = state["buffer"], state["step"], state["num_tokens"]
+            self._buffer = [MicroBatch.from_state_dict(micro_batch) for micro_batch in state["buffer"]]
+            self._step, self._num_tokens = state["step"], state["num_tokens"]
             self._refill.position, self._samples = state["refill_position"], state["samples"]
             for mode, window in state["metrics"].items():
                 self.metric_windows[mode].load_state_dict(window)

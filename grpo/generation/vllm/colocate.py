@@ -45,7 +45,7 @@ INSTALL_HINT = (
 def _reload(worker, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run inside vLLM's worker (`LLM.collective_rpc`): load checkpoint-named tensors in place. `reload_weights`
     fuses q/k/v and gate/up and repacks for the device's kernels; the model's own `load_weights` fails on vLLM's CPU
-    build once weights were repacked (grpo/generation/vllm/serve.py uses the same call)."""
+    build once weights were repacked (grpo/generation/vllm/engine_processes.py uses the same call)."""
     worker.model_runner.reload_weights(weights_iterator=tensors)
 
 

@@ -1,7 +1,7 @@
 """Moving the policy's weights from the trainer to a vLLM server, in buckets, with torch alone.
 
 Both sides import this module: the trainer (`grpo/generation/vllm/client.py`) and the server's workers
-(`grpo/generation/vllm/serve.py`); it needs torch only, so the trainer never imports vLLM.
+(`grpo/generation/vllm/engine_processes.py`); it needs torch only, so the trainer never imports vLLM.
 
 The transport is a process group of its own, apart from the trainer's data-parallel group: rank 0 is the trainer's
 main process, ranks 1..N are the server's workers (tensor x data parallel). Its store (a `TCPStore`) lives with the

@@ -1,7 +1,7 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
-    python tests/resume_run.py SETTINGS_JSON OUTPUT_DIR [--kill-after-micro-step K | --kill-in-save STEP] [--resume]
-                               [--lora] [--prompts N]
+    python tests/helpers/resume_run.py SETTINGS_JSON OUTPUT_DIR
+        [--kill-after-micro-step K | --kill-in-save STEP] [--resume] [--lora] [--prompts N]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
@@ -21,13 +21,13 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import grpo.training.checkpoints  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.distributed_update import lora_config  # noqa: E402
-from tests.net import end_launched_process  # noqa: E402
+from tests.helpers.distributed_update import lora_config  # noqa: E402
+from tests.helpers.net import end_launched_process  # noqa: E402
 
 
 def reward_parity(completions):
@@ -80,6 +80,8 @@ def main():
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})
     args = GRPOConfig(
         output_dir=cli.output_dir,
+        use_cpu=True,  # bit-identical weights are the CPU float32 run's (on a GPU machine, GRPOConfig picks CUDA, bf16)
+        bf16=False,
         report_to="none",
         logging_steps=1,  # every step's loss and reward are compared
         save_strategy="steps",

@@ -1,7 +1,8 @@
 """One SGD step of GRPO on scripted completions; saves the parameter update per loss type, per variant and with a
 LoRA adapter.
 
-    accelerate launch --config_file tests/accelerate_cpu_2proc.yaml tests/distributed_update.py OUT PER_DEVICE GA
+    accelerate launch --config_file tests/configs/accelerate_cpu_2proc.yaml \
+        tests/helpers/distributed_update.py OUT PER_DEVICE GA
 
 tests/test_distributed.py runs it on 2 processes and compares with the same step on 1 process."""
 
@@ -13,8 +14,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
-from tests.net import end_launched_process
-from tests.scripted import (
+from tests.helpers.net import end_launched_process
+from tests.helpers.scripted import (
     TINY,
     ScriptedGeneration,
     half_flat_dataset,

@@ -10,8 +10,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TWO_CPU_PROCESSES = ROOT / "tests" / "accelerate_cpu_2proc.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TWO_CPU_PROCESSES = ROOT / "tests" / "configs" / "accelerate_cpu_2proc.yaml"
 
 
 def free_port() -> int:

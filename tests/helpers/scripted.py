@@ -12,8 +12,12 @@ from grpo.testing import tiny_model, tiny_tokenizer
 
 EOS = 258
 
-# Tiny settings keep each run to a second or two: 8-token completions and G = 4.
+# Tiny settings keep each run to a second or two: 8-token completions and G = 4. CPU float32 on every machine:
+# the tests compare updates within float32's rounding (compare.py) and with tensors built on the CPU, and on a machine
+# with a GPU GRPOConfig would pick CUDA and bf16 (its bf16=None default).
 TINY = dict(
+    use_cpu=True,
+    bf16=False,
     report_to="none",
     max_completion_length=8,
     num_generations=4,
@@ -69,10 +73,10 @@ def half_flat_reward(completions, flat):
     return [1.0 if f else float(len(c)) for c, f in zip(completions, flat)]
 
 
-def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config):
+def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, captured=None, **config):
     """(parameter update, trainer) after one plain-SGD optimizer step on scripted completions of 16 fixed prompts
     (or `dataset`). No gradient clipping, so any scale error in the loss shows up in the update (Adam would hide
-    it)."""
+    it). `captured`: a list that receives every micro-batch the loss took."""
     tokenizer = tiny_tokenizer()
     if dataset is None:
         dataset = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(16)]})
@@ -84,6 +88,8 @@ def sgd_step_update(output_dir, reward_funcs=reward_len, dataset=None, **config)
     rows_per_process = args.per_device_train_batch_size * args.steps_per_generation
     offset = trainer.accelerator.process_index * rows_per_process
     use_sampler(trainer, ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset))
+    if captured is not None:
+        capture_batches(trainer, captured)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
@@ -97,9 +103,9 @@ def use_sampler(trainer, backend):
         trainer.generation = backend
 
 
-def capture_batches(trainer):
-    """Record every micro-batch that reaches compute_loss."""
-    captured = []
+def capture_batches(trainer, captured=None):
+    """Record every micro-batch that reaches compute_loss in the list `captured` (a new one by default), returned."""
+    captured = [] if captured is None else captured
     original = trainer.compute_loss
 
     def capture(model, inputs, **kwargs):

@@ -1,7 +1,7 @@
 """Run by tests/test_vllm_colocate.py under `accelerate launch` (2 CPU processes): train with
 vllm_mode="colocate" (an engine in each process), then write what the test checks to a JSON file (main process).
 
-    python tests/vllm_colocate_two_processes.py MODEL_PATH OUT.json
+    python tests/helpers/vllm_colocate_two_processes.py MODEL_PATH OUT.json
 """
 
 import json

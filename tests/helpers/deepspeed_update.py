@@ -1,15 +1,15 @@
 """GRPO under DeepSpeed ZeRO-2 / ZeRO-3 on two CPU processes over gloo, DeepSpeed's CPU accelerator.
 
-    DS_ACCELERATOR=cpu ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/accelerate_cpu_zero2.yaml \
-        tests/deepspeed_update.py OUT
+    DS_ACCELERATOR=cpu ACCELERATE_TORCH_DEVICE=cpu accelerate launch \
+        --config_file tests/configs/accelerate_cpu_zero2.yaml tests/helpers/deepspeed_update.py OUT
 
-Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on scripted completions
-(gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as tests/fsdp_update.py
-does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with `model.generate` (the completions,
-whether the weights were whole while sampling, the parameters after) and `generate` on processes that stop after
-different numbers of tokens; the parameters of 3 Adam steps saved every step and, with `--resume OUTPUT_DIR`, of the
-same run resumed from its checkpoint-2; and the dapo run with the model, then also a reward model, loaded from the
-folders OUT.model and OUT.rm that the test writes first. accelerate 1.15 starts DeepSpeed
+Saves, for tests/test_deepspeed.py, per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on
+scripted completions (gathered whole: `checkpoint_tensors`, as the vLLM weight push does) and what really ran, as
+tests/helpers/fsdp_update.py does under FSDP2; and, per `ds3_gather_for_generation`, 2 steps that sample with
+`model.generate` (the completions, whether the weights were whole while sampling, the parameters after) and `generate`
+on processes that stop after different numbers of tokens; the parameters of 3 Adam steps saved every step and, with
+`--resume OUTPUT_DIR`, of the same run resumed from its checkpoint-2; and the dapo run with the model, then also a
+reward model, loaded from the folders OUT.model and OUT.rm that the test writes first. accelerate 1.15 starts DeepSpeed
 only on accelerator devices (`AcceleratorState` checks `not cpu`, `_prepare_backend` finds no CUDA), so the same
 routing patch applies: the processes report MULTI_GPU with the gloo backend."""
 
@@ -21,9 +21,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from grpo.generation import TransformersGeneration
 from grpo.generation.policy_weights import _full, checkpoint_tensors, zero3_gathered_for_generation
 from grpo.models import is_zero3_partitioned
-from tests.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
-from tests.net import end_launched_process
-from tests.scripted import reward_len
+from tests.helpers.fsdp_update import LOSS_TYPES, SAVED, count_calls, describe, route_fsdp_to_cpu, trained
+from tests.helpers.net import end_launched_process
+from tests.helpers.scripted import reward_len
 
 # Per call of TransformersGeneration.generate in this process: (every weight whole while sampling, completion ids).
 GENERATED = []

@@ -1,4 +1,4 @@
-"""A reward module for the recipe tests: `tests.reward_module:contains_digit` and a factory."""
+"""A reward module for the recipe tests: `tests.helpers.reward_module:contains_digit` and a factory."""
 
 
 def contains_digit(completions, **kwargs):

@@ -1,9 +1,9 @@
 """GRPO under FSDP2 (torch `fully_shard`, accelerate's FSDP plugin version 2) on two CPU processes over gloo.
 
-    ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
-        tests/fsdp_update.py OUT [--resume OUTPUT_DIR]
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file tests/accelerate_cpu_fsdp2.yaml \
-        tests/fsdp_update.py OUT --unpatched       # what accelerate picks by itself: MULTI_CPU (DDP)
+    ACCELERATE_TORCH_DEVICE=cpu accelerate launch --config_file tests/configs/accelerate_cpu_fsdp2.yaml \
+        tests/helpers/fsdp_update.py OUT [--resume OUTPUT_DIR]
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file tests/configs/accelerate_cpu_fsdp2.yaml \
+        tests/helpers/fsdp_update.py OUT --unpatched       # what accelerate picks by itself: MULTI_CPU (DDP)
 
 Saves, for tests/test_fsdp.py: per loss type and with a LoRA adapter the parameters after 3 plain-SGD steps on
 scripted completions (gathered whole), the logged losses and what really ran (distributed type, parameter class, how
@@ -33,9 +33,9 @@ from grpo.data import pad
 from grpo.generation.policy_weights import checkpoint_tensors
 from grpo.objective.logprobs import _is_sharded, completion_logprobs
 from grpo.testing import save_tiny_model, tiny_config, tiny_model, tiny_tokenizer
-from tests.distributed_update import lora_config
-from tests.net import end_launched_process
-from tests.scripted import TINY, ScriptedGeneration, reward_len
+from tests.helpers.distributed_update import lora_config
+from tests.helpers.net import end_launched_process
+from tests.helpers.scripted import TINY, ScriptedGeneration, reward_len
 
 LOSS_TYPES = ("grpo", "dapo")
 STEPS = 3
@@ -43,7 +43,12 @@ STEPS = 3
 SAVED = dict(optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=1)
 
 
+# Set by `route_fsdp_to_cpu`: this is one of the launched processes, not the test's own.
+ROUTED = False
+
+
 def route_fsdp_to_cpu():
+    global ROUTED
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -51,6 +56,7 @@ def route_fsdp_to_cpu():
         return "gloo", DistributedType.MULTI_GPU
 
     PartialState._prepare_backend = prepare_backend
+    ROUTED = True
 
 
 # How completion_logprobs met the output projection's weight and bias after the forward, in this process:
@@ -99,6 +105,10 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
     loaded from the folder `model`; scored by `rewards`. `trainer.initial`: the parameters before training."""
     tokenizer = tiny_tokenizer()
     settings = dict(max_steps=STEPS, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, shuffle_dataset=False)
+    # TINY's use_cpu in the test's own process (the 1-process reference); off in the routed processes, which
+    # ACCELERATE_TORCH_DEVICE=cpu keeps on the CPU: accelerate given cpu=True starts neither their process group nor
+    # DeepSpeed (it checks `not cpu`).
+    settings["use_cpu"] = not ROUTED
     args = GRPOConfig(
         output_dir=str(output_dir),
         **{**TINY, **settings, "beta": 0.04, "per_device_train_batch_size": per_device, **config},

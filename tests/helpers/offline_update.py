@@ -1,7 +1,7 @@
 """One SGD step of offline GRPO on a fixed file of scored completions (groups of 2 to 4 completions, behaviour
 log-probs, the KL term on); saves the parameter update, the process count and the logged loss.
 
-    accelerate launch --config_file tests/accelerate_cpu_2proc.yaml tests/offline_update.py OUT
+    accelerate launch --config_file tests/configs/accelerate_cpu_2proc.yaml tests/helpers/offline_update.py OUT
 
 tests/test_offline.py runs it on 2 processes and compares with the same step on 1 process."""
 
@@ -12,8 +12,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
-from tests.net import end_launched_process
-from tests.scripted import TINY
+from tests.helpers.net import end_launched_process
+from tests.helpers.scripted import TINY
 
 
 def offline_rows(tokenizer):

@@ -1,0 +1,42 @@
+"""An environment's own score as a reward function (docs/agents.md). An environment class with a `get_reward()`
+method (sync or `async def`, no arguments, returning a number) scores the episodes it ran: the trainer adds one
+`EnvironmentReward` per such class, named after it, weight 1 unless `reward_weights` says otherwise, as TRL does. It
+scores the rows whose environment is of its class (None elsewhere: a dict of environment factories mixes kinds)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+
+class EnvironmentReward:
+    """`get_reward()` of each row's environment of class `kind`, called in row order."""
+
+    def __init__(self, kind: type):
+        self.kind = kind
+        self.__name__ = kind.__name__
+
+    def __call__(self, prompts, completions, environments, **kwargs) -> list[float | None]:
+        rewards = []
+        for environment in environments:
+            if type(environment) is not self.kind:
+                rewards.append(None)
+                continue
+            value = environment.get_reward()
+            rewards.append(asyncio.run(value) if inspect.isawaitable(value) else value)
+        return rewards
+
+
+def environment_rewards(environment_types: list[type]) -> list[EnvironmentReward]:
+    """One reward function per environment class that defines `get_reward`."""
+    return [EnvironmentReward(kind) for kind in environment_types if callable(getattr(kind, "get_reward", None))]
+
+
+def with_environment_rewards(reward_funcs, toolbox) -> list | None:
+    """`reward_funcs` followed by the environments' `EnvironmentReward`s (unchanged without a toolbox); None stays
+    None when there are none (no reward at all is refused later, with the fix)."""
+    if toolbox is None:
+        return reward_funcs
+    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+    funcs += environment_rewards(toolbox.environment_types)
+    return funcs or None

@@ -1,0 +1,37 @@
+"""`RoundLoaders`: the data loaders of `GRPOTrainer`, where one loader batch is this process's share of a generation
+round (grpo/data/sampler.py): G copies of each prompt, or with offline data whole groups of stored completions."""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
+
+
+class RoundLoaders(Trainer):
+    """Trainer's sampler and loader hooks, answered by the repeat sampler. Reads `self.offline_data` (set by
+    `GRPOTrainer` before Trainer's constructor): not None means the training set is a data set of groups."""
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return train_sampler(self.args, len(dataset), groups=self.offline_data is not None)
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        groups = self.offline_data is not None
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=train_batch_size(self.args, self.accelerator.num_processes, groups=groups),
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
+        return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
+
+    @property
+    def step_schedule(self) -> StepSchedule:
+        """Where Trainer's optimizer steps fall among the run's micro-steps (short epoch-end steps included)."""
+        return step_schedule(self.args, len(self.train_dataset))

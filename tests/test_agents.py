@@ -1,0 +1,357 @@
+"""Multi-turn episodes with tools (grpo/generation/episodes.py): token-exact rollouts, masks checked token by token,
+the loss over the policy's tokens only, budgets, errors, metrics and a TRL-style environment class trained unchanged.
+
+A scripted sampler plays the policy: its turn k is a fixed text chosen by how many tool answers the context holds,
+so each test knows exactly which tokens the policy wrote and which the tools did."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.data import InputError
+from grpo.generation import Completions
+from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
+from grpo.objective.logprobs import completion_logprobs
+from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from tests.helpers.naive import naive_group_advantages, naive_policy_loss
+from tests.helpers.scripted import capture_batches
+
+G = 4
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a * b
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+# What the scripted policy writes at each turn (after 0, 1, 2 tool answers): two calls, then the answer.
+SCRIPT = [call("add", a=2, b=3), call("multiply", a=5, b=5), "The answer is 25."]
+
+
+class ScriptedTurns:
+    """A sampler that answers every context with script[k] + EOS, k = the tool answers already in the context. At the
+    first turn row r of a call takes `scripts[r % len(scripts)]`, so the rows of a group can differ; later turns go
+    on with the script whose first turn the context holds."""
+
+    def __init__(self, tokenizer, scripts=(SCRIPT,), eos=True):
+        self.tokenizer, self.scripts, self.eos = tokenizer, list(scripts), eos
+        self.calls: list[list[list[int]]] = []
+
+    def sync_weights(self, model, version):
+        pass
+
+    def generate(self, model, prompt_ids):
+        self.calls.append([list(p) for p in prompt_ids])
+        out = []
+        for r, ids in enumerate(prompt_ids):
+            context = self.tokenizer.decode(ids)
+            answers = context.count("<tool_response>")
+            if answers == 0:
+                script = self.scripts[r % len(self.scripts)]
+            else:
+                script = next(s for s in self.scripts if s[0] in context.split("<|im_start|>assistant")[1])
+            turn = script[min(answers, len(script) - 1)]
+            encoded = self.tokenizer(turn, add_special_tokens=False)["input_ids"]
+            out.append(encoded + ([self.tokenizer.eos_token_id] if self.eos else []))
+        return Completions(out)
+
+
+def tool_tokenizer():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    return tokenizer
+
+
+def prompts(n=2):
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"row={i} What is (2 + 3) * 5?"}] for i in range(n)]}
+    )
+
+
+def config(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_completion_length=1000,
+        max_prompt_length=None,
+        num_generations=G,
+        per_device_train_batch_size=G,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        loss_type="grpo",
+    )
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def reward_25(prompts, completions, **kwargs):
+    return [float("25" in c[-1]["content"]) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    save_tiny_model(path)
+    tool_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def make_trainer(tmp_path, model_path, scripts=(SCRIPT,), tools=(add, multiply), **overrides):
+    tokenizer = tool_tokenizer()
+    trainer = GRPOTrainer(
+        model_path,
+        reward_25,
+        args=config(tmp_path, **overrides),
+        train_dataset=prompts(),
+        processing_class=tokenizer,
+        tools=list(tools),
+    )
+    trainer.generation = ScriptedTurns(tokenizer, scripts)
+    return trainer
+
+
+def test_an_episode_is_the_sampled_tokens_and_the_rendered_tool_answers(tmp_path, model_path):
+    trainer = make_trainer(tmp_path, model_path)
+    rollout, columns = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    tokenizer = trainer.processing_class
+    messages = rollout.completions[0]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["content"] for m in messages[1::2]] == ["5", "25"]
+    assert messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    # Token by token: the whole row is the chat template's rendering of the conversation ...
+    row = torch.cat([rollout.prompt_ids[0][rollout.prompt_mask[0].bool()], rollout.completion_ids[0]])
+    row = row[torch.cat([rollout.prompt_mask[0], rollout.completion_mask[0]]).bool()]
+    conversation = rollout.prompts[0] + [{"role": m["role"], "content": m["content"]} for m in messages]
+    schemas = [t.schema for t in trainer.toolbox.tools.values()]
+    rendered = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False)
+    assert tokenizer.decode(row) + "\n" == rendered  # the template's newline after the last turn's EOS is not sampled
+    # ... and the policy's tokens are exactly the sampled turns, in order; the rest is context.
+    ids, sampled = rollout.completion_ids[0], rollout.sampled_mask[0].bool()
+    turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in SCRIPT]
+    assert ids[sampled].tolist() == [t for turn in turns for t in turn]
+    assert tokenizer.decode(ids[~sampled & rollout.completion_mask[0].bool()]).count("<tool_response>") == 2
+    assert torch.equal(rollout.loss_mask, rollout.sampled_mask)
+    assert rollout.episode_stats == {
+        "episodes": G,
+        "turns": 3 * G,
+        "tool_calls": 2 * G,
+        "tool_errors": 0,
+        "tool_timeouts": 0,
+        "parse_failures": 0,
+        "budget_cuts": 0,
+    }
+    assert columns["environments"] == [None] * G
+
+
+def test_a_re_encoding_drift_cannot_reach_the_training_tokens(tmp_path, model_path):
+    """The policy samples a byte that is not valid UTF-8 alone: decoded, it becomes U+FFFD, which encodes to three
+    other bytes. The training row still holds the sampled byte, and the next turn is conditioned on it."""
+    trainer = make_trainer(tmp_path, model_path)
+    tokenizer = trainer.processing_class
+    lone = tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(tokenizer("é")["input_ids"])[:1])
+    assert tokenizer(tokenizer.decode(lone), add_special_tokens=False)["input_ids"] != lone  # it would drift
+
+    class Drifting(ScriptedTurns):
+        def generate(self, model, prompt_ids):
+            out = super().generate(model, prompt_ids)
+            return Completions([lone + ids if ids[0] == tokenizer("<")["input_ids"][0] else ids for ids in out.ids])
+
+    trainer.generation = Drifting(tokenizer)
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    sampled = rollout.completion_ids[0][rollout.sampled_mask[0].bool()].tolist()
+    assert sampled[: len(lone)] == lone
+    second_turn_context = trainer.generation.calls[1][0]
+    assert second_turn_context[len(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()]) :][: len(lone)] == lone
+
+
+def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path, model_path):
+    """Half of each group calls the tools and answers right, half answers wrong at once: the logged loss equals the
+    clipped objective built token by token from a plain forward pass with the tool answers masked out."""
+    wrong = ["The answer is 7."]
+    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, wrong), beta=0.0)
+    batches = capture_batches(trainer)
+    initial = tiny_model(trainer.processing_class)
+    initial.load_state_dict(trainer.model.state_dict())
+    trainer.train()
+    batch = batches[0]
+    assert (batch.loss_mask.sum(1) < batch.completion_mask.sum(1)).any()  # some rows have tool answers
+    with torch.no_grad():
+        logps, _ = completion_logprobs(
+            initial, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+        )
+    rewards = [float("25" in trainer.processing_class.decode(row)) for row in batch.completion_ids]
+    advantages = torch.tensor(naive_group_advantages(rewards, G))
+    assert torch.allclose(batch.advantages, advantages, atol=1e-6)
+    expected = naive_policy_loss(logps, logps, None, advantages, batch.loss_mask, "grpo", 0.0, 0.2, 0.2)
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    # Not vacuous: counting the tool answers too gives another loss.
+    with_tools = naive_policy_loss(logps, logps, None, advantages, batch.completion_mask, "grpo", 0.0, 0.2, 0.2)
+    assert with_tools.item() != pytest.approx(expected.item(), rel=1e-3)
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] == pytest.approx(1.0)  # 2 calls in half the episodes, 0 in the others
+    assert logged["tools/turns"] == pytest.approx(2.0)
+    policy_tokens = [sum(len(trainer.processing_class(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, wrong)]
+    assert logged["completions/mean_length"] == pytest.approx(sum(policy_tokens) / 2)  # tool answers not counted
+
+
+def test_turn_limit_and_token_budget(tmp_path, model_path):
+    trainer = make_trainer(tmp_path, model_path, max_tool_calling_iterations=1)
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    assert [m["role"] for m in rollout.completions[0]] == ["assistant", "tool", "assistant"]  # the 2nd call never runs
+    assert rollout.episode_stats["tool_calls"] == G and rollout.episode_stats["turns"] == 2 * G
+
+    first = len(trainer.processing_class(SCRIPT[0])["input_ids"]) + 1
+    trainer = make_trainer(tmp_path, model_path, max_completion_length=first + 5)  # no room for the tool answer
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    assert [m["role"] for m in rollout.completions[0]] == ["assistant"]
+    assert rollout.completion_mask.sum(1).tolist() == [first] * G and not rollout.is_truncated.any()
+    assert rollout.episode_stats["budget_cuts"] == G
+
+    trainer = make_trainer(tmp_path, model_path, max_completion_length=first - 3)  # the first turn itself is cut
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    assert rollout.is_truncated.all() and rollout.completion_mask.sum(1).tolist() == [first - 3] * G
+
+
+def fails(a: int) -> int:
+    """Always fails.
+
+    Args:
+        a: anything
+    """
+    raise RuntimeError(f"no luck with {a}")
+
+
+def test_tool_errors_and_parse_failures_are_answered_and_counted(tmp_path, model_path):
+    script = [call("fails", a=1), "<tool_call>\n{not json\n</tool_call>", call("nope", a=1), "done"]
+    trainer = make_trainer(tmp_path, model_path, scripts=(script,), tools=(fails,))
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    answers = [m["content"] for m in rollout.completions[0] if m["role"] == "tool"]
+    assert answers[0].startswith("Error:") and "no luck with 1" in answers[0]
+    assert len(answers) == 3 and all(a.startswith("Error") for a in answers)
+    stats = rollout.episode_stats
+    assert (stats["tool_errors"], stats["parse_failures"], stats["turns"]) == (G, 2 * G, 4 * G)
+
+    trainer = make_trainer(tmp_path, model_path, scripts=(script,), tools=(fails,), tool_errors="raise")
+    with pytest.raises(Exception, match="fails"):
+        trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+
+
+def test_misuse_fails_at_construction(tmp_path, model_path):
+    plain = tiny_tokenizer()  # its template ignores `tools`
+    with pytest.raises(InputError, match="does not render the tools"):
+        GRPOTrainer(
+            model_path, reward_25, args=config(tmp_path), train_dataset=prompts(), processing_class=plain, tools=[add]
+        )
+
+    def undocumented(a: int) -> int:
+        return a
+
+    with pytest.raises(ValueError, match="undocumented"):
+        GRPOTrainer(model_path, reward_25, args=config(tmp_path), train_dataset=prompts(), tools=[undocumented])
+    with pytest.raises(ValueError, match="tool_errors"):
+        config(tmp_path, tool_errors="ignore")
+
+
+class IncrementEnv:
+    """The environment of TRL's documentation (an episode's counter, its `increment` tool and `get_reward`), as a
+    TRL user writes it."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = kwargs["target"]
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> int:
+        """Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+
+def test_a_trl_style_environment_trains_unchanged(tmp_path, model_path):
+    tokenizer = tool_tokenizer()
+    data = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"row={i} Count."}] for i in range(2)], "target": [3, 5]}
+    )
+    seen = {}
+
+    def sees_the_environments(prompts, completions, environments, **kwargs):
+        seen["environments"], seen["completions"] = environments, completions
+        return [0.0] * len(completions)
+
+    script = [call("increment", step=3), "Done."]
+    trainer = GRPOTrainer(
+        model_path,
+        sees_the_environments,
+        args=config(tmp_path),
+        train_dataset=data,
+        processing_class=tokenizer,
+        environment_factory=IncrementEnv,
+    )
+    trainer.generation = ScriptedTurns(tokenizer, [script])
+    assert trainer.reward_names == ["sees_the_environments", "IncrementEnv"]
+    trainer.train()
+    environments = seen["environments"]
+    assert len({id(e) for e in environments}) == G  # one object per episode
+    assert all(e.counter == 3 for e in environments)
+    assert "Reach" in trainer.processing_class.decode(trainer.generation.calls[0][0])  # reset's text in the prompt
+    logged = trainer.state.log_history[0]
+    row_targets = {e.target for e in environments}
+    assert logged["rewards/IncrementEnv/mean"] == pytest.approx(float(row_targets == {3}))
+    assert seen["completions"][0][1] == {"role": "tool", "name": "increment", "content": "3"}
+
+
+def test_string_prompts_with_tools_fail_at_construction(tmp_path, model_path):
+    with pytest.raises(InputError, match="Tools need conversational prompts"):
+        GRPOTrainer(
+            model_path,
+            reward_25,
+            args=config(tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": ["What is 2 + 3?"] * 2}),
+            processing_class=tool_tokenizer(),
+            tools=[add],
+        )
+
+
+def test_the_completions_table_shows_the_tool_turns(tmp_path, model_path, capsys):
+    trainer = make_trainer(tmp_path, model_path, log_completions=True, num_completions_to_print=1)
+    trainer.train()
+    table = capsys.readouterr().out
+    assert "add: 5" in table and "multiply: 25" in table  # the tools' answers, by tool name
+    logged = [json.loads(line) for line in open(tmp_path / "out" / "completions.jsonl")]
+    assert [m["role"] for m in logged[0]["completion"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
