@@ -1,8 +1,6 @@
 """Multi-turn episodes with tools (grpo/generation/episodes.py): token-exact rollouts, masks checked token by token,
 the loss over the policy's tokens only, budgets, errors, metrics and a TRL-style environment class trained unchanged.
-
-A scripted sampler plays the policy: its turn k is a fixed text chosen by how many tool answers the context holds,
-so each test knows exactly which tokens the policy wrote and which the tools did."""
+The scripted policy and its tools are in tests/helpers/agents.py."""
 
 import json
 
@@ -13,81 +11,23 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
 from grpo.generation import Completions
-from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from tests.helpers.agents import (
+    SCRIPT,
+    WRONG,
+    ScriptedTurns,
+    add,
+    call,
+    chat_prompts,
+    multiply,
+    reward_25,
+    tool_tokenizer,
+)
 from tests.helpers.naive import naive_group_advantages, naive_policy_loss
 from tests.helpers.scripted import capture_batches
 
 G = 4
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first integer
-        b: the second integer
-    """
-    return a + b
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first integer
-        b: the second integer
-    """
-    return a * b
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-# What the scripted policy writes at each turn (after 0, 1, 2 tool answers): two calls, then the answer.
-SCRIPT = [call("add", a=2, b=3), call("multiply", a=5, b=5), "The answer is 25."]
-
-
-class ScriptedTurns:
-    """A sampler that answers every context with script[k] + EOS, k = the tool answers already in the context. At the
-    first turn row r of a call takes `scripts[r % len(scripts)]`, so the rows of a group can differ; later turns go
-    on with the script whose first turn the context holds."""
-
-    def __init__(self, tokenizer, scripts=(SCRIPT,), eos=True):
-        self.tokenizer, self.scripts, self.eos = tokenizer, list(scripts), eos
-        self.calls: list[list[list[int]]] = []
-
-    def sync_weights(self, model, version):
-        pass
-
-    def generate(self, model, prompt_ids):
-        self.calls.append([list(p) for p in prompt_ids])
-        out = []
-        for r, ids in enumerate(prompt_ids):
-            context = self.tokenizer.decode(ids)
-            answers = context.count("<tool_response>")
-            if answers == 0:
-                script = self.scripts[r % len(self.scripts)]
-            else:
-                script = next(s for s in self.scripts if s[0] in context.split("<|im_start|>assistant")[1])
-            turn = script[min(answers, len(script) - 1)]
-            encoded = self.tokenizer(turn, add_special_tokens=False)["input_ids"]
-            out.append(encoded + ([self.tokenizer.eos_token_id] if self.eos else []))
-        return Completions(out)
-
-
-def tool_tokenizer():
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
-    return tokenizer
-
-
-def prompts(n=2):
-    return Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": f"row={i} What is (2 + 3) * 5?"}] for i in range(n)]}
-    )
 
 
 def config(tmp_path, **overrides):
@@ -110,10 +50,6 @@ def config(tmp_path, **overrides):
     return GRPOConfig(**{**settings, **overrides})
 
 
-def reward_25(prompts, completions, **kwargs):
-    return [float("25" in c[-1]["content"]) for c in completions]
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
@@ -128,7 +64,7 @@ def make_trainer(tmp_path, model_path, scripts=(SCRIPT,), tools=(add, multiply),
         model_path,
         reward_25,
         args=config(tmp_path, **overrides),
-        train_dataset=prompts(),
+        train_dataset=chat_prompts(2),
         processing_class=tokenizer,
         tools=list(tools),
     )
@@ -193,8 +129,7 @@ def test_a_re_encoding_drift_cannot_reach_the_training_tokens(tmp_path, model_pa
 def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path, model_path):
     """Half of each group calls the tools and answers right, half answers wrong at once: the logged loss equals the
     clipped objective built token by token from a plain forward pass with the tool answers masked out."""
-    wrong = ["The answer is 7."]
-    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, wrong), beta=0.0)
+    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, WRONG), beta=0.0)
     batches = capture_batches(trainer)
     initial = tiny_model(trainer.processing_class)
     initial.load_state_dict(trainer.model.state_dict())
@@ -216,7 +151,7 @@ def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path, model
     logged = trainer.state.log_history[0]
     assert logged["tools/call_frequency"] == pytest.approx(1.0)  # 2 calls in half the episodes, 0 in the others
     assert logged["tools/turns"] == pytest.approx(2.0)
-    policy_tokens = [sum(len(trainer.processing_class(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, wrong)]
+    policy_tokens = [sum(len(trainer.processing_class(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, WRONG)]
     assert logged["completions/mean_length"] == pytest.approx(sum(policy_tokens) / 2)  # tool answers not counted
 
 
@@ -266,14 +201,19 @@ def test_misuse_fails_at_construction(tmp_path, model_path):
     plain = tiny_tokenizer()  # its template ignores `tools`
     with pytest.raises(InputError, match="does not render the tools"):
         GRPOTrainer(
-            model_path, reward_25, args=config(tmp_path), train_dataset=prompts(), processing_class=plain, tools=[add]
+            model_path,
+            reward_25,
+            args=config(tmp_path),
+            train_dataset=chat_prompts(2),
+            processing_class=plain,
+            tools=[add],
         )
 
     def undocumented(a: int) -> int:
         return a
 
     with pytest.raises(ValueError, match="undocumented"):
-        GRPOTrainer(model_path, reward_25, args=config(tmp_path), train_dataset=prompts(), tools=[undocumented])
+        GRPOTrainer(model_path, reward_25, args=config(tmp_path), train_dataset=chat_prompts(2), tools=[undocumented])
     with pytest.raises(ValueError, match="tool_errors"):
         config(tmp_path, tool_errors="ignore")
 
@@ -355,3 +295,21 @@ def test_the_completions_table_shows_the_tool_turns(tmp_path, model_path, capsys
     assert "add: 5" in table and "multiply: 25" in table  # the tools' answers, by tool name
     logged = [json.loads(line) for line in open(tmp_path / "out" / "completions.jsonl")]
     assert [m["role"] for m in logged[0]["completion"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_async_generation_runs_the_episodes_in_the_producer(tmp_path, model_path):
+    tokenizer = tool_tokenizer()
+    args = config(tmp_path, async_generation=True, max_staleness=0, max_steps=2)
+    trainer = GRPOTrainer(
+        model_path,
+        reward_25,
+        args=args,
+        train_dataset=chat_prompts(2),
+        processing_class=tokenizer,
+        tools=[add, multiply],
+    )
+    scripted = ScriptedTurns(tokenizer, (SCRIPT, WRONG))
+    trainer.generation.backend = scripted  # the sampler inside the shared engine
+    trainer.train()
+    assert [h["tools/turns"] for h in trainer.state.log_history[:2]] == [2.0, 2.0]  # 3 turns and 1, per group
+    assert len(scripted.calls) == 2 * 3  # two rounds of three turns, all in the producer thread

@@ -28,6 +28,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation.policy_weights import checkpoint_tensors  # noqa: E402
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
+from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer  # noqa: E402
 from tests.helpers.net import free_port, launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +51,7 @@ def _start_server(model_path, port, log_path, *extra):
     env = {name: value for name, value in os.environ.items() if name != "GRPO_VLLM_API_KEY"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
-    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", *extra]
+    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", *extra]
     log = open(log_path, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     client = VLLMClient(port=port, timeout=180)
@@ -434,3 +435,22 @@ def test_a_server_killed_mid_run_gives_a_clear_error(model_path, tokenizer, tmp_
         assert trainer.state.global_step == 1
     finally:
         _stop(process)
+
+
+def test_multi_turn_episodes_on_the_server(server, tmp_path):
+    """Episodes of three policy turns and two tool answers sampled on the server: the engine's log-probs of the
+    policy's tokens, conditioned on the whole conversation so far, equal the trainer's over the same row, so the
+    ids the trainer trains on are the ids the engine sampled and conditioned on."""
+    port, _ = server
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    args = _config(tmp_path, port, max_completion_length=240, max_prompt_length=None, max_tool_calling_iterations=2)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    trainer = GRPOTrainer(
+        str(path), last_turn_length, args=args, train_dataset=data, processing_class=tokenizer, tools=[add]
+    )
+    trainer.agent.parser = always_add
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3

@@ -21,6 +21,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
+from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer  # noqa: E402
 from tests.helpers.net import launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -124,7 +125,7 @@ def _reward(prompts, completions, **kwargs):
 
 
 def _training_config(output_dir, **overrides):
-    return GRPOConfig(
+    settings = dict(
         output_dir=str(output_dir),
         use_vllm=True,
         vllm_mode="colocate",
@@ -136,8 +137,8 @@ def _training_config(output_dir, **overrides):
         learning_rate=0.05,
         logging_steps=1,
         report_to=[],
-        **overrides,
     )
+    return GRPOConfig(**{**settings, **overrides})
 
 
 def test_training_with_a_colocated_engine(model_path, tokenizer, tmp_path):
@@ -206,3 +207,28 @@ def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
     assert outcome["split_group_samples_differ"]
     steps = [h for h in outcome["log_history"] if "sampling/sampling_logp_difference/max" in h]
     assert len(steps) == 2 and all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
+
+
+def test_multi_turn_episodes_with_a_colocated_engine(tokenizer, tmp_path):
+    """As on the server (tests/test_vllm.py): three policy turns and two tool answers per episode, sampled by this
+    process's engine, whose log-probs of the policy's tokens equal the trainer's."""
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    args = _training_config(
+        tmp_path / "out",
+        max_steps=1,
+        save_strategy="no",
+        max_completion_length=240,
+        max_prompt_length=None,
+        max_tool_calling_iterations=2,
+        vllm_max_model_length=1024,  # the tools' schemas make long prompts in byte tokens
+    )
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    trainer = GRPOTrainer(
+        str(path), last_turn_length, args=args, train_dataset=data, processing_class=tokenizer, tools=[add]
+    )
+    trainer.agent.parser = always_add
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3

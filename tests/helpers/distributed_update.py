@@ -14,6 +14,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.helpers.agents import agent_step_update
 from tests.helpers.net import end_launched_process
 from tests.helpers.scripted import (
     TINY,
@@ -44,8 +45,9 @@ VARIANTS = {
     "async_generation": dict(loss_type="dapo", async_generation=True, max_staleness=0),
 }
 
-# Run only where peft is installed (tests/test_distributed.py skips it otherwise).
-EXTRA = ("lora",) if importlib.util.find_spec("peft") is not None else ()
+# "agent": multi-turn episodes with tools whose rows take one to three turns (tests/helpers/agents.py), so the two
+# processes run different numbers of turns. "lora": run only where peft is installed.
+EXTRA = ("agent", "lora") if importlib.util.find_spec("peft") is not None else ("agent",)
 
 
 def lora_config():
@@ -84,6 +86,10 @@ def one_step(name, per_device, accumulation, output_dir):
     if name == "lora":
         update, trainer = lora_step_update(
             output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
+        )
+    elif name == "agent":
+        update, trainer = agent_step_update(
+            output_dir, beta=0.04, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
         )
     else:
         settings = dict(loss_type=name) if name in LOSS_TYPES else VARIANTS[name]
