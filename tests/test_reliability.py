@@ -426,6 +426,17 @@ def test_grpo_train_with_an_infinite_reward_saves_no_model(tmp_path, tiny_model_
     assert "model saved" not in result.stdout and not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_grpo_train_with_a_reward_that_exits_fails_naming_it(tmp_path, tiny_model_path):
+    # sys.exit(0) in a reward function used to end `grpo train` with exit status 0, nothing saved or printed.
+    write_tiny_recipe(tmp_path, tiny_model_path)
+    (tmp_path / "my_rewards.py").write_text("import sys\n\ndef has_digit(completions, **kwargs):\n    sys.exit(0)\n")
+    result = run_grpo("train", "tiny.yaml", "--max_steps", "2", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "RuntimeError: Reward function 'has_digit' failed on row 0" in result.stderr
+    assert "SystemExit: 0 (a reward function cannot end the run" in result.stderr
+    assert "model saved" not in result.stdout and not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_gradients_finite_by_hand():
     finite, nan, inf = torch.tensor([1.0, -3e38]), torch.tensor([1.0, math.nan]), torch.tensor([-math.inf, 0.0])
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]

@@ -372,3 +372,81 @@ def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
 
     with pytest.raises(TypeError, match="cannot be sent to a worker process"):
         _score([lambda completions: [0.0] * len(completions)], options=options)
+
+
+def _exits_on_row_1(prompts, completions):
+    if "p1" in prompts:
+        raise SystemExit(0)  # what `sys.exit(0)` raises
+    return [1.0] * len(completions)
+
+
+async def _async_exits_on_row_1(prompts, completions):
+    return _exits_on_row_1(prompts, completions)
+
+
+def _interrupted_on_row_1(prompts, completions):
+    if "p1" in prompts:
+        raise KeyboardInterrupt
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    "func, options",
+    [
+        (_exits_on_row_1, {}),
+        (_exits_on_row_1, {"num_workers": 2}),
+        (_exits_on_row_1, {"timeout": 30.0}),
+        (_async_exits_on_row_1, {}),
+        (_interrupted_on_row_1, {"num_workers": 2}),
+    ],
+    ids=["inline", "threads", "timed", "async", "interrupt-in-a-thread"],
+)
+def test_a_reward_that_exits_fails_like_any_error_and_never_ends_the_run(func, options):
+    name = reward_name(func)
+    why = "(SystemExit: 0|KeyboardInterrupt: ) \\(a reward function cannot end the run"
+    with pytest.raises(RuntimeError, match=rf"'{name}' failed on row 1 \(prompt: 'p1'\): {why}"):
+        _score([func], options=options)
+    with pytest.warns(UserWarning, match=r"row\(s\) \[1\]"):
+        scores = _scores([func], options={**options, "errors": "skip"})
+    assert scores.rewards[[0, 2], 0].tolist() == [1.0, 1.0] and torch.isnan(scores.rewards[1, 0])
+    assert scores.errors == [1]
+
+
+def test_a_reward_that_exits_in_a_worker_process_fails_like_any_error():
+    from tests.helpers.process_rewards import exits_on_row_1, interrupted_on_row_1
+
+    options = {"num_workers": 3, "worker_type": "process"}
+    for func, why in ((exits_on_row_1, "SystemExit: 0"), (interrupted_on_row_1, "KeyboardInterrupt")):
+        with pytest.raises(RuntimeError, match=rf"'{func.__name__}' failed on row 1 \(prompt: 'p1'\): {why}"):
+            _score([func], options=options)
+
+
+def test_ctrl_c_in_the_main_thread_still_stops_scoring():
+    # A KeyboardInterrupt in the main thread is the user's Ctrl-C (that is where the signal lands): it passes.
+    with pytest.raises(KeyboardInterrupt):
+        _score([_interrupted_on_row_1])
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"num_workers": 2}, {"num_workers": 2, "worker_type": "process"}, {"timeout": 30.0}]
+)
+def test_each_function_gets_its_own_copy_of_completions_and_columns(options):
+    from tests.helpers.process_rewards import edits_its_arguments, untouched
+
+    prompts = [[{"role": "user", "content": f"p{i}"}] for i in range(3)]
+    completions = [[{"role": "assistant", "content": c}] for c in ("a", "bb", "ccc")]
+    columns = {"answer": [{"value": "a"}, {"value": "bb"}, {"value": "x"}]}
+    original = repr((prompts, completions, columns))
+    scores = score_rewards(
+        [edits_its_arguments, untouched, edits_its_arguments, untouched],
+        [None] * 4,
+        [],
+        prompts=prompts,
+        completions=completions,
+        completion_ids=[[1] * (i + 1) for i in range(3)],
+        columns=columns,
+        **options,
+    )
+    # `untouched` saw every row as it was, after one function and before another that edit theirs in place ...
+    assert scores.rewards[:, 1].tolist() == [1.0, 1.0, 1.0] == scores.rewards[:, 3].tolist()
+    assert repr((prompts, completions, columns)) == original  # ... and the caller's data is unchanged

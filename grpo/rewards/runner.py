@@ -17,12 +17,17 @@ How the functions run (`run_reward_functions`):
     a process pool with a timed-out call is killed once the round's other calls have finished;
   - on an exception the rows are retried one by one to name the failing row; `errors="skip"` gives failed rows
     None for that function (for a process function: no step rewards, all NaN) and counts them, one per failed
-    row (a timed-out or wholly failed call counts all its rows), instead of raising.
+    row (a timed-out or wholly failed call counts all its rows), instead of raising. Any `BaseException` counts:
+    a function that calls `sys.exit()` or raises `KeyboardInterrupt` fails like one that raises `ValueError`, and
+    cannot end the run; only a `KeyboardInterrupt` in the main thread passes through (that is the user's Ctrl-C);
+  - every call gets its own deep copy of the per-row arguments (`completions`, `prompts`, the columns), so a
+    function that edits them in place changes nothing another function, a retry or the trainer sees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import multiprocessing
@@ -69,6 +74,26 @@ def _rows(kwargs: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     return {k: (v[start:stop] if isinstance(v, (list, tuple, torch.Tensor)) else v) for k, v in kwargs.items()}
 
 
+def _own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of one call, deep-copied, so that in-place edits stay with the call. `trainer_state` is shared
+    (read-only by contract, and large); a column whose values cannot be deep-copied gets a new list of them."""
+    copied = {}
+    for key, value in kwargs.items():
+        try:
+            copied[key] = value if key == "trainer_state" else copy.deepcopy(value)
+        except Exception:
+            copied[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return copied
+
+
+def _reraise_interrupt(error: BaseException) -> None:
+    """Re-raise a `KeyboardInterrupt` in the main thread: that is where Ctrl-C lands, and the user's stop must stop
+    the run. Any other exception, and a `KeyboardInterrupt` from a worker thread or process (no signal lands
+    there: the function raised it), is the function's failure."""
+    if isinstance(error, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        raise error
+
+
 def _to_float(value: Any, name: str, row: int) -> float | None:
     if value is None:
         return None
@@ -111,13 +136,14 @@ class _Call(NamedTuple):
 _Outcome = tuple[list[Any], list[tuple[int | None, BaseException]]]
 
 
-def _retry_rows(call: _Call, batch_error: Exception, one_row: Callable, stop_at_first: bool) -> _Outcome:
+def _retry_rows(call: _Call, batch_error: BaseException, one_row: Callable, stop_at_first: bool) -> _Outcome:
     name = reward_name(call.func)
     values, failures = [], []
     for i in range(call.num_rows):
         try:
-            value = one_row(_rows(call.kwargs, i, i + 1))
-        except Exception as error:
+            value = one_row(_own_copy(_rows(call.kwargs, i, i + 1)))
+        except BaseException as error:
+            _reraise_interrupt(error)
             failures.append((call.start + i, error))
             values.append(None)
             if stop_at_first:
@@ -133,8 +159,9 @@ def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) 
     """Call a synchronous function, here or through `invoke(kwargs)` (a call in a worker process)."""
     invoke = invoke or (lambda kwargs: call.func(**kwargs))
     try:
-        values = invoke(call.kwargs)
-    except Exception as error:
+        values = invoke(_own_copy(call.kwargs))
+    except BaseException as error:
+        _reraise_interrupt(error)
         return _retry_rows(call, error, invoke, stop_at_first)
     return call.check(values, reward_name(call.func), call.num_rows, call.start), []
 
@@ -174,8 +201,10 @@ def _in_process(call: _Call, pool: ProcessPoolExecutor) -> Callable:
 
 async def _run_async(call: _Call, stop_at_first: bool) -> _Outcome:
     try:
-        values = await call.func(**call.kwargs)
-    except Exception as error:
+        values = await call.func(**_own_copy(call.kwargs))
+    except asyncio.CancelledError:
+        raise  # the call's timeout, not the function's failure
+    except BaseException as error:  # asyncio would let SystemExit and KeyboardInterrupt stop the event loop
         batch_error = error
         # Retried rows run in a private event loop in a thread of their own: this loop is busy awaiting us.
         return await _in_daemon_thread(
@@ -259,8 +288,11 @@ def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
         detail = ""
     else:
         where, detail = f"row {row}", f" (prompt: {str(prompts[row])[:200]!r})"
+    why = f"{type(error).__name__}: {error}"
+    if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt, ...: say why the run did not end
+        why += " (a reward function cannot end the run: return a reward, or None for a row it cannot score)"
     raise RuntimeError(
-        f"{what} '{name}' failed on {where}{detail}: {type(error).__name__}: {error}. Fix the function, or "
+        f"{what} '{name}' failed on {where}{detail}: {why}. Fix the function, or "
         "set reward_errors='skip' to give such rows None for this function and continue."
     ) from error
 
