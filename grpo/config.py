@@ -21,9 +21,15 @@ from typing import Any, NamedTuple
 import torch
 from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
+from grpo.data import TRUNCATION_SIDES
 from grpo.objective.advantages import SCALE_REWARDS
 from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, spans_the_step
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
+
+# The largest learning_rate taken without `allow_large_learning_rate`. Fine-tuning uses 1e-6 to 1e-4 (TRL's default
+# is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
+# meant for one. It still admits the 0.5 of plain SGD on toy models, and refuses a lost minus sign (1e5) or 1e30.
+MAX_LEARNING_RATE = 1.0
 
 
 class Interval(NamedTuple):
@@ -156,7 +162,15 @@ class GRPOConfig(TrainingArguments):
         default=1e-6,
         section=Section.OVERRIDDEN,
         range=Interval(0),
-        help="Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training.",
+        help="Initial AdamW learning rate. RL fine-tuning uses far smaller steps than supervised training. Values "
+        f"above {MAX_LEARNING_RATE:g} are refused unless `allow_large_learning_rate=True`.",
+    )
+    allow_large_learning_rate: bool = option(
+        default=False,
+        section=Section.OVERRIDDEN,
+        help=f"Accept a learning_rate above {MAX_LEARNING_RATE:g}. Fine-tuning runs use 1e-6 to 1e-4; Adam moves each "
+        "weight by about the learning rate per step, so a larger one (often a lost minus sign, 1e5 for 1e-5) replaces "
+        "the weights within a step. Set it for toy models or plain SGD on purpose.",
     )
     logging_steps: float = option(
         default=10,
@@ -258,7 +272,15 @@ class GRPOConfig(TrainingArguments):
         default=512,
         section=Section.DATA,
         range=Interval(1, why="a number of tokens, or None for no limit"),
-        help="Keep only the last N prompt tokens (left truncation). None keeps whole prompts.",
+        help="Longest prompt, in tokens; longer ones are cut (see truncation_side), counted in `prompts/truncated` "
+        "and warned about once. None keeps whole prompts.",
+    )
+    truncation_side: str = option(
+        default="left",
+        section=Section.DATA,
+        help="Which end of a prompt longer than max_prompt_length is cut. 'left' (default, as before this field) "
+        "drops its start and keeps the end, where the question and the generation prompt are; a leading system "
+        "message is kept whole and the cut falls right after it. 'right' keeps the start and drops the end.",
     )
     max_completion_length: int = option(
         default=256,
@@ -709,6 +731,7 @@ class GRPOConfig(TrainingArguments):
         self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
         self._check_values()
+        self._check_steps_and_prompts()
         self._resolve_generation_batch()
 
     def _check_fields(self):
@@ -822,6 +845,20 @@ class GRPOConfig(TrainingArguments):
                         "would make every row's total reward useless). Give one finite weight per reward function, "
                         "e.g. reward_weights=[1.0, 0.5]."
                     )
+
+    def _check_steps_and_prompts(self):
+        """A learning rate no fine-tuning run means, and the side long prompts are cut on."""
+        if self.learning_rate > MAX_LEARNING_RATE and not self.allow_large_learning_rate:
+            raise ValueError(
+                f"learning_rate={self.learning_rate!r} is above {MAX_LEARNING_RATE:g}: fine-tuning uses 1e-6 to 1e-4, "
+                "and Adam moves each weight by about the learning rate per step. Fix its exponent (e.g. 1e-5), or set "
+                "allow_large_learning_rate=True if you mean it."
+            )
+        if self.truncation_side not in TRUNCATION_SIDES:
+            raise ValueError(
+                f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
+                "a long prompt (and its system message), 'right' keeps its start."
+            )
 
     def _check_async(self):
         """What asynchronous generation cannot combine with."""

@@ -63,6 +63,7 @@ class Rollout:
     rewards_per_func: torch.Tensor = _tensor(GATHERED)  # (B_g, K) float32, NaN where a function gave none
     step_rewards: torch.Tensor = _tensor(GATHERED, "right")  # (B_g, K_p, T_g) at each step's last token, else NaN
     sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
+    prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,) bool: cut to max_prompt_length
     # Filled after scoring (steps 5-7), local rows only:
     advantages: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,), or (B, T) with process rewards
     old_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_old, when batches are reused

@@ -238,7 +238,14 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
     """model.generate on a copy of the policy, 4 steps at max_staleness=1: round r (r >= 1) is sampled by the
     weights of step r - 1 while step r - 1 trains; its loss takes pi_old = the weights of step r and the behaviour
     policy = those of step r - 1 (the sampler's log-probs)."""
-    trainer = _trainer(tmp_path, max_steps=4, async_generation=True, max_staleness=1, learning_rate=2.0)
+    trainer = _trainer(
+        tmp_path,
+        max_steps=4,
+        async_generation=True,
+        max_staleness=1,
+        learning_rate=2.0,
+        allow_large_learning_rate=True,
+    )
     snapshots = _Snapshots(trainer.model)
     trainer.add_callback(snapshots)
     batches = capture_batches(trainer)

@@ -75,6 +75,10 @@ CONFIG_CASES = [
     ({"seed": -1}, ValueError, r"seed=-1 must be in \[0, 4294967295\]", "numpy's random seed range"),
     ({"vllm_server_port": 70000}, ValueError, r"vllm_server_port=70000 must be in \[1, 65535\]", r"\[1, 65535\]"),
     ({"num_generations": 1}, ValueError, r"num_generations=1 must be >= 2", "at least 2 completions per prompt"),
+    # a learning rate no fine-tuning run means (1e30 trained to 1e30 weights; 1e5 is a lost minus sign)
+    ({"learning_rate": 1e30}, ValueError, r"learning_rate=1e\+30 is above 1", "allow_large_learning_rate=True"),
+    ({"learning_rate": 1e5}, ValueError, r"learning_rate=100000.0 is above 1", r"Fix its exponent \(e.g. 1e-5\)"),
+    ({"truncation_side": "middle"}, ValueError, r"truncation_side='middle' is not one of", "'left' keeps the end"),
     # reward_weights
     ({"reward_weights": [1.0, NAN]}, ValueError, r"reward_weights\[1\]=nan must be a finite", "one finite weight"),
     ({"reward_weights": [INF]}, ValueError, r"reward_weights\[0\]=inf", "one finite weight per reward function"),
@@ -119,6 +123,11 @@ def test_every_numeric_field_of_grpo_config_has_a_range():
     assert config(learning_rate=1, beta=0).learning_rate == 1  # an int is a fine float
 
 
+def test_a_large_learning_rate_is_taken_when_asked_for():
+    assert config(learning_rate=1.0).learning_rate == 1.0  # the bound itself is allowed
+    assert config(learning_rate=5.0, allow_large_learning_rate=True).learning_rate == 5.0
+
+
 # ---- Prompt data sets: reserved column names, and every prompt checked once before training ----
 
 GOOD = "A prompt is a non-empty string, or a non-empty list of messages"
@@ -150,7 +159,10 @@ DATASET_CASES = [
     ({"prompt": chat_rows([{"role": "user"}])}, r"row 2: .*message 0 has no 'content'", GOOD),
     ({"prompt": chat_rows([{"content": "hi"}], k=4)}, r"row 4: .*message 0 has no 'role'", GOOD),
     ({"prompt": [["just", "strings"]]}, r"row 0: .*message 0 is a str, not a \{'role', 'content'\} dict", GOOD),
-    ({"prompt": [[{"role": 1, "content": "hi"}]]}, r"row 0: .*role 1, not a string", r"prompt_problem"),
+    ({"prompt": [[{"role": 1, "content": "hi"}]]}, r"row 0: .*role 1, not one of system", r"prompt_problem"),
+    # roles a chat template does not know were rendered as given
+    ({"prompt": chat_rows([{"role": "bot", "content": "hi"}], k=1)}, r"row 1: .*role 'bot', not one of", GOOD),
+    ({"prompt": chat_rows([{"role": "User", "content": "hi"}])}, r"row 2: .*role 'User', not one of system", GOOD),
 ]
 
 
@@ -171,6 +183,16 @@ def test_dataset_dict_and_good_prompts():
     check_prompt_dataset(Dataset.from_dict({"prompt": chat}))
     check_prompt_dataset(good)
     check_prompt_dataset({"a": good, "b": good}, "eval_dataset")  # a dict of evaluation sets
+    tools = [{"role": r, "content": "x"} for r in ("system", "user", "assistant", "tool", "user")]
+    check_prompt_dataset(Dataset.from_dict({"prompt": [tools]}))  # every role a chat template knows
+
+
+@pytest.mark.parametrize("name", ["train_dataset", "eval_dataset"])
+def test_a_plain_dict_of_columns_is_told_to_become_a_dataset(name):
+    # It used to be taken for a dict of splits: "pass one split, e.g. train_dataset=dataset['prompt']".
+    with pytest.raises(InputError) as raised:
+        check_prompt_dataset({"prompt": ["q", "r"], "answer": ["1", "2"]}, name)
+    check(raised, rf"{name} is a plain dict \(keys \['answer', 'prompt'\]\), not a data set", r"Dataset.from_dict\(")
 
 
 def test_streamed_datasets_are_checked_only_for_their_columns():

@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.data import InputError
+from grpo.data import InputError, cut_prompt, encode_prompts
 from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
 from grpo.training.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
@@ -466,3 +467,42 @@ def test_gradients_finite_takes_the_exact_check_only_when_the_sum_is_not_finite(
     for p in big:
         p.grad = torch.tensor([3e38, 3e38])  # finite, but their float32 sum overflows
     assert gradients_finite(big) and calls
+
+
+# ---- Long prompts: cut on a chosen side, counted and warned about ----
+
+
+def test_cut_prompt_by_hand():
+    ids = list(range(10))
+    assert cut_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the end: the question and the generation prompt
+    assert cut_prompt(ids, 4, "right") == [0, 1, 2, 3]
+    assert cut_prompt(ids, 4, "left", head=2) == [0, 1, 8, 9]  # a 2-token system message kept, the cut after it
+    assert cut_prompt(ids, 4, "left", head=4) == [6, 7, 8, 9]  # no room beside it: as without one
+    assert cut_prompt(ids, 10, "left", head=2) == ids  # not too long: untouched
+
+
+def test_a_long_chat_prompt_keeps_its_system_message_and_its_end(tokenizer):
+    system = {"role": "system", "content": "Answer in one word."}
+    long = [system, {"role": "user", "content": "x" * 10_000 + " What is 2 + 2?"}]
+    (left, short), cut = encode_prompts([long, "short"], tokenizer, 64, "left")
+    assert cut == [True, False]
+    text = tokenizer.decode(left)
+    assert len(left) == 64 and text.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>\n")
+    assert text.endswith("2 + 2?<|im_end|>\n<|im_start|>assistant\n")  # the question and generation prompt survive
+    assert short == tokenizer("short", add_special_tokens=False)["input_ids"]
+    (right,), cut = encode_prompts([long], tokenizer, 64, "right")
+    assert cut == [True] and tokenizer.decode(right).startswith("<|im_start|>system\nAnswer in one word.")
+    assert "assistant" not in tokenizer.decode(right)
+
+
+def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer):
+    data = Dataset.from_dict({"prompt": [f"{'x' * 300} Question {i}: count to three." for i in range(8)]})
+    trainer = make_trainer(tmp_path, tokenizer, data, [reward_len], max_steps=2, max_prompt_length=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    cut = [w for w in caught if "longer than max_prompt_length=16" in str(w.message)]
+    assert len(cut) == 1, [str(w.message) for w in caught]
+    assert "were cut on the left" in str(cut[0].message) and "truncation_side" in str(cut[0].message)
+    logged = [e["prompts/truncated"] for e in trainer.state.log_history if "prompts/truncated" in e]
+    assert logged == [1.0, 1.0]  # every prompt of both rounds, though warned about only in the first

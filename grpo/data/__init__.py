@@ -17,6 +17,12 @@ import torch
 # of them would be silently replaced by the generated values.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 
+# The chat roles a prompt may use: what chat templates know. Others ("bot", "User") would be rendered as given, or
+# dropped by a template that only matches these, without a word.
+ROLES = ("system", "user", "assistant", "tool")
+# Which end of a prompt longer than max_prompt_length is cut (GRPOConfig.truncation_side).
+TRUNCATION_SIDES = ("left", "right")
+
 GOOD_PROMPT = (
     "A prompt is a non-empty string, or a non-empty list of messages such as "
     "[{'role': 'user', 'content': 'What is 2 + 2?'}]."
@@ -64,16 +70,58 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None 
     )
 
 
-def tokenize_prompts(texts: Sequence[str], tokenizer, max_prompt_length: int | None) -> list[list[int]]:
-    """Token ids of each rendered prompt, keeping the last `max_prompt_length` tokens (left truncation: the end of
-    a prompt, where the question and the generation prompt are, matters most). No special tokens are added: chat
-    templates already carry theirs, and this matches TRL."""
+def tokenize_prompts(
+    texts: Sequence[str], tokenizer, max_prompt_length: int | None, side: str = "left"
+) -> list[list[int]]:
+    """Token ids of each rendered prompt, cut to `max_prompt_length` tokens on `side` (`cut_prompt`; "left", the
+    default, keeps the end of a prompt, where the question and the generation prompt are). No special
+    tokens are added: chat templates already carry theirs, and this matches TRL."""
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     if max_prompt_length is not None:
-        ids = [seq[-max_prompt_length:] for seq in ids]
+        ids = [cut_prompt(seq, max_prompt_length, side) for seq in ids]
     if any(len(seq) == 0 for seq in ids):
         raise ValueError("A prompt tokenized to zero tokens; every prompt needs at least one token.")
     return ids
+
+
+def cut_prompt(ids: list[int], max_length: int, side: str, head: int = 0) -> list[int]:
+    """`ids` cut to `max_length` tokens: "right" keeps the first ones; "left" keeps the last ones, after the first
+    `head` tokens (a system message) when they leave room for at least one more token, else the last ones alone."""
+    if len(ids) <= max_length:
+        return list(ids)
+    if side == "right":
+        return list(ids[:max_length])
+    if head >= max_length:  # the system message alone does not fit: keep the end, as without one
+        head = 0
+    return list(ids[:head]) + list(ids[len(ids) - (max_length - head) :])
+
+
+def system_head(prompt: str | list[dict], text: str, tokenizer) -> str:
+    """The start of `text` (the rendered `prompt`) that its leading system message makes up; "" for a string prompt,
+    one without a system message, or a template whose rendering of the system message alone is not a prefix."""
+    if isinstance(prompt, str) or prompt[0]["role"] != "system" or len(prompt) == 1:
+        return ""
+    head = tokenizer.apply_chat_template(prompt[:1], tokenize=False, add_generation_prompt=False)
+    return head if isinstance(head, str) and text.startswith(head) else ""
+
+
+def encode_prompts(
+    prompts: Sequence[str | list[dict]], tokenizer, max_prompt_length: int | None, side: str = "left"
+) -> tuple[list[list[int]], list[bool]]:
+    """Render and tokenize `prompts` (`render_prompt`, `tokenize_prompts`), and which of them were cut. A prompt
+    longer than `max_prompt_length` cut on the left keeps its leading system message: the message and the rest are
+    then tokenized apart, and the cut falls right after the message (`cut_prompt`)."""
+    texts = [render_prompt(p, tokenizer) for p in prompts]
+    ids = tokenize_prompts(texts, tokenizer, None)
+    cut = [max_prompt_length is not None and len(seq) > max_prompt_length for seq in ids]
+    for i in (i for i, long in enumerate(cut) if long):
+        head = system_head(prompts[i], texts[i], tokenizer) if side == "left" else ""
+        if head:
+            head_ids, rest = tokenizer([head, texts[i][len(head) :]], add_special_tokens=False)["input_ids"]
+            ids[i] = cut_prompt(head_ids + rest, max_prompt_length, side, head=len(head_ids))
+        else:
+            ids[i] = cut_prompt(ids[i], max_prompt_length, side)
+    return ids, cut
 
 
 def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +177,8 @@ def prompt_problem(prompt: Any) -> str | None:
             # Arrow fills a key missing from one message with None, so a missing key and None look the same.
             if message.get(key) is None:
                 return f"a list whose message {j} has no {key!r}: {str(message)[:80]}"
-        if not isinstance(message["role"], str):
-            return f"a list whose message {j} has role {message['role']!r}, not a string"
+        if message["role"] not in ROLES:
+            return f"a list whose message {j} has role {message['role']!r}, not one of {', '.join(ROLES)}"
     return None
 
 
@@ -146,6 +194,11 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
     if dataset is None:
         return
     if isinstance(dataset, dict):
+        if dataset and not any(hasattr(value, "column_names") for value in dataset.values()):  # columns, not splits
+            raise InputError(
+                f"{name} is a plain dict (keys {sorted(dataset)[:5]}), not a data set. Wrap it: "
+                f"{name}=datasets.Dataset.from_dict({{'prompt': [...], ...}})."
+            )
         if name == "train_dataset":  # a DatasetDict where one split was meant
             raise InputError(
                 f"{name} is a dict of data sets with keys {sorted(dataset)}; pass one split, e.g. "

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from grpo.data import InputError, check_prompt_dataset, completion_text, render_prompt, tokenize_prompts
+from grpo.data import InputError, check_prompt_dataset, completion_text, encode_prompts
 from grpo.data.sampler import train_batch_size
 from grpo.rollout import Rollout, gather_rows
 
@@ -155,9 +155,7 @@ class OfflineGroups(torch.utils.data.Dataset):
         rows = [row for group in groups for row in group["rows"]]
         prompts = [group["prompt"] for group in groups for _ in group["rows"]]
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_token_ids[0]
-        prompt_ids = tokenize_prompts(
-            [render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length
-        )
+        prompt_ids, prompt_cut = encode_prompts(prompts, tokenizer, args.max_prompt_length, args.truncation_side)
         texts = [continuation(p, completion_text(row[self.completion])) for p, row in zip(prompts, rows)]
         completion_ids, truncated = [], []
         for ids, row in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], rows):
@@ -181,7 +179,11 @@ class OfflineGroups(torch.utils.data.Dataset):
         everyone = gather_object([[len(group["rows"]) for group in groups]])  # every process's group sizes
         first_row = sum(sum(sizes) for sizes in everyone[: accelerator.process_index])
         rollout = replace(
-            rollout, old_logps=old_logps, group_sizes=[s for sizes in everyone for s in sizes], first_row=first_row
+            rollout,
+            old_logps=old_logps,
+            group_sizes=[s for sizes in everyone for s in sizes],
+            first_row=first_row,
+            prompt_truncated=torch.tensor(prompt_cut, dtype=torch.bool),
         )
         columns = {k: [row[k] for row in rows] for k in rows[0] if k != self.completion}
         return rollout.to(accelerator.device), columns

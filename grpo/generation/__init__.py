@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from grpo.data import decode_completions, render_prompt, tokenize_prompts
+from grpo.data import decode_completions, encode_prompts
 from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
 from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
@@ -113,7 +114,7 @@ def sample_rollout(
         raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
     prompts = [example["prompt"] for example in inputs]
     columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
-    prompt_ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, args.max_prompt_length)
+    prompt_ids, prompt_cut = encode_prompts(prompts, tokenizer, args.max_prompt_length, args.truncation_side)
     raw = backend.generate(model, prompt_ids)
     completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
     sampling_logps = None
@@ -129,4 +130,5 @@ def sample_rollout(
         mask_truncated=args.mask_truncated_completions,
         sampling_logps=sampling_logps,
     )
+    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
     return rollout, columns

@@ -72,6 +72,23 @@ class MetricsWindow:
         return out
 
 
+def add_prompt_metrics(window: MetricsWindow, truncated: torch.Tensor, args, warned: bool) -> bool:
+    """`prompts/truncated`: the fraction of a round's prompts, all processes' rows (B_g,) bool, that were cut to
+    max_prompt_length. The first round with a cut prompt warns, unless `warned`; returns whether it was warned."""
+    window.add_mean("prompts/truncated", truncated.float().sum(), truncated.numel())
+    count = int(truncated.sum())
+    if count and not warned:
+        kept = "the end (and a leading system message)" if args.truncation_side == "left" else "the start"
+        warnings.warn(
+            f"{count} of {truncated.numel()} prompts of this round are longer than max_prompt_length="
+            f"{args.max_prompt_length} tokens and were cut on the {args.truncation_side}, keeping {kept}. Raise "
+            "max_prompt_length, shorten those prompts, or choose truncation_side; `prompts/truncated` logs the "
+            "fraction cut in every round.",
+            stacklevel=3,
+        )
+    return warned or count > 0
+
+
 def add_round_metrics(
     window: MetricsWindow,
     lengths: torch.Tensor,

@@ -99,6 +99,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
 
     # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
     loss_is_scaled_for_ga = True
+    _warned_truncation = False  # set once prompts were cut to max_prompt_length and warned about
 
     def __init__(
         self,
@@ -376,6 +377,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
         window, groups = self.metric_windows[mode], rollout.groups(self.args.num_generations)
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
+        if rollout.prompt_truncated is not None:  # prompts cut to max_prompt_length: counted, and warned of once
+            cut = gather_rows(self.accelerator, rollout.prompt_truncated)
+            self._warned_truncation = metrics.add_prompt_metrics(window, cut, self.args, self._warned_truncation)
         if rollout.episode_stats is not None:  # multi-turn episodes: tools/* per episode, over all processes
             metrics.add_episode_metrics(window, rollout.episode_stats, self.accelerator)
         if mode == "train":
