@@ -467,16 +467,18 @@ def test_attack_time(hook, bystanders):
 
 def test_the_report_is_validated_and_clamped():
     token = "ab" * 16
-    good = f'{token} {{"passed": 2, "error": null}}\n'.encode()
-    assert sandbox._parse_report(good, token, 3) == (2, 3, None)
-    assert sandbox._parse_report(good.replace(b"2", b"7"), token, 3) == (3, 3, None)  # clamped to total
+    good = f'{token} {{"passed": 2, "error": null, "output_bytes": 5}}\n'.encode()
+    assert sandbox._parse_report(good, token, 3) == (2, 3, None, 5)
+    assert sandbox._parse_report(good.replace(b"2", b"7"), token, 3) == (3, 3, None, 5)  # clamped to total
     for bad in (
         good.replace(token.encode(), b"0" * 32),  # wrong token
         good + good,  # two lines
         good.rstrip(),  # no newline
-        f'{token} {{"passed": true, "error": null}}\n'.encode(),
-        f'{token} {{"passed": 1.5, "error": null}}\n'.encode(),
-        f'{token} {{"passed": 1, "error": 7}}\n'.encode(),
+        f'{token} {{"passed": true, "error": null, "output_bytes": 0}}\n'.encode(),
+        f'{token} {{"passed": 1.5, "error": null, "output_bytes": 0}}\n'.encode(),
+        f'{token} {{"passed": 1, "error": 7, "output_bytes": 0}}\n'.encode(),
+        f'{token} {{"passed": 1, "error": null, "output_bytes": "5"}}\n'.encode(),
+        f'{token} {{"passed": 1, "error": null}}\n'.encode(),  # no output_bytes
         f"{token} [1, 2]\n".encode(),
         f"{token} not json\n".encode(),
         b"",

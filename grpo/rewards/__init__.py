@@ -8,10 +8,11 @@ The modules, by job:
   - runner.py: calling the functions (sync, async, threads, worker processes, timeouts, retries, `reward_errors`);
   - scoring.py: `RewardSet` and `score_rewards` (every function and reward model on a batch), `combine_rewards`;
   - process.py: process (step) rewards, `StepRewards` and `@process_reward`;
-  - sandbox/: running untrusted code against tests, imported only when `code_execution` is built.
+  - sandbox/: running untrusted code against tests, imported only when `code_execution` is built;
+  - code_tool.py: `python_tool`, a tool for multi-turn episodes that runs the model's code in that sandbox.
 
-Importing this package loads the built-ins only: no runner, no sandbox (so `GRPOConfig`, which imports the two
-tuples below, stays light).
+Importing this package loads the built-ins and the tool's factory only: no runner, no sandbox (so `GRPOConfig`,
+which imports the two tuples below, stays light).
 """
 
 from grpo.data import completion_text
@@ -28,6 +29,7 @@ from grpo.rewards.builtin import (
     reasoning_gym_dataset,
     soft_overlong_punishment,
 )
+from grpo.rewards.code_tool import python_tool
 
 # How reward functions may be called (`GRPOConfig.reward_errors`, `reward_worker_type`; grpo/rewards/runner.py).
 REWARD_ERRORS = ("raise", "skip")
@@ -45,6 +47,7 @@ __all__ = [
     "extract_code",
     "format_reward",
     "last_boxed",
+    "python_tool",
     "reasoning_gym",
     "reasoning_gym_dataset",
     "soft_overlong_punishment",

@@ -2,6 +2,7 @@
 
     result = run_python("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"], Limits(wall_seconds=5))
     result.passed, result.total, result.error      # 1, 1, None
+    run_python("print(6 * 7)", []).output          # '42\n' (what the code printed: stdout and stderr)
 
 Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
   - "bwrap": the child runs under bubblewrap (`apt-get install bubblewrap`) in new user, PID, mount, network, IPC,
@@ -54,6 +55,8 @@ ISOLATIONS = ("bwrap", "process")
 # The program run inside the sandbox (harness.py: a supervisor, then the worker it forks), passed as the source text
 # of `python -c`, so that it needs no path inside the sandbox's file system.
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
+# The most of what the code prints (stdout and stderr) a run reports; the rest is counted, not kept.
+OUTPUT_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class SandboxResult:
     passed: int  # tests that ran without raising, 0 <= passed <= total
     total: int
     error: str | None  # why the run did not complete: timeout, a limit, an exception in the code, a refused action
+    output: str = ""  # what the code printed to stdout and stderr, its first OUTPUT_BYTES (UTF-8, bad bytes replaced)
+    output_bytes: int = 0  # how many bytes it printed in all (more than `output` holds when it was cut)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -138,6 +143,7 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
         "report_fd": report_w,
         "hook": audit_hook,
         "isolation": isolation,
+        "output_bytes": OUTPUT_BYTES,
     }
     programs = seccomp_programs()
     job["worker_seccomp"] = programs[1].hex() if programs is not None else None
@@ -167,22 +173,23 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,  # bwrap's and the supervisor's messages only: the worker's go to /dev/null
+            stdout=subprocess.PIPE,  # what the code printed, passed on by the supervisor (at most OUTPUT_BYTES)
+            stderr=subprocess.PIPE,  # bwrap's and the supervisor's messages only: the worker's go to its stdout
             pass_fds=fds,
             start_new_session=True,  # its own process group, killed as a whole below
         )
         os.close(report_w)
         report_w = None
         try:
-            _, stderr = proc.communicate(payload, timeout=limits.wall_seconds)
+            printed, stderr = proc.communicate(payload, timeout=limits.wall_seconds)
         except subprocess.TimeoutExpired:
             return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
         finally:
             _kill_group(proc)
         parsed = _parse_report(_drain(report_r), token, total)
         if parsed is not None:
-            return SandboxResult(*parsed)
+            output = printed[:OUTPUT_BYTES]
+            return SandboxResult(*parsed[:3], output.decode(errors="replace"), max(parsed[3], len(output)))
         reason = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
         detail = stderr.decode(errors="replace").strip()[-500:]
         return SandboxResult(
@@ -211,20 +218,20 @@ def _drain(fd: int, limit: int = 4096) -> bytes:
     return data
 
 
-def _parse_report(data: bytes, token: str, total: int) -> tuple[int, int, str | None] | None:
-    """(passed, total, error) from the report line, or None unless it is exactly one well-formed line with the
-    token and 0 <= passed <= total."""
+def _parse_report(data: bytes, token: str, total: int) -> tuple[int, int, str | None, int] | None:
+    """(passed, total, error, output_bytes) from the report line, or None unless it is exactly one well-formed line
+    with the token and 0 <= passed <= total."""
     prefix = token.encode() + b" "
     if not data.startswith(prefix) or data.count(b"\n") != 1 or not data.endswith(b"\n"):
         return None
     try:
         report = json.loads(data[len(prefix) :].decode())
-        passed, error = report["passed"], report["error"]
+        passed, error, printed = report["passed"], report["error"], report["output_bytes"]
     except (ValueError, KeyError, TypeError):
         return None
-    if type(passed) is not int or not (error is None or isinstance(error, str)):
+    if type(passed) is not int or type(printed) is not int or not (error is None or isinstance(error, str)):
         return None
-    return min(max(passed, 0), total), total, error if error is None else error[:500]
+    return min(max(passed, 0), total), total, error if error is None else error[:500], max(printed, 0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -4,9 +4,10 @@ never import grpo or anything installed.
 
 Its first half, the supervisor (`supervise`), runs before any untrusted code: it reads the job from stdin, holds the
 report pipe, forks the worker, and only then reads the random token, so the worker's memory never holds it. The
-worker (`work`) drops every descriptor but its own pipe, locks itself down (rlimits, a seccomp filter against new
-processes, an audit hook) and then runs the code and the tests. The supervisor accepts only a well-formed count in
-range (`verdict`) and writes it, with the token, to the report pipe.
+worker (`work`) keeps no descriptor but its own pipe and the one its stdout and stderr go to, locks itself down
+(rlimits, a seccomp filter against new processes, an audit hook) and then runs the code and the tests. The
+supervisor accepts only a well-formed count in range (`verdict`) and writes it, with the token, to the report pipe;
+what the code printed (its first `output_bytes`) it writes to its own stdout, apart from the verdict.
 """
 
 import json
@@ -108,11 +109,12 @@ def no_new_processes(program):
         raise OSError(ctypes.get_errno(), "installing the worker's seccomp filter failed")
 
 
-def work(job, out):
-    # The worker: no descriptor but /dev/null and its own pipe to the supervisor, then the untrusted code.
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
+def work(job, out, printed):
+    # The worker: stdin /dev/null, stdout and stderr the supervisor's `printed` pipe, its own pipe to the supervisor
+    # (`out`), no other descriptor; then the untrusted code.
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(printed, 1)
+    os.dup2(printed, 2)
     os.closerange(3, out)
     os.closerange(out + 1, 1 << 16)
     mb = 1024 * 1024
@@ -135,6 +137,10 @@ def work(job, out):
         no_new_processes(bytes.fromhex(job["worker_seccomp"]))
     if job["hook"]:
         install_hook(job)
+    try:  # each line reaches the pipe when printed, so stdout and stderr interleave as they were written
+        sys.stdout.reconfigure(line_buffering=True)
+    except Exception:
+        pass
     namespace = {"__name__": "__main__"}
     error, passed = None, 0
     try:
@@ -148,6 +154,11 @@ def work(job, out):
                 passed += 1
             except BaseException:
                 pass
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:  # os._exit below skips the interpreter's own flush
+            stream.flush()
+        except BaseException:
+            pass
     os.write(out, json.dumps({"passed": passed, "error": error}).encode())
     os._exit(0)
 
@@ -188,23 +199,49 @@ def supervise():
     except Exception:
         pass
     r, w = os.pipe()
+    printed_r, printed_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        work(job, w)
+        os.close(printed_r)
+        work(job, w, printed_w)
     os.close(w)
+    os.close(printed_w)
     del job["code"]
     token = read_exactly(0, 32)  # only now: the worker's memory never held it
-    data = b""
-    while len(data) < 65536:
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        data += chunk
+    data, printed, printed_bytes = collect(r, printed_r, job["output_bytes"])
     _, status = os.waitpid(pid, 0)
     passed, error = verdict(data, status, job)
-    os.write(report, token + b" " + json.dumps({"passed": passed, "error": error}).encode() + b"\n")
+    # What the code printed is no part of the verdict: it goes to stdout, the report keeps only its size.
+    write_all(1, printed)
+    result = {"passed": passed, "error": error, "output_bytes": printed_bytes}
+    os.write(report, token + b" " + json.dumps(result).encode() + b"\n")
     os._exit(0)
+
+
+def collect(result_fd, printed_fd, limit):
+    # Read the worker's result and what it prints until both pipes close, draining both at once so that a worker
+    # printing without end never blocks on a full pipe. Keeps 64 KiB of result, `limit` bytes of output, and the
+    # count of every byte printed.
+    import select
+
+    data, printed, printed_bytes, pending = b"", b"", 0, [result_fd, printed_fd]
+    while pending:
+        for fd in select.select(pending, [], [])[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                pending.remove(fd)
+            elif fd == result_fd:
+                data = (data + chunk)[:65536]
+            else:
+                printed_bytes += len(chunk)
+                printed += chunk[: max(0, limit - len(printed))]
+    return data, printed, printed_bytes
+
+
+def write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 if __name__ == "__main__":
