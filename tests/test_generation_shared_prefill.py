@@ -26,7 +26,7 @@ def _generate(model, prompts, share, greedy, length=12):
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=backend.generation_config
         )
-    return output[:, input_ids.shape[1] :].tolist()
+    return output.sequences[:, input_ids.shape[1] :].tolist()
 
 
 @pytest.fixture

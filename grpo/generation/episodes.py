@@ -11,7 +11,8 @@ between turns, so what the loss trains on is what was sampled, whatever the toke
 in the length metrics), and the sampler's log-probs are 0 there.
 
 Each turn generates for every episode still going, in one backend call: turn k of an episode is conditioned on its
-prompt and everything before it (the backend prefills it again; a KV cache kept across turns is not done yet).
+prompt and everything before it. `model.generate` carries each row's KV cache from one turn to the next and prefills
+only the tool answers (`CarriedTurns`, model_generate.py); a vLLM engine finds the earlier turns in its prefix cache.
 """
 
 from __future__ import annotations
@@ -232,11 +233,16 @@ class AgentLoop:
 
 
 def turn_sampler(backend) -> Callable:
-    """What samples one turn of this process's episodes with `backend`: its `generate`, except for the vLLM server
-    backend, whose `generate` gathers every process's rows as groups of G equal prompts (a first turn's shape, not a
-    later one's); its `generate_local` sends this process's rows itself, with no collective call."""
+    """What samples the turns of this process's episodes in one round with `backend`: its `generate`, except for
+    - a backend that can carry a batch's KV cache across turns (`model.generate`: `turns()`), whose turn sampler
+      prefills only what each turn adds;
+    - the vLLM server backend, whose `generate` gathers every process's rows as groups of G equal prompts (a first
+      turn's shape, not a later one's); its `generate_local` sends this process's rows itself, with no collective
+      call. The server's prefix cache serves the contexts that earlier turns computed."""
     from grpo.generation.vllm.server_backend import VLLMGeneration
 
+    if hasattr(backend, "turns"):
+        return backend.turns().generate
     return backend.generate_local if isinstance(backend, VLLMGeneration) else backend.generate
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
-from grpo.generation.base import Completions, equal_runs
+from grpo.generation.base import Completions, cut_at_eos, equal_runs
 
 
 class TransformersGeneration:
@@ -65,34 +65,62 @@ class TransformersGeneration:
                 "min_p": min_p,
                 "repetition_penalty": repetition_penalty,
             }
-        self.generation_config = GenerationConfig(**{**settings, **(generation_kwargs or {})})
+        # `return_dict_in_generate`: the sequences and the cache `generate` ended with (`CarriedTurns` goes on from it).
+        self.generation_config = GenerationConfig(
+            **{**settings, **(generation_kwargs or {}), "return_dict_in_generate": True}
+        )
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Nothing to do: `generate` samples with the live model."""
 
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+        input_ids, attention_mask = self._left_padded(model, prompt_ids)
+        sequences, _ = self._run(model, input_ids, attention_mask, prompt_ids)
+        return Completions(sequences[:, input_ids.shape[1] :].tolist())
+
+    def turns(self) -> CarriedTurns:
+        """A sampler for the turns of one batch of episodes that carries each row's KV cache from a turn to the
+        next (grpo/generation/episodes.py asks for it at the start of a round)."""
+        return CarriedTurns(self)
+
+    def _left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(model.parameters()).device
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (a group's rows)
-        firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
+        return input_ids.to(device), attention_mask.to(device)
+
+    def _run(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_ids: list[list[int]] | None = None,
+        cache: DynamicCache | None = None,
+    ) -> tuple[torch.Tensor, DynamicCache | None]:
+        """`generate` from `input_ids` (B, T), given a `cache` of its first columns or, with `prompt_ids`, sharing
+        the prefill of identical prompts. Returns the sequences (B, T + N) and the cache `generate` ended with (of
+        its first T + N - 1 columns: the last token sampled was never fed to the model)."""
+        device = input_ids.device
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
         try:
             with self._cpu_decoding(model, device):
-                cache = None
-                if self._shares(model, len(firsts), *input_ids.shape):
-                    cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
+                if cache is None and prompt_ids is not None:
+                    counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (groups)
+                    firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
+                    if len(firsts) < input_ids.shape[0] and input_ids.shape[1] > 1 and self.uses_dynamic_cache(model):
+                        cache = shared_prompt_cache(model, input_ids, attention_mask, firsts, counts)
                 output = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
-                    past_key_values=cache,
                     generation_config=self.generation_config,
+                    **{cache_keyword(model.forward): cache},
                 )
         finally:
             model.train(was_training)
-        return Completions(output[:, input_ids.shape[1] :].tolist())
+        # The output names it `cache` from transformers 5.24 on, `past_key_values` before.
+        kept = getattr(output, "cache", None)
+        return output.sequences, kept if kept is not None else getattr(output, "past_key_values", None)
 
     def _cpu_decoding(self, model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
         """The context of the CPU tunings switched on (a no-op when none is, or off the CPU). The kernel's context
@@ -112,13 +140,11 @@ class TransformersGeneration:
                 return sampling.inverse_cdf_draws()
         return contextlib.nullcontext()
 
-    def _shares(self, model: nn.Module, num_distinct: int, rows: int, width: int) -> bool:
-        """Share the prefill when some prompt repeats, the prompts have a token to cache before the last one, and
-        `generate` would use its default dynamic cache (a configured cache implementation is left to `generate`)."""
+    def uses_dynamic_cache(self, model: nn.Module) -> bool:
+        """Whether `generate` would use its default dynamic cache, the one a prefill can be handed to (a configured
+        cache implementation is left to `generate`)."""
         return (
-            num_distinct < rows
-            and width > 1
-            and self.generation_config.cache_implementation is None
+            self.generation_config.cache_implementation is None
             and getattr(model, "_supports_default_dynamic_cache", lambda: True)()
         )
 
@@ -142,7 +168,8 @@ def shared_prompt_cache(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     kwargs = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs)
+    kwargs[cache_keyword(model.forward)] = cache
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
     if cache.get_seq_length() != ids.shape[1]:
         return None
     if len(firsts) < input_ids.shape[0]:
@@ -151,7 +178,90 @@ def shared_prompt_cache(
     return cache
 
 
+def cache_keyword(function) -> str:
+    """The name a model's `forward` (and its `generate`) takes a KV cache by: `cache` from transformers 5.24 on
+    (where `past_key_values` is a deprecated alias), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
 def _accepts(model: nn.Module, name: str) -> bool:
     """Whether `model.forward` takes `name` (or any keyword argument)."""
     parameters = inspect.signature(model.forward).parameters
     return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+class CarriedTurns:
+    """`generate` for the turns of one batch of episodes, each row's KV cache carried from one turn to the next.
+
+    Turn k + 1 of an episode is its turn-k context, the tokens sampled at turn k (cut after their EOS) and the tool
+    answers. A plain `generate` would prefill all of that again. Here the rows of turn k stay in a left-padded layout
+    (ids and mask, (B, T)) whose first T - 1 columns are in the KV cache that `generate` ended with; turn k + 1 keeps
+    each continuing row's cache up to what its new context shares with it, masks the rest out (tokens sampled after
+    the EOS, a cut), and prefills only the new tokens (the tool answers), left-padded behind the old columns:
+
+        row layout, turn k:      [pad | context_k | sampled ... EOS junk]
+        row layout, turn k + 1:  [pad | context_k | sampled ... EOS  0000 | pad | tool answer] + turn k + 1
+
+    (0: masked out.) Positions come from the mask (`generate` counts the unmasked columns), so every kept token has
+    the position and the keys and values a fresh prefill of the new context would give it: a kept token was computed
+    attending to kept tokens only, since only suffixes are masked out. The draw is the same; the numbers differ by
+    float rounding only. A context that continues no row of the previous turn (or a turn with nothing new to feed)
+    starts afresh, with the whole batch prefilled as `TransformersGeneration.generate` does.
+    """
+
+    def __init__(self, sampler: TransformersGeneration):
+        self.sampler = sampler
+        eos = sampler.generation_config.eos_token_id
+        self.eos_token_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.ids: torch.Tensor | None = None  # (B, T) the last turn's rows: context and sampled tokens
+        self.mask: torch.Tensor | None = None  # (B, T)
+        self.cache: DynamicCache | None = None  # of the first T - 1 columns
+        self.expected: list[list[int]] = []  # per row: its context and its sampled tokens up to their EOS
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, contexts: list[list[int]]) -> Completions:
+        continued = self._continuation(contexts)
+        if continued is None:
+            input_ids, attention_mask = self.sampler._left_padded(model, contexts)
+            sequences, cache = self.sampler._run(model, input_ids, attention_mask, prompt_ids=contexts)
+        else:
+            input_ids, attention_mask, cache = continued
+            sequences, cache = self.sampler._run(model, input_ids, attention_mask, cache=cache)
+        width = input_ids.shape[1]
+        new = sequences[:, width:].tolist()
+        carries = cache is not None and cache.get_seq_length() == sequences.shape[1] - 1
+        self.ids, self.cache = sequences, cache if carries else None
+        self.mask = torch.cat([attention_mask, attention_mask.new_ones(len(contexts), len(new[0]))], dim=1)
+        cut, _ = cut_at_eos(new, self.eos_token_ids, len(new[0]))
+        self.expected = [list(c) + k for c, k in zip(contexts, cut)]
+        return Completions(new)
+
+    def _continuation(self, contexts: list[list[int]]):
+        """The inputs of a `generate` that goes on from the last turn's cache: (ids, mask, cache), with the rows of
+        the last turn that `contexts` continue (in order), or None when some context continues none of them."""
+        if self.cache is None or not contexts:
+            return None
+        rows, kept, chunks = [], [], []
+        row = 0
+        for context in contexts:
+            while row < len(self.expected) and context[: len(self.expected[row])] != self.expected[row]:
+                row += 1
+            if row == len(self.expected):
+                return None
+            # Keep the row's tokens that the context repeats, but at least one token to feed: the model needs an
+            # input whose logits give the first new token (a token fed again replaces its cached copy, masked out).
+            keep = min(len(self.expected[row]), len(context) - 1)
+            rows.append(row)
+            kept.append(keep)
+            chunks.append(context[keep:])
+            row += 1
+        device = self.ids.device
+        index = torch.tensor(rows, device=device)
+        ids, mask = self.ids[index], self.mask[index]  # (R, T)
+        keep = torch.tensor(kept, device=device)[:, None]
+        mask = mask * (mask.cumsum(1) <= keep)  # only suffixes go: after the EOS, or what the context cut
+        chunk_ids, chunk_mask = pad(chunks, self.sampler.pad_token_id, side="left")  # (R, W)
+        self.cache.batch_select_indices(index)
+        input_ids = torch.cat([ids, chunk_ids.to(device)], dim=1)
+        attention_mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
+        return input_ids, attention_mask, self.cache
