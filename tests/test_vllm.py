@@ -1,8 +1,9 @@
 """A real `grpo vllm-serve` (vLLM's CPU build) on a tiny model, with the trainer on the other side.
 
 Runs in the vLLM environment: `make test-vllm` (it builds `.venv-vllm`). Each server takes about 15 s to start, so
-one server serves the whole module, except the tests that need their own (two engines; killed mid-run). That server
-requires an API key (--api-key), and GRPO_VLLM_API_KEY carries it to every client here, the trainers' included.
+one server serves the whole module, except the tests that need their own (two engines; killed mid-run). Every server
+requires the test's API key (the module's server by --api-key, the others through GRPO_VLLM_API_KEY), and
+GRPO_VLLM_API_KEY carries it to every client here, the trainers' included.
 """
 
 import copy
@@ -47,8 +48,9 @@ def api_key_in_the_environment():
 
 
 def _start_server(model_path, port, log_path, *extra):
-    # Not the test's GRPO_VLLM_API_KEY: a server requires a key only when given --api-key in `extra`.
-    env = {name: value for name, value in os.environ.items() if name != "GRPO_VLLM_API_KEY"}
+    # Every server requires the test's key (GRPO_VLLM_API_KEY, or --api-key in `extra`): one given no key would make
+    # its own, which the clients here, sending the test's key, could not use.
+    env = {**os.environ, "GRPO_VLLM_API_KEY": KEY}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
     command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", *extra]

@@ -15,8 +15,17 @@ from accelerate import Accelerator
 
 from grpo.generation.policy_weights import checkpoint_tensors
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError
-from grpo.generation.vllm.serve import add_arguments, authorized, exposure_warning, is_loopback, resolve_api_key
+from grpo.generation.vllm.serve import (
+    add_arguments,
+    authorized,
+    choose_api_key,
+    exposure_warning,
+    generated_key_message,
+    is_loopback,
+    resolve_api_key,
+)
 from grpo.generation.vllm.server_backend import VLLMGeneration
+from grpo.generation.vllm.server_key import key_file, remove_key_file
 from grpo.generation.vllm.weight_sync import (
     check_token,
     open_group,
@@ -92,6 +101,13 @@ def test_the_weight_sync_store_listens_on_its_host_only():
         socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
 
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    """A home folder of the test's own: a key file a real server left in the user's would change what clients send."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("GRPO_VLLM_API_KEY", raising=False)
+
+
 def test_the_client_sends_the_api_key_as_a_bearer_header(monkeypatch):
     monkeypatch.setenv("GRPO_VLLM_API_KEY", "key-from-env")
     with stand_in_server() as (url, seen):
@@ -134,12 +150,50 @@ def test_server_access_checks():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", "m"])
-    assert args.host == "127.0.0.1" and args.api_key is None
+    assert args.host == "127.0.0.1" and args.api_key is None and not args.insecure_no_key
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "node-a"))
-    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("0.0.0.0", "key") is None
+    assert exposure_warning("127.0.0.1", "key") is None and exposure_warning("0.0.0.0", "key") is None
     warning = exposure_warning("0.0.0.0", None)
     assert "anyone who can reach this port" in warning and "GRPO_VLLM_API_KEY" in warning
+    # Without a key (--insecure-no-key), loopback is no shelter from the machine's other users: that is said too.
+    assert "every user and process of this machine" in exposure_warning("127.0.0.1", None)
+
+
+def test_a_server_given_no_key_makes_one_that_only_its_user_can_read_and_its_trainer_finds(monkeypatch):
+    # A loopback port is open to every user of the machine: with no key given, the server makes one and writes it
+    # where only its user can read it, and a client of that user connecting to a loopback address sends it.
+    with stand_in_server() as (url, seen):
+        port = int(url.rsplit(":", 1)[1])
+        key, made = choose_api_key(None, False, port, environ={})
+        assert made and len(key) >= 32 and key in generated_key_message(port, key)
+        path = key_file(port)
+        assert path.read_text() == key and path.stat().st_mode & 0o777 == 0o600
+        assert path.parent.stat().st_mode & 0o777 == 0o700
+        VLLMClient(url).wait_until_ready()  # no key given, none in the environment: the file's
+        VLLMClient(f"http://localhost:{port}").wait_until_ready()
+        monkeypatch.setenv("GRPO_VLLM_API_KEY", "key-from-env")
+        VLLMClient(url).wait_until_ready()  # the variable wins over the file
+    assert [r["headers"].get("authorization") for r in seen] == [f"Bearer {key}"] * 2 + ["Bearer key-from-env"]
+    monkeypatch.delenv("GRPO_VLLM_API_KEY")
+    # A server elsewhere never gets this machine's key files.
+    assert "Authorization" not in VLLMClient(f"http://10.0.0.5:{port}").headers
+    # A second server on the port replaces a stale file, and the first one's cleanup leaves the second one's key.
+    second, _ = choose_api_key(None, False, port, environ={})
+    remove_key_file(port, key)
+    assert second != key and path.read_text() == second
+    remove_key_file(port, second)
+    assert not path.exists()
+
+
+def test_a_server_runs_without_a_key_only_when_told_so_by_name(tmp_path):
+    port = free_port()
+    assert choose_api_key("flag", False, port, environ={}) == ("flag", False)
+    assert choose_api_key(None, False, port, environ={"GRPO_VLLM_API_KEY": "env"}) == ("env", False)
+    assert choose_api_key(None, True, port, environ={}) == (None, False)
+    assert not key_file(port).exists()  # a key given, or none asked for: no file
+    with pytest.raises(SystemExit, match="--insecure-no-key contradicts the API key given"):
+        choose_api_key("flag", True, port, environ={})
 
 
 def test_no_server_gives_an_error_naming_host_port_and_command(monkeypatch):

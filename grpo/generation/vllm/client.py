@@ -5,8 +5,10 @@ It speaks the server's API with the standard library only: requests retry with b
 reached, up to `timeout` seconds, then fail with the host, the port and the command that starts a server. The backend
 that uses it is `VLLMGeneration` (grpo/generation/vllm/server_backend.py); vLLM itself is never imported here.
 
-A server started with an API key (docs/vllm.md#security) needs `Authorization: Bearer <key>` on every request: the
-client sends it when it is given `api_key`, or else when GRPO_VLLM_API_KEY is set. Answers are parsed as JSON only.
+A server requires `Authorization: Bearer <key>` on every request unless started with --insecure-no-key
+(docs/vllm.md#security). The client sends the key it is given (`api_key`), else GRPO_VLLM_API_KEY, else, for a
+server on a loopback address, the key such a server made and wrote to this user's key file
+(grpo/generation/vllm/server_key.py). Answers are parsed as JSON only.
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ from collections.abc import Iterable
 import torch
 
 from grpo.generation.vllm import weight_sync
+from grpo.generation.vllm.server_key import API_KEY_ENV, is_loopback, key_file, read_key_file
 
 logger = logging.getLogger(__name__)
-
-API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the server (grpo/generation/vllm/serve.py) reads the same variable
 
 
 class VLLMServerError(RuntimeError):
@@ -42,8 +43,9 @@ class VLLMClient:
         timeout: seconds to keep retrying, with backoff, a request the server does not answer (not started yet,
             restarting, or gone); also the weight-sync group's timeout.
         group_port: the port of the weight-sync group's store, opened by the server's first worker.
-        api_key: the server's API key, sent as `Authorization: Bearer <key>`; None reads GRPO_VLLM_API_KEY, and
-            "" (or the variable unset or empty) sends no key.
+        api_key: the server's API key, sent as `Authorization: Bearer <key>`; None reads GRPO_VLLM_API_KEY, or
+            when that is unset or empty and the server is on a loopback address, the key file a server on that
+            port made for this user (none there: no key); "" sends no key.
     """
 
     def __init__(
@@ -62,7 +64,12 @@ class VLLMClient:
         self.group_port = group_port
         self.group = None
         self.info: dict | None = None
-        api_key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self.key_source = "argument" if api_key else None
+        if api_key is None and os.environ.get(API_KEY_ENV):
+            api_key, self.key_source = os.environ[API_KEY_ENV], API_KEY_ENV
+        elif api_key is None and is_loopback(self.host):
+            api_key = read_key_file(self.port)
+            self.key_source = str(key_file(self.port)) if api_key else None
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -79,11 +86,14 @@ class VLLMClient:
         )
 
     def _unauthorized(self, path: str, detail: str) -> VLLMServerError:
-        sent = "refused the API key this client sent" if "Authorization" in self.headers else "got no API key"
+        sent = (
+            f"refused the API key this client sent (from {self.key_source})" if self.key_source else "got no API key"
+        )
         return VLLMServerError(
             f"The vLLM server at {self.base_url} requires an API key and {sent} ({path} answered 401: {detail}). "
             f"Set the environment variable {API_KEY_ENV} in the trainer's environment to the key the server was "
-            f"started with (its --api-key or {API_KEY_ENV}); docs/vllm.md#security."
+            f"started with (its --api-key or {API_KEY_ENV}), or to the one it made and printed at start-up; "
+            "docs/vllm.md#security."
         )
 
     def request(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:

@@ -1,7 +1,7 @@
 """`grpo vllm-serve`: a vLLM engine behind a small HTTP API, for generation during GRPO training (docs/vllm.md).
 
-    grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tensor-parallel-size N]
-                    [--data-parallel-size N] [--gpu-memory-utilization F] [--max-model-len N] [--dtype D]
+    grpo vllm-serve --model PATH_OR_ID [--host 127.0.0.1] [--port 8000] [--api-key KEY | --insecure-no-key]
+                    [--tensor-parallel-size N] [--data-parallel-size N] [--gpu-memory-utilization F] [--max-model-len N] [--dtype D]
                     [--enforce-eager] [--enable-lora [--max-lora-rank R]]
 
 This module is the HTTP side: the command's options, the routes, the API key, the checks on each request and the
@@ -18,9 +18,11 @@ Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
     POST /reset_prefix_cache   drop cached prefixes (computed with older weights)
     POST /close_communicator   close the weight-sync group
 
-Security (docs/vllm.md#security): the server listens on 127.0.0.1 unless `--host` says otherwise. With an API key
-(`--api-key`, or the GRPO_VLLM_API_KEY environment variable) every endpoint, /health included, answers 401 unless
-the request carries `Authorization: Bearer <key>`. The weight-sync store opens only inside an authenticated
+Security (docs/vllm.md#security): the server listens on 127.0.0.1 unless `--host` says otherwise, and requires an
+API key unless started with `--insecure-no-key`: the one given (`--api-key`, or the GRPO_VLLM_API_KEY environment
+variable), or else a random one it prints and writes to a file only its user can read, where a client of the same
+user on this machine finds it (grpo/generation/vllm/server_key.py). Every endpoint, /health included, answers 401
+unless the request carries `Authorization: Bearer <key>`. The weight-sync store opens only inside an authenticated
 /init_communicator, listens on `--host` only, and the workers accept weights only from a rank 0 that sends the token
 of that request. Requests are JSON and weights raw tensors: nothing from the network is unpickled.
 
@@ -35,9 +37,9 @@ generations use the base model.
 """
 
 import hmac
-import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -47,23 +49,11 @@ from typing import Any
 
 from grpo.generation.vllm.engine_processes import EngineError, Engines
 from grpo.generation.vllm.lora_sync import MAX_LORA_RANKS
+from grpo.generation.vllm.server_key import API_KEY_ENV, is_loopback, key_file, remove_key_file, write_key_file
 
 logger = logging.getLogger("grpo.generation.vllm.serve")
 
-API_KEY_ENV = "GRPO_VLLM_API_KEY"  # the client (grpo/generation/vllm/client.py) reads the same variable
-
-
 # ---- Who may connect ----
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
 
 
 def resolve_api_key(flag: str | None, environ=os.environ) -> str | None:
@@ -72,10 +62,43 @@ def resolve_api_key(flag: str | None, environ=os.environ) -> str | None:
     return flag or environ.get(API_KEY_ENV) or None
 
 
+def choose_api_key(flag: str | None, insecure_no_key: bool, port: int, environ=os.environ) -> tuple[str | None, bool]:
+    """The key the server requires and whether it made it: the one given (`resolve_api_key`); else, unless
+    `insecure_no_key`, a random one, written to `key_file(port)` for a client of the same user on this machine."""
+    given = resolve_api_key(flag, environ)
+    if given and insecure_no_key:
+        raise SystemExit(
+            f"grpo vllm-serve: error: --insecure-no-key contradicts the API key given (--api-key or {API_KEY_ENV}): "
+            "drop one of them."
+        )
+    if given or insecure_no_key:
+        return given, False
+    key = secrets.token_urlsafe(32)
+    write_key_file(port, key)
+    return key, True
+
+
+def generated_key_message(port: int, key: str) -> str:
+    """What the server prints about a key it made itself."""
+    return (
+        f"No API key was given, so this server made one: {key} . A trainer run by this user on this machine "
+        f"reads it from {key_file(port)} (readable by this user only); elsewhere, set {API_KEY_ENV} to it in the "
+        "trainer's environment. To serve with no key at all (every user of this machine could then use the server, "
+        "even on 127.0.0.1), pass --insecure-no-key (docs/vllm.md#security)."
+    )
+
+
 def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """The start-up warning for a server that others on the network can reach without a key, or None."""
-    if api_key or is_loopback(host):
+    """The start-up warning for a server without a key (`--insecure-no-key`), or None when it has one."""
+    if api_key:
         return None
+    if is_loopback(host):
+        return (
+            f"WARNING: serving on {host} with no API key (--insecure-no-key): every user and process of this machine "
+            "can generate with the engine and replace its weights (/update_weights). Loopback keeps out other "
+            "machines, not other users of this one. Drop --insecure-no-key to have a key made and found by the "
+            "trainer (docs/vllm.md#security)."
+        )
     return (
         f"WARNING: listening on {host} with no API key: anyone who can reach this port can generate with the "
         "engine, replace its weights (/update_weights) and open the weight-sync group. Set a key: "
@@ -93,7 +116,8 @@ def authorized(header: str | None, api_key: str) -> bool:
 
 UNAUTHORIZED = (
     "this server requires an API key: send the header `Authorization: Bearer <key>` with the key given to "
-    f"`grpo vllm-serve` (--api-key or {API_KEY_ENV}); the trainer sends it when {API_KEY_ENV} is set."
+    f"`grpo vllm-serve` (--api-key or {API_KEY_ENV}), or the one it made and printed; the trainer sends "
+    f"{API_KEY_ENV}, or reads the key this server made when it runs as the same user on this machine."
 )
 
 
@@ -279,10 +303,12 @@ def serve(args) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s grpo.generation.vllm.serve %(message)s")
-    api_key = resolve_api_key(args.api_key)
+    api_key, generated = choose_api_key(args.api_key, args.insecure_no_key, args.port)
     warning = exposure_warning(args.host, api_key)
     if warning:  # now, before the engines' minutes of loading, and again once serving
         logger.warning(warning)
+    if generated:
+        logger.warning(generated_key_message(args.port, api_key))
     engine_kwargs = {
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -300,6 +326,8 @@ def serve(args) -> None:
         engines = Engines(engine_kwargs, args.data_parallel_size, args.tensor_parallel_size, adapter_root)
     except EngineError as e:
         _remove(adapter_root)
+        if generated:
+            remove_key_file(args.port, api_key)
         raise SystemExit(f"grpo vllm-serve: error: the engine did not start: {e}") from None
     settings = {
         "model": args.model,
@@ -327,6 +355,8 @@ def serve(args) -> None:
     finally:
         engines.close()
         _remove(adapter_root)
+        if generated:
+            remove_key_file(args.port, api_key)
 
 
 def _remove(directory: str | None) -> None:
@@ -352,8 +382,15 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on every request (default: ${API_KEY_ENV}, else no key); the "
-        f"environment variable keeps the key out of the process list",
+        help=f"require `Authorization: Bearer KEY` on every request (default: ${API_KEY_ENV}, else a random key, "
+        "printed and written to ~/.cache/grpo/vllm-serve-PORT.key for a trainer of the same user on this machine); "
+        "the environment variable keeps the key out of the process list",
+    )
+    parser.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="require no API key: every user of this machine (and of the network, with --host) can then generate "
+        "and replace the weights",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engines, each a full model copy")
