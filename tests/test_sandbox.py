@@ -347,6 +347,25 @@ def test_attack_forged_results(hook, bystanders):
 
 @needs_bwrap
 @HOOK
+def test_attack_the_sandboxs_own_pipes(hook, bystanders):
+    # The pipes between the trainer and the sandbox (the job in, bwrap's and the supervisor's output out) were held
+    # by bwrap's pid 1, which the code could open through /proc/1/fd: it flooded the trainer's memory (+5 GiB in
+    # 8 s through the stderr pipe) and could read the job pipe. No process the code can see may hold one now.
+    every_descriptor = (
+        "import os\nopened, pids = [], ['1']\ntry:\n    pids += [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "except OSError:\n    pass\nfor pid in set(pids) - {str(os.getpid())}:\n    for fd in range(64):\n"
+        "        for flags in (os.O_WRONLY, os.O_RDONLY):\n            try:\n"
+        "                os.close(os.open(f'/proc/{pid}/fd/{fd}', flags | os.O_NONBLOCK))\n"
+        "                opened.append((pid, fd, flags))\n            except OSError:\n                pass\n"
+    )
+    flood = "f = open('/proc/1/fd/2', 'wb', buffering=0)\nwhile True:\n    f.write(b'x' * 1000000)\n"
+    (found, _), (flooded, _) = attack_all([every_descriptor, flood], hook, tests=["assert opened == []"])
+    assert (found.passed, found.error) == (1, None), found
+    assert flooded.passed == 0 and "the code raised PermissionError" in flooded.error, flooded
+
+
+@needs_bwrap
+@HOOK
 def test_attack_network(hook, bystanders):
     tcp, udp, unix = socket.socket(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_UNIX)
     abstract = f"\0grpo-sandbox-test-{os.getpid()}"
@@ -484,6 +503,23 @@ def test_the_report_is_validated_and_clamped():
         b"",
     ):
         assert sandbox._parse_report(bad, token, 3) is None, bad
+
+
+def test_the_trainer_keeps_a_bounded_amount_of_the_sandboxs_output():
+    # Whatever writes to the pipes the trainer reads, it holds at most PIPE_BYTES of each and closes a pipe past that
+    # (communicate() used to buffer all of it). The job, larger than a pipe's buffer, still arrives whole.
+    flood = (
+        "import os, sys\nassert sys.stdin.buffer.read() == b'job' * 10**5\nopen_fds = {1, 2}\n"
+        "for _ in range(100):\n    for fd in sorted(open_fds):\n        try:\n            os.write(fd, b'x' * 10**6)\n"
+        "        except BrokenPipeError:\n            open_fds.discard(fd)\n"
+        "sys.exit(3 if not open_fds else 0)\n"  # 3: both pipes were closed on it
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", flood], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = sandbox._communicate(proc, b"job" * 10**5, timeout=120)
+    assert out == err == b"x" * sandbox.PIPE_BYTES
+    assert proc.returncode == 3  # both pipes were closed on it before it wrote 100 MB to each
 
 
 def test_process_isolation_is_a_named_opt_in_and_still_scores():

@@ -13,7 +13,10 @@ Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in
     no process outside the sandbox can be seen, signalled or traced. The network namespace has only its own
     loopback. A seccomp filter (built with libseccomp through ctypes, when libseccomp.so.2 is installed) refuses
     ptrace, other processes' memory, mounts, namespaces, keyrings, bpf, perf, io_uring, userfaultfd, modules and
-    every socket but AF_UNIX. If bwrap is missing or cannot start here, `run_python` raises `SandboxUnavailable`.
+    every socket but AF_UNIX. The harness's supervisor is the namespace's pid 1 (no bwrap init holds the trainer's
+    pipes there) and is not dumpable, so no /proc/PID/fd in view leads back to the trainer; the trainer reads at
+    most PIPE_BYTES of each output pipe (`_communicate`). If bwrap is missing or cannot start here, `run_python`
+    raises `SandboxUnavailable`.
   - "process": the weaker mode, used only when asked for by name: a plain child process as the trainer's user, with
     the same limits, worker filter and audit hook, a throwaway working directory, and a network namespace only where
     the kernel allows one. It does not stop the code from reaching the trainer's files or processes through ctypes.
@@ -39,11 +42,13 @@ import functools
 import json
 import os
 import secrets
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +62,9 @@ ISOLATIONS = ("bwrap", "process")
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
 # The most of what the code prints (stdout and stderr) a run reports; the rest is counted, not kept.
 OUTPUT_BYTES = 16 * 1024
+# The most the trainer reads from each of the sandbox's stdout and stderr: past it the pipe is closed, so nothing in
+# the sandbox can make the trainer hold more (the supervisor writes at most OUTPUT_BYTES there, bwrap a few lines).
+PIPE_BYTES = 4 * OUTPUT_BYTES
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
         os.close(report_w)
         report_w = None
         try:
-            printed, stderr = proc.communicate(payload, timeout=limits.wall_seconds)
+            printed, stderr = _communicate(proc, payload, limits.wall_seconds)
         except subprocess.TimeoutExpired:
             return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
         finally:
@@ -201,6 +209,45 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
                 os.close(fd)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _communicate(proc: subprocess.Popen, payload: bytes, timeout: float) -> tuple[bytes, bytes]:
+    """`proc.communicate(payload, timeout)` with a bound: send `payload` to stdin while reading stdout and stderr as
+    they arrive, keeping at most PIPE_BYTES of each; a stream that reaches it is closed (its writer gets EPIPE).
+    Raises `subprocess.TimeoutExpired` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    streams = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr}
+    kept = {fd: bytearray() for fd in streams}
+    stdin, sent = proc.stdin.fileno(), 0
+    os.set_blocking(stdin, False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(stdin, selectors.EVENT_WRITE)
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            for key, _ in selector.select(left):
+                if key.fd == stdin:
+                    try:
+                        sent += os.write(stdin, payload[sent : sent + 65536])
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # the sandbox is gone: its exit status says why
+                        sent = len(payload)
+                    if sent >= len(payload):
+                        selector.unregister(stdin)
+                        proc.stdin.close()
+                    continue
+                chunk, buffer = os.read(key.fd, 65536), kept[key.fd]
+                buffer += chunk[: PIPE_BYTES - len(buffer)]
+                if not chunk or len(buffer) >= PIPE_BYTES:
+                    selector.unregister(key.fd)
+                    streams[key.fd].close()
+    proc.wait(max(deadline - time.monotonic(), 0.0))
+    out, err = kept.values()
+    return bytes(out), bytes(err)
 
 
 def _drain(fd: int, limit: int = 4096) -> bytes:

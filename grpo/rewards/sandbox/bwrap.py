@@ -35,6 +35,10 @@ def bwrap_argv(disk_mb: int, seccomp_fd: int | None) -> list[str]:
     /tmp (the working directory) and the seccomp filter read from `seccomp_fd` (none when None)."""
     argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
     argv += ["--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    # The harness's supervisor is pid 1, with no bwrap init process beside it: that init kept the trainer's pipes
+    # (the job in, the output out) as its stdio, open to the code through /proc/1/fd. The supervisor holds them too,
+    # but is not dumpable, so its /proc/1/fd is closed to the code.
+    argv += ["--as-pid-1"]
     argv += ["--uid", "65534", "--gid", "65534", "--hostname", "sandbox", "--clearenv"]
     for name, value in (("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8"), ("HOME", "/tmp"), ("TMPDIR", "/tmp")):
         argv += ["--setenv", name, value]
