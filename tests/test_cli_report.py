@@ -55,6 +55,17 @@ def test_greedy_metrics_by_hand():
     assert greedy_metrics([]) == {}
 
 
+def test_greedy_tool_use_counts_episodes_with_a_well_formed_call():
+    call = {"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": [{"type": "function"}]}
+    used = [call, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}]
+    # A malformed call is answered with an error but carries no `tool_calls`: a parse failure, not a use of a tool.
+    malformed = [{"role": "assistant", "content": "<tool_call>{</tool_call>"}, {"role": "tool", "content": "Error"}]
+    plain = [{"role": "assistant", "content": "408"}]
+    samples = [{"reward": 1.0, "completion": c} for c in (used, malformed, plain, used)]
+    assert greedy_metrics(samples, tools=True)["eval_greedy_tool_use"] == 0.5  # 2 of 4
+    assert "eval_greedy_tool_use" not in greedy_metrics(samples)  # no tools: no such metric
+
+
 def test_evaluate_held_out_logs_greedy_accuracy_beside_eval_reward(tmp_path, tiny_model_path):
     trainer, held_out = make_trainer(tmp_path, tiny_model_path)
     metrics, samples = evaluate_held_out(trainer, held_out)

@@ -1,6 +1,7 @@
 """Recipes: parsing, validation with suggestions, overrides, rewards by name, data sources and column mapping."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,18 @@ import yaml
 from grpo.cli import main
 from grpo.cli.datasets import load_prompt_datasets
 from grpo.cli.plot import plot_run
-from grpo.cli.recipe import DatasetSection, RecipeError, RewardSpec, load_recipe, parse_overrides, resolve_reward
+from grpo.cli.recipe import (
+    DatasetSection,
+    RecipeError,
+    RewardSpec,
+    load_recipe,
+    parse_overrides,
+    resolve_reward,
+    resolve_tool,
+)
+from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
+from grpo.testing import tiny_tokenizer
+from tests.helpers.scripted import TINY
 
 RECIPES = sorted((Path(__file__).parent.parent / "examples" / "recipes").glob("*.yaml"))
 
@@ -196,3 +208,94 @@ def test_yes_no_on_off_stay_strings_as_in_yaml_1_2(tmp_path):
     assert recipe.grpo_config().save_strategy == "no"
     with pytest.raises(RecipeError, match=r"bf16='yes' \(str\) must be True or False"):
         load_recipe(path, ["--bf16", "yes"]).grpo_config()
+
+
+def test_tools_and_chat_template_resolve(tmp_path):
+    (tmp_path / "my_tools.py").write_text(
+        "def multiply(a: int, b: int) -> int:\n"
+        '    """Multiply.\n\n    Args:\n        a: one\n        b: two\n    """\n'
+        "    return a * b\n"
+    )
+    path = write_recipe(tmp_path, tools=["my_tools:multiply"], model={"chat_template": "chatml_tools"})
+    recipe = load_recipe(path)
+    assert recipe.tools == ["my_tools:multiply"]
+    assert resolve_tool(recipe.tools[0], [tmp_path])(6, 7) == 42
+    assert recipe.model.chat_template_text() == CHATML_TOOLS_TEMPLATE
+    # A template's own text is kept as written; one string is a list of one, also as an override.
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    recipe = load_recipe(write_recipe(tmp_path, model={"chat_template": jinja}), ["--tools", "my_tools:multiply"])
+    assert recipe.tools == ["my_tools:multiply"] and recipe.model.chat_template_text() == jinja
+    assert load_recipe(write_recipe(tmp_path)).tools == [] and recipe.grpo_config()  # not a GRPOConfig field
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"tools": ["multiply"]}, r"tools\[0\]: 'multiply' is not a 'module:function' path"),
+        ({"tools": ["my_tools:multiply", 3]}, r"tools\[1\]: 3 is not a 'module:function' path"),
+        ({"tools": {"name": "my_tools:multiply"}}, "tools must be a list of 'module:function' paths, got dict"),
+        ({"model": {"chat_template": "chatml_tool"}}, r"'chatml_tool' is neither a built-in.*'chatml_tools'\?"),
+    ],
+)
+def test_bad_tools_and_chat_templates_fail_when_loaded(tmp_path, content, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write_recipe(tmp_path, **content))
+
+
+def test_resolve_tool_names_what_is_missing(tmp_path):
+    (tmp_path / "some_tools.py").write_text("VALUE = 3\n")
+    with pytest.raises(RecipeError, match=r"Tool 'no_such_module:f': cannot import module 'no_such_module'"):
+        resolve_tool("no_such_module:f", [tmp_path])
+    with pytest.raises(RecipeError, match=r"module 'some_tools' has no function 'f'"):
+        resolve_tool("some_tools:f", [tmp_path])
+    with pytest.raises(RecipeError, match=r"module 'some_tools' has no function 'VALUE'"):
+        resolve_tool("some_tools:VALUE", [tmp_path])  # not callable
+
+
+MULTIPLY = (
+    "def multiply(a: int, b: int) -> int:\n"
+    '    """Multiply.\n\n    Args:\n        a: one\n        b: two\n    """\n'
+    "    return a * b\n"
+)
+
+
+@pytest.mark.parametrize(
+    "chat, template, message",
+    [
+        (False, None, "tools need conversational prompts.*Set `dataset.chat: true`"),
+        (True, None, r"does not render the tools \['multiply'\].*`model: \{chat_template: chatml_tools\}`"),
+    ],
+)
+def test_tools_need_chat_prompts_and_a_template_that_renders_them(tmp_path, capsys, chat, template, message):
+    # A folder with the tokenizer and no weights: the run fails before any model is loaded.
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer-only")
+    (tmp_path / "my_tools.py").write_text(MULTIPLY)
+    dataset = {"reasoning_gym": "basic_arithmetic", "size": 8, "chat": chat}
+    model = {"name_or_path": str(tmp_path / "tokenizer-only"), "chat_template": template}
+    path = write_recipe(tmp_path, model=model, dataset=dataset, tools=["my_tools:multiply"], use_cpu=True)
+    assert main(["train", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("grpo train: error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), errors
+
+
+@pytest.mark.slow
+def test_recipe_trains_with_tools_and_reports_tool_use(tmp_path, tiny_model_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_tools.py").write_text(MULTIPLY)
+    path = write_recipe(
+        tmp_path,
+        model={"name_or_path": str(tiny_model_path), "chat_template": "chatml_tools"},
+        dataset={"reasoning_gym": "basic_arithmetic", "size": 4, "eval_size": 2, "chat": True},
+        tools=["my_tools:multiply"],
+        output_dir="out",
+        max_steps=1,
+        run={"plot": False, "save_model": False},
+        # Tiny on purpose (seconds): one prompt x 4 episodes of at most 16 tokens.
+        **{**TINY, "max_completion_length": 16, "per_device_eval_batch_size": 4},
+    )
+    assert main(["train", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "eval_tools/call_frequency" in out and "eval_greedy_tool_use" in out
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "eval_greedy_tool_use" in h] == [0, 1]  # before and after
+    assert any("tools/call_frequency" in h for h in history if "loss" in h)  # the training steps were episodes

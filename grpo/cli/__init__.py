@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from grpo.cli.recipe import load_recipe, resolve_reward
+from grpo.cli.recipe import RecipeError, load_recipe, resolve_reward, resolve_tool
 from grpo.data import InputError, completion_text
 from grpo.training.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
 from grpo.training.nonfinite import NonFiniteError
@@ -58,17 +58,23 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
     return samples
 
 
-def greedy_metrics(samples: list[dict]) -> dict[str, float]:
+def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]:
     """The held-out metrics of greedy completions (`greedy_samples` of every held-out row): `eval_greedy_accuracy`,
     the share of prompts whose greedy completion earns a reward of at least 1 (a correct answer, for rewards that
-    pay 1 for one, like the demo's and the built-in `accuracy`), and `eval_greedy_reward`, their mean reward."""
+    pay 1 for one, like the demo's and the built-in `accuracy`), and `eval_greedy_reward`, their mean reward. With
+    `tools` (multi-turn episodes), also `eval_greedy_tool_use`: the share of prompts whose greedy episode called a
+    tool (a well-formed call of one of its tools; a malformed one is a parse failure, not a use)."""
     if not samples:
         return {}
     rewards = [s["reward"] for s in samples]
-    return {
+    metrics = {
         "eval_greedy_accuracy": sum(r >= 1 for r in rewards) / len(rewards),  # NaN (unscored) counts as wrong
         "eval_greedy_reward": sum(r for r in rewards if r == r) / len(rewards),
     }
+    if tools:
+        used = [any(m.get("tool_calls") for m in s["completion"]) for s in samples]
+        metrics["eval_greedy_tool_use"] = sum(used) / len(used)
+    return metrics
 
 
 def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
@@ -77,7 +83,7 @@ def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
     `trainer_state.json` (and any `report_to` tracker) beside `eval_reward`, at the same step."""
     metrics = dict(trainer.evaluate())
     samples = greedy_samples(trainer, held_out)
-    greedy = greedy_metrics(samples)
+    greedy = greedy_metrics(samples, tools=trainer.agent is not None)
     trainer.log(dict(greedy))  # a copy: `log` adds its own keys (epoch) to the dict it is given
     return {**metrics, **greedy}, samples
 
@@ -95,6 +101,7 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
     if any(v not in (0.0, 1.0) for s in [*(samples_before or []), *samples_after] for v in s["rewards"]):
         keys.append("eval_greedy_reward")
     keys += [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
+    keys += ["eval_tools/call_frequency", "eval_greedy_tool_use"]  # with tools only
     keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio"]
     lines = [f"{'held-out metric':36} {'before':>8} {'after':>8} {'change':>8}"]
     for key in keys:
@@ -153,6 +160,29 @@ def _quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _tokenizer(model, tools: list):
+    """The policy's tokenizer with the recipe's `model.chat_template`, checked to render the tools before any weight
+    loads; None (the trainer loads it) when the recipe sets no template and names no tools."""
+    template = model.chat_template_text()
+    if template is None and not tools:
+        return None
+    from transformers import AutoTokenizer
+
+    from grpo.generation.episodes import check_template_renders_tools
+    from grpo.generation.tools import Toolbox
+    from grpo.models import SMOLLM2_NAME, smollm2_path
+
+    path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if template is not None:
+        tokenizer.chat_template = template
+    try:
+        check_template_renders_tools(tokenizer, Toolbox(tools).schemas())
+    except InputError as e:
+        raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
+    return tokenizer
+
+
 def train(recipe_path: str, overrides: list[str]) -> dict:
     """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
     prompts)."""
@@ -172,13 +202,21 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     train_data, held_out = load_prompt_datasets(recipe.dataset)
     search = [recipe.source.parent.resolve()] if recipe.source else []
     reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
+    tools = [resolve_tool(path, search) for path in recipe.tools]
+    if tools and len(train_data) and isinstance(train_data[0]["prompt"], str):
+        raise RecipeError(
+            "The recipe's tools need conversational prompts (the chat template renders the tools); these are "
+            "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
+        )
     trainer = GRPOTrainer(
         model=recipe.model.name_or_path,
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=train_data,
         eval_dataset=held_out,
+        processing_class=_tokenizer(recipe.model, tools),
         peft_config=recipe.peft_config(),
+        tools=tools or None,
     )
     main = trainer.accelerator.is_main_process
     run = recipe.run

@@ -10,6 +10,7 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
               empty when the data set holds scored completions: docs/offline.md)
     run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
     peft:     optional LoRA settings ({r: 16, lora_alpha: 32, target_modules: all-linear}): train an adapter only
+    tools:    optional `module:function` paths of tool functions: each row becomes a multi-turn episode (docs/agents.md)
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -24,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import numbers
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -45,9 +48,23 @@ class RecipeError(InputError):
     """A recipe (or a command-line override) that cannot be used as written; the message says what to change."""
 
 
+# Chat templates a recipe can name (`model.chat_template`); the value is the module attribute holding the template.
+BUILTIN_CHAT_TEMPLATES = {"chatml_tools": "CHATML_TOOLS_TEMPLATE"}
+
+
 @dataclasses.dataclass
 class ModelSection:
     name_or_path: str = "smollm2-135m-instruct"
+    # The tokenizer's chat template, replaced: a built-in name (BUILTIN_CHAT_TEMPLATES) or a Jinja template's text.
+    chat_template: str | None = None
+
+    def chat_template_text(self) -> str | None:
+        """The Jinja text of `chat_template` (None: keep the tokenizer's own)."""
+        if self.chat_template not in BUILTIN_CHAT_TEMPLATES:
+            return self.chat_template
+        from grpo.generation import episodes
+
+        return getattr(episodes, BUILTIN_CHAT_TEMPLATES[self.chat_template])
 
 
 @dataclasses.dataclass
@@ -126,6 +143,7 @@ class Recipe:
     config: dict[str, Any]  # GRPOConfig keyword arguments
     source: Path | None = None
     peft: PeftSection | None = None  # None: full fine-tuning
+    tools: list[str] = dataclasses.field(default_factory=list)  # `module:function` paths (multi-turn episodes)
 
     def peft_config(self):
         """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
@@ -147,6 +165,7 @@ class Recipe:
 
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
+_LISTS = ("rewards", "tools")  # top-level keys that hold lists, not GRPOConfig fields
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -332,16 +351,17 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
     raw = apply_overrides(raw, parse_overrides(overrides or []))
 
     fields = config_fields()
-    valid = set(fields) | set(_SECTIONS) | {"rewards"}
+    valid = set(fields) | set(_SECTIONS) | set(_LISTS)
     config = {}
     for key, value in raw.items():
-        if key in _SECTIONS or key == "rewards":
+        if key in _SECTIONS or key in _LISTS:
             continue
         if key not in fields:
             raise _unknown(key, valid, str(source) if source else "the recipe")
         config[key] = _coerce(key, value)
     model = raw.get("model")
     model = ModelSection(name_or_path=model) if isinstance(model, str) else _section(ModelSection, model, "model")
+    _check_chat_template(model.chat_template)
     # A local path that does not exist fails now; a hub id is left to from_pretrained (it may need the network).
     name = model.name_or_path
     if name != SMOLLM2_NAME and looks_local(name) and not Path(name).expanduser().exists():
@@ -367,6 +387,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         source=source,
         # `peft: null` (or `--peft null`) turns LoRA off; `peft: {}` is LoRA with the defaults above.
         peft=_section(PeftSection, raw["peft"], "peft") if raw.get("peft") is not None else None,
+        tools=_tools(raw.get("tools")),
     )
     if recipe.peft is not None:
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
@@ -376,6 +397,62 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         except InputError as e:
             raise RecipeError(f"rewards[{i}]: {e}") from e
     return recipe
+
+
+def _check_chat_template(value: str | None) -> None:
+    """A chat template is a built-in name or Jinja text (it holds `{{` or `{%`); anything else is most likely a
+    misspelt name."""
+    if value is None or value in BUILTIN_CHAT_TEMPLATES or "{{" in value or "{%" in value:
+        return
+    close = difflib.get_close_matches(value, list(BUILTIN_CHAT_TEMPLATES), n=1, cutoff=0.6)
+    hint = f"Did you mean '{close[0]}'? " if close else ""
+    raise RecipeError(
+        f"model.chat_template: {value!r} is neither a built-in template ({', '.join(BUILTIN_CHAT_TEMPLATES)}) nor a "
+        f"Jinja template's text. {hint}Name a built-in one, or give the template itself."
+    )
+
+
+_TOOL_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _tools(raw: Any) -> list[str]:
+    """The `tools:` list (one string alone is a list of one): `module:function` paths, checked for their form here
+    and imported by `resolve_tool`."""
+    if raw is None:
+        return []
+    entries = [raw] if isinstance(raw, str) else raw
+    if not isinstance(entries, list):
+        raise RecipeError(f"tools must be a list of 'module:function' paths, got {type(raw).__name__}: {raw!r}")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, str) or not _TOOL_PATH.match(entry):
+            raise RecipeError(
+                f"tools[{i}]: {entry!r} is not a 'module:function' path. Name the module (a .py file in the working "
+                "directory or the recipe's folder, or an installed package) and the function, e.g. "
+                "'my_tools:multiply'."
+            )
+    return list(entries)
+
+
+def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable:
+    """The function a `tools:` entry names, imported with the working directory and `search_dirs` (the recipe's
+    folder) on the import path, as rewards' `module:function` are."""
+    module_name, _, attr = path.partition(":")
+    for folder in [Path.cwd(), *search_dirs]:
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RecipeError(
+            f"Tool '{path}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the working "
+            "directory or the recipe's folder, or install the package that provides it."
+        ) from e
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise RecipeError(
+            f"Tool '{path}': module '{module_name}' has no function '{attr}'. Check the name: 'module:function'."
+        )
+    return func
 
 
 def resolve_reward(spec: RewardSpec, search_dirs: typing.Sequence[Path] = ()) -> Callable:
