@@ -535,6 +535,54 @@ def test_process_isolation_is_a_named_opt_in_and_still_scores():
         code_execution(isolation="docker")
 
 
+needs_seccomp = pytest.mark.skipif(
+    sandbox.seccomp_programs() is None, reason="libseccomp.so.2 is not installed: apt-get install libseccomp2"
+)
+
+
+@needs_seccomp
+@HOOK
+def test_process_isolation_cannot_signal_the_trainers_processes(hook, bystanders):
+    # isolation="process" shows the trainer's processes; pidfd_open + pidfd_send_signal went past the audit hook.
+    # The worker's seccomp filter refuses every signal and trace, so the kernel stops it with or without the hook.
+    # (Only the victim is aimed at: were the filter missing, kill(-1) as this user would end the test run.)
+    victim, _ = bystanders
+    libc = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    codes = [
+        f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({victim.pid}), 9)",
+        f"import os\nos.kill({victim.pid}, 9)",
+        libc + f"if libc.kill({victim.pid}, 9) != 0:\n    raise OSError(ctypes.get_errno(), 'refused')",
+        # The known way round the hook (its path checks through replaced os.path functions), then a pidfd from /proc
+        "import os, signal\nos.path.realpath = lambda p, *a, **k: os.getcwd()\nos.path.isdir = lambda p: False\n"
+        f"signal.pidfd_send_signal(os.open('/proc/{victim.pid}', os.O_RDONLY), 9)",
+    ]
+    for code in codes:
+        result = run_python(code, PASSES, Limits(**LIMITS), isolation="process", audit_hook=hook)
+        assert result.passed == 0 and "PermissionError" in result.error, (code, result)
+    time.sleep(0.1)  # a signal, had one been sent, has landed
+
+
+def test_the_audit_hook_uses_the_path_functions_it_started_with(tmp_path):
+    # Replacing os.path.realpath and os.path.isdir used to walk round the hook's file checks in isolation="process"
+    # (read /etc/passwd, empty a file of the trainer's). The hook keeps its own references now. It stays one layer:
+    # the docs say what still walks round it.
+    keep = tmp_path / "keep.txt"
+    keep.write_text("keep me")
+    bypass = "import os\nos.path.realpath = lambda p, *a, **k: os.getcwd()\nos.path.isdir = lambda p: False\n"
+    # With os.stat failing, a directory passed the hook's "not a directory" check: a descriptor of the standard
+    # library's folder, and then dir_fd= paths, which the hook reads as relative to the working directory.
+    no_stat = "import os\ndef fail(*a, **k):\n    raise OSError\nos.stat = fail\n"
+    codes = [
+        bypass + "open('/etc/passwd').read()",
+        bypass + f"open({str(keep)!r}, 'w').close()",
+        no_stat + f"fd = os.open({sandbox.stdlib_dirs()[0]!r}, os.O_RDONLY)",
+    ]
+    for code in codes:
+        result = run_python(code, PASSES, Limits(**LIMITS), isolation="process")
+        assert result.passed == 0 and "sandbox: opening" in result.error, (code, result)
+    assert keep.read_text() == "keep me"
+
+
 def test_without_bubblewrap_the_sandbox_refuses_and_says_how_to_fix_it(monkeypatch):
     sandbox._bwrap_problem.cache_clear()
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)

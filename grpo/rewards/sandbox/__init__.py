@@ -19,11 +19,13 @@ Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in
     raises `SandboxUnavailable`.
   - "process": the weaker mode, used only when asked for by name: a plain child process as the trainer's user, with
     the same limits, worker filter and audit hook, a throwaway working directory, and a network namespace only where
-    the kernel allows one. It does not stop the code from reaching the trainer's files or processes through ctypes.
+    the kernel allows one. The kernel (the worker's filter) keeps the trainer's processes from being signalled or
+    traced; nothing but the audit hook, which Python code can walk around, keeps the code from the files the
+    trainer's user may read or write.
 
 In both modes the process that runs the code (the worker) has rlimits (CPU seconds, address space, file size, open
-files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process and exec (threads
-stay allowed), and a `sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside
+files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process, exec, every signal
+(kill, tgkill, pidfd_send_signal, sigqueue: to itself too) and every trace (threads stay allowed), and a `sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside
 the working directory. The hook is an extra layer only: Python code can walk around it, the layers above it not.
 
 The reported result is validated twice. Inside the sandbox a supervisor process reads the job, forks the worker,

@@ -37,8 +37,21 @@ def set_limits(pairs):
 
 
 def install_hook(job):
-    workdir = os.path.realpath(os.getcwd())
-    readable = [workdir] + [os.path.realpath(p) for p in job["stdlib"]]
+    # The functions the hook calls, taken now: code that replaces os.path.realpath, os.path.isdir or os.stat (known
+    # ways round this hook) changes the modules' names, not these. What realpath calls in turn is still looked up
+    # when it runs: the hook is a layer, not a wall.
+    import stat
+
+    realpath, fspath, fsdecode, os_stat, is_dir_mode = os.path.realpath, os.fspath, os.fsdecode, os.stat, stat.S_ISDIR
+
+    def isdir(path):
+        try:
+            return is_dir_mode(os_stat(path).st_mode)
+        except (OSError, ValueError):
+            return False
+
+    workdir = realpath(os.getcwd())
+    readable = [workdir] + [realpath(p) for p in job["stdlib"]]
 
     def inside(path, roots):
         return any(path == r or path.startswith(r + os.sep) for r in roots)
@@ -47,8 +60,8 @@ def install_hook(job):
         if isinstance(path, int):  # an already open descriptor
             return None
         if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        return os.path.realpath(os.fspath(path))
+            path = fsdecode(path)
+        return realpath(fspath(path))
 
     refused = set(
         (
@@ -75,7 +88,7 @@ def install_hook(job):
             write = any(c in str(mode) for c in "wax+") or (isinstance(args[2], int) and args[2] & 0o3)
             if path is not None and not inside(path, [workdir] if write else readable):
                 raise PermissionError(f"sandbox: opening {args[0]!r} is not allowed")
-            if path is not None and os.path.isdir(path):  # a directory descriptor would allow dir_fd= paths
+            if path is not None and isdir(path):  # a directory descriptor would allow dir_fd= paths
                 raise PermissionError(f"sandbox: opening the directory {args[0]!r} is not allowed")
         elif event == "os.chdir":
             if real(args[0]) is None or not inside(real(args[0]), [workdir]):

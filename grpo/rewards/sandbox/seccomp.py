@@ -27,7 +27,13 @@ _SECCOMP_DENY = (
 
 # The worker's own, second filter: no new processes (fork, vfork, clone without CLONE_THREAD) and no exec; threads
 # stay allowed. clone3 gets ENOSYS so that the C library falls back to clone, whose flags a filter can read.
-_SECCOMP_WORKER_DENY = ("fork", "vfork", "execve", "execveat")
+# No signals and no tracing either, of any process: under isolation="process" the trainer's processes are in view
+# (pidfd_open + pidfd_send_signal passed the audit hook), and the kernel, unlike the hook, cannot be walked around.
+# The cost: the code cannot signal itself (signal.raise_signal, os.kill(os.getpid(), ...)) either.
+_SECCOMP_WORKER_DENY = (
+    "fork vfork execve execveat kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_open pidfd_send_signal "
+    "pidfd_getfd ptrace process_vm_readv process_vm_writev"
+).split()
 _CLONE_THREAD = 0x00010000
 
 
