@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,14 @@ from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo.data import InputError
+from grpo.training.checkpoint_checks import (
+    RUN_SETTINGS_FILE,
+    WEIGHT_FILES,
+    changed_settings,
+    check_checkpoint,
+    run_settings,
+)
+from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, publish_files
 
 STATE_FILE = "grpo_state_{}.pt"
 REFERENCE_FILE = "reference_model.safetensors"  # only when the reference moves (sync_ref_model, ref_model_reset_steps)
@@ -105,8 +114,14 @@ def resolve_resume(resume_from_checkpoint, output_dir: str) -> str | None:
 
 def check_fresh_output_dir(output_dir: str) -> None:
     """Refuse to start a new run over an earlier run's checkpoints (its saves would interleave with, and rotation
-    would delete, the earlier ones)."""
+    would delete, the earlier ones) or over its saved model (the new one would replace it)."""
     found = checkpoints(output_dir)
+    model = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(output_dir, name))]
+    if model and not found:
+        raise InputError(
+            f"output_dir {output_dir!r} already holds the model of an earlier run ({model[0]}), which a new run "
+            "would replace. Use a new output_dir, or move that model away."
+        )
     if found:
         names = ", ".join(os.path.basename(p) for _, p in found[-3:])
         raise InputError(
@@ -157,9 +172,8 @@ def publish(staged: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def describe_write_failure(error: BaseException, step: int, output_dir: str) -> str:
-    """The message for a checkpoint that could not be written: the cause (a full disk said plainly, where torch
-    would say 'basic_ios::clear'), the space left, and the newest checkpoint that is intact."""
+def write_failure_cause(error: BaseException, output_dir: str) -> str:
+    """Why a write failed, a full disk said plainly (where torch would say 'basic_ios::clear'), and the space left."""
     try:
         free_mb = shutil.disk_usage(output_dir).free / 2**20
         space = f"{free_mb:.0f} MiB free on that disk"
@@ -171,10 +185,17 @@ def describe_write_failure(error: BaseException, step: int, output_dir: str) -> 
         cause = "a write error, most likely a full disk (torch says 'basic_ios::clear')"
     else:
         cause = f"{type(error).__name__}: {error}"
+    return f"{cause} ({space})"
+
+
+def describe_write_failure(error: BaseException, step: int, output_dir: str) -> str:
+    """The message for a checkpoint that could not be written: the cause (`write_failure_cause`) and the newest
+    checkpoint that is intact."""
+    cause = write_failure_cause(error, output_dir)
     newest = newest_checkpoint(output_dir)
     intact = f"The newest complete checkpoint, {newest}, is intact" if newest else "No earlier checkpoint exists"
     return (
-        f"Writing checkpoint-{step} in {output_dir} failed: {cause} ({space}). Nothing of it was kept. {intact}. "
+        f"Writing checkpoint-{step} in {output_dir} failed: {cause}. Nothing of it was kept. {intact}. "
         "Free space (or lower save_total_limit), then resume with resume_from_checkpoint=True."
     )
 
@@ -273,9 +294,12 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
 
 class ResumableTrainer(Trainer):
     """`transformers.Trainer` whose checkpoints are complete or absent (`atomic_checkpoint`), resumable from the
-    newest complete one (`resume_from_checkpoint=True`), refusing a new run over an earlier run's checkpoints, and
-    carrying state of the subclass's own: `_save_state(checkpoint_dir)` writes it (on every process, into the
-    checkpoint being staged) and `_restore_state(checkpoint)` reads it back before training resumes."""
+    newest complete one (`resume_from_checkpoint=True`) once every file of it was checked (`check_checkpoint`, and a
+    warning for settings the restored state overrides), refusing a new run over an earlier run's checkpoints or
+    model and a second run while one holds the output_dir (`RunLock`), saving the final model whole or not at all
+    (`save_model`), and carrying state of the subclass's own: `_save_state(checkpoint_dir)` writes it (on every
+    process, into the checkpoint being staged) and `_restore_state(checkpoint)` reads it back before training
+    resumes."""
 
     _staging_run_dir: str | None = None  # set while a checkpoint is written: where Trainer's files go
 
@@ -286,15 +310,64 @@ class ResumableTrainer(Trainer):
         """Read back what `_save_state` wrote."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
-        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if checkpoint is None:
-            check_fresh_output_dir(self.args.output_dir)
-        else:
-            self._restore_state(checkpoint)
+        lock = RunLock(self.args.output_dir)
+        self._on_main_process(lock.acquire)  # a second run into this output_dir stops here
         try:
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+            if checkpoint is None:
+                check_fresh_output_dir(self.args.output_dir)
+            else:
+                others = checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
+                self._on_main_process(lambda: check_checkpoint(checkpoint, others))
+                changed = changed_settings(checkpoint, self.args)
+                if changed and self.args.should_save:
+                    warnings.warn(changed, stacklevel=2)
+                self._restore_state(checkpoint)
+            try:
+                return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            finally:
+                self._end_training()
         finally:
-            self._end_training()
+            lock.release()
+
+    def _on_main_process(self, check) -> None:
+        """Run `check` on the process that saves; if it raises, raise on every process (the others with a pointer
+        to the main process's error), so that none waits at a collective call for one that stopped."""
+        failure = None
+        if self.args.should_save:
+            try:
+                check()
+            except Exception as e:  # noqa: BLE001 - raised again below, on every process
+                failure = e
+        if any(gather_object([failure is not None])):
+            raise failure or InputError("The main process refused this run; its error says why.")
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; called by the user (the final model), written like a checkpoint: staged in
+        `output_dir/tmp-final-model`, fsynced, then renamed into `output_dir`. A failure leaves `output_dir` as it
+        was and raises `CheckpointError` saying how to save again (grpo/training/output_dir.py)."""
+        if _internal_call or self._staging_run_dir is not None:  # a checkpoint, already staged
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        staged = os.path.join(output_dir, FINAL_STAGING)
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)
+        failure = None
+        try:
+            super().save_model(staged, _internal_call=True)  # True: no push to the hub of what is not published
+        except Exception as e:  # noqa: BLE001 - reported on every process below
+            failure = e
+        if any(gather_object([failure is not None])):
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)
+            cause = write_failure_cause(failure or OSError("another process failed"), output_dir)
+            newest = newest_checkpoint(output_dir)
+            raise CheckpointError(final_save_message(output_dir, cause, newest)) from failure
+        if self.args.should_save:
+            publish_files(staged, output_dir)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _end_training(self) -> None:
         """Release what training started (also when it fails)."""
@@ -313,6 +386,9 @@ class ResumableTrainer(Trainer):
                 self._staging_run_dir = None
             checkpoint = os.path.join(staged, os.path.basename(final))
             self._save_state(checkpoint)
+            if self.args.should_save:  # what a resumed run compares its settings with (`changed_settings`)
+                with open(os.path.join(checkpoint, RUN_SETTINGS_FILE), "w") as f:
+                    json.dump(run_settings(self.args), f)
             if self.args.should_save and self.state.best_model_checkpoint == checkpoint:
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(checkpoint, "trainer_state.json"))
