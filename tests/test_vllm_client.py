@@ -165,12 +165,13 @@ def test_a_server_given_no_key_makes_one_that_only_its_user_can_read_and_its_tra
     # where only its user can read it, and a client of that user connecting to a loopback address sends it.
     with stand_in_server() as (url, seen):
         port = int(url.rsplit(":", 1)[1])
+        early = VLLMClient(url)  # made before the server wrote its key, as a trainer started beside it is
         key, made = choose_api_key(None, False, port, environ={})
         assert made and len(key) >= 32 and key in generated_key_message(port, key)
         path = key_file(port)
         assert path.read_text() == key and path.stat().st_mode & 0o777 == 0o600
         assert path.parent.stat().st_mode & 0o777 == 0o700
-        VLLMClient(url).wait_until_ready()  # no key given, none in the environment: the file's
+        early.wait_until_ready()  # no key given, none in the environment: the file's, read when it asks
         VLLMClient(f"http://localhost:{port}").wait_until_ready()
         monkeypatch.setenv("GRPO_VLLM_API_KEY", "key-from-env")
         VLLMClient(url).wait_until_ready()  # the variable wins over the file

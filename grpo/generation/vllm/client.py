@@ -64,15 +64,23 @@ class VLLMClient:
         self.group_port = group_port
         self.group = None
         self.info: dict | None = None
-        self.key_source = "argument" if api_key else None
+        self._key, self._key_source = api_key or None, "argument" if api_key else None
         if api_key is None and os.environ.get(API_KEY_ENV):
-            api_key, self.key_source = os.environ[API_KEY_ENV], API_KEY_ENV
-        elif api_key is None and is_loopback(self.host):
-            api_key = read_key_file(self.port)
-            self.key_source = str(key_file(self.port)) if api_key else None
-        self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+            self._key, self._key_source = os.environ[API_KEY_ENV], API_KEY_ENV
+        # Read at each request, not now: a server started beside the trainer writes its key file once it runs.
+        self._key_file = api_key is None and self._key is None and is_loopback(self.host)
+
+    @property
+    def key_source(self) -> str | None:
+        """Where the key sent comes from: "argument", GRPO_VLLM_API_KEY, the key file's path, or None (no key)."""
+        if self._key_file:
+            return str(key_file(self.port)) if read_key_file(self.port) else None
+        return self._key_source
+
+    @property
+    def headers(self) -> dict[str, str]:
+        key = read_key_file(self.port) if self._key_file else self._key
+        return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
     def __repr__(self) -> str:  # never the key
         return f"VLLMClient({self.base_url!r}, api_key={'set' if 'Authorization' in self.headers else 'unset'})"
