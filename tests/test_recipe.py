@@ -163,6 +163,8 @@ def test_example_recipes_validate(recipe):
     parsed.grpo_config()
     for spec in parsed.rewards:
         resolve_reward(spec, [recipe.parent])
+    for path in parsed.tools:
+        resolve_tool(path, [recipe.parent])
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# ") and "grpo train " + str(recipe.relative_to(recipe.parent.parent.parent)) in first
 
@@ -194,6 +196,26 @@ def test_demo_reward_does_not_pay_for_restating_the_question():
     reward = resolve_reward(spec, [recipe.parent])
     # A demo run with math-verify's `accuracy` learned the second reply, which evaluates "1 + 9" to the answer.
     assert reward(["1 + 9 = 10", "To calculate 1 + 9, you simply add them"], answer=["10", "10"]) == [1.0, 0.0]
+
+
+def test_agent_demo_reward_pays_the_answer_not_the_call():
+    recipe = RECIPES[0].parent / "agent_calculator.yaml"
+    parsed = load_recipe(recipe)
+    (multiply,) = [resolve_tool(path, [recipe.parent]) for path in parsed.tools]
+    (spec,) = parsed.rewards
+    reward = resolve_reward(spec, [recipe.parent])
+    call = {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>',
+    }
+    call["tool_calls"] = [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}]
+    answered = [call, {"role": "tool", "content": str(multiply(12, 34))}, {"role": "assistant", "content": "408"}]
+    # Right after the call, wrong in the head, and a call left unanswered (its JSON holds no 408: b=408 would not
+    # pay either, since a turn with a call is no answer), and a tool turn last.
+    cut = [{**call, "content": call["content"].replace("34", "408")}]
+    tool_last = [call, {"role": "tool", "content": "408"}]
+    episodes = [answered, [{"role": "assistant", "content": "12 * 34 = 418"}], cut, tool_last]
+    assert reward(episodes, answer=["408"] * 4) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_yes_no_on_off_stay_strings_as_in_yaml_1_2(tmp_path):
