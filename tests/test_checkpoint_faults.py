@@ -20,7 +20,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
 from grpo.testing import tiny_model, tiny_tokenizer
 from grpo.training.checkpoint_checks import CheckpointFileError
-from grpo.training.checkpoints import CheckpointError
+from grpo.training.checkpoints import CheckpointError, resolve_resume
 from grpo.training.output_dir import LOCK_FILE
 from tests.helpers.scripted import TINY, reward_len
 
@@ -97,6 +97,14 @@ def test_a_damaged_checkpoint_file_is_named_with_the_intact_checkpoint(run_copy,
     assert f"The newest intact checkpoint is {run_copy / 'checkpoint-1'}: resume from it" in message
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing was loaded
     assert not (run_copy / LOCK_FILE).exists()  # the lock is released on the way out
+
+
+def test_grpo_train_finds_a_damaged_checkpoint_before_any_weight_loads(run_copy):
+    # `grpo train --resume_from_checkpoint true` resolves (and so checks) the checkpoint before loading the model.
+    truncate(run_copy / "checkpoint-2" / "grpo_state_0.pt")
+    with pytest.raises(CheckpointFileError, match=r"checkpoint-2: grpo_state_0.pt is cut short .*checkpoint-1"):
+        resolve_resume("true", str(run_copy))
+    assert resolve_resume("true", str(run_copy), check=False) == str(run_copy / "checkpoint-2")
 
 
 def test_with_no_intact_checkpoint_the_error_says_to_start_again(run_copy):

@@ -120,7 +120,7 @@ def newest_intact(checkpoints: list[tuple[int, str]], skip: str) -> str | None:
 
 def check_checkpoint(checkpoint: str, others: list[tuple[int, str]]) -> None:
     """Raise `CheckpointFileError` naming the first bad file of `checkpoint` and the newest intact one of `others`
-    (the checkpoints beside it) to resume from instead; warn when it has no RNG state (resume will not be exact)."""
+    (the checkpoints beside it) to resume from instead."""
     problem = checkpoint_problem(checkpoint)
     if problem is not None:
         intact = newest_intact(others, skip=checkpoint)
@@ -131,6 +131,10 @@ def check_checkpoint(checkpoint: str, others: list[tuple[int, str]]) -> None:
             else "No other checkpoint beside it is intact: start a new run in a new output_dir."
         )
         raise CheckpointFileError(f"Cannot resume from {checkpoint}: {problem}. {fix}")
+
+
+def warn_without_rng_state(checkpoint: str) -> None:
+    """Warn when `checkpoint` has no RNG state: the resume will not be exact."""
     if not any(name.startswith("rng_state") for name in os.listdir(checkpoint)):
         warnings.warn(
             f"{checkpoint} has no rng_state.pth (the random state of sampling and dropout): the resumed run draws "

@@ -38,6 +38,7 @@ from grpo.training.checkpoint_checks import (
     changed_settings,
     check_checkpoint,
     run_settings,
+    warn_without_rng_state,
 )
 from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, publish_files
 
@@ -82,9 +83,17 @@ def newest_checkpoint(output_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume_from_checkpoint, output_dir: str) -> str | None:
+def resolve_resume(resume_from_checkpoint, output_dir: str, check: bool = True) -> str | None:
     """The checkpoint directory to resume from: `True` (or "true") means the newest complete one in `output_dir`;
-    a path must be a complete checkpoint. Errors name what was looked for and what to do."""
+    a path must be a complete checkpoint, and with `check` every file of it whole (`check_checkpoint`: `grpo train`
+    calls this before any weight loads). Errors name what was looked for and what to do."""
+    path = _resume_path(resume_from_checkpoint, output_dir)
+    if path is not None and check:
+        check_checkpoint(path, checkpoints(os.path.dirname(os.path.abspath(path))))
+    return path
+
+
+def _resume_path(resume_from_checkpoint, output_dir: str) -> str | None:
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
@@ -313,12 +322,14 @@ class ResumableTrainer(Trainer):
         lock = RunLock(self.args.output_dir)
         self._on_main_process(lock.acquire)  # a second run into this output_dir stops here
         try:
-            checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+            checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, check=False)
             if checkpoint is None:
                 check_fresh_output_dir(self.args.output_dir)
             else:
                 others = checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
-                self._on_main_process(lambda: check_checkpoint(checkpoint, others))
+                self._on_main_process(lambda: check_checkpoint(checkpoint, others))  # read once, not per process
+                if self.args.should_save:
+                    warn_without_rng_state(checkpoint)
                 changed = changed_settings(checkpoint, self.args)
                 if changed and self.args.should_save:
                     warnings.warn(changed, stacklevel=2)
