@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
 from grpo.testing import tiny_model, tiny_tokenizer
-from grpo.training.checkpoint_checks import CheckpointFileError
+from grpo.training.checkpoint_checks import CheckpointFileError, checkpoint_problem
 from grpo.training.checkpoints import CheckpointError, resolve_resume
 from grpo.training.output_dir import LOCK_FILE
 from tests.helpers.scripted import TINY, reward_len
@@ -214,3 +214,12 @@ def test_a_full_disk_at_the_final_save_writes_nothing_and_can_be_retried(tmp_pat
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out)) and "tmp-final-model" not in os.listdir(out)
     saved = load_file(out / "model.safetensors")
     assert all(torch.equal(saved[n], p.detach()) for n, p in trainer.model.named_parameters() if n in saved)
+
+
+@pytest.mark.parametrize("sharded", ["pytorch_model_fsdp_0", "global_step2"])
+def test_fsdp_and_deepspeed_weights_are_not_taken_for_missing_ones(tmp_path, sharded):
+    (tmp_path / "trainer_state.json").write_text("{}")
+    (tmp_path / sharded).mkdir()  # the weights as FSDP (sharded state dict) or DeepSpeed keep them
+    assert checkpoint_problem(str(tmp_path)) is None
+    (tmp_path / sharded).rmdir()
+    assert checkpoint_problem(str(tmp_path)).startswith("has no weights file")

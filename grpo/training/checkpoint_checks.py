@@ -81,7 +81,9 @@ def checkpoint_problem(checkpoint: str) -> str | None:
     """The first problem of `checkpoint`'s files as "<file> <what is wrong>", or None when every file is whole."""
     names = set(os.listdir(checkpoint))
     weights = [name for name in WEIGHT_FILES if name in names]
-    if not weights:
+    # FSDP and DeepSpeed keep the weights their own way (pytorch_model_fsdp*, global_stepN/): not read here.
+    sharded = any(name.startswith(("pytorch_model_fsdp", "global_step")) for name in names)
+    if not weights and not sharded:
         return f"has no weights file ({' or '.join(WEIGHT_FILES[:2])})"
     if "model.safetensors.index.json" in weights:
         problem = _check_json(os.path.join(checkpoint, "model.safetensors.index.json"))
