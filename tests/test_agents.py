@@ -276,6 +276,83 @@ def test_a_trl_style_environment_trains_unchanged(tmp_path, model_path):
     assert seen["completions"][0][1] == {"role": "tool", "name": "increment", "content": "3"}
 
 
+class CodingEnv:
+    """TRL's multiple-environments example, coding half: reset self-samples the task and returns the prompt."""
+
+    def reset(self, **kwargs) -> str:
+        self.n = 6
+        self.ran = []
+        return f"Compute the {self.n}th Fibonacci number."
+
+    def run_code(self, code: str) -> str:
+        """Run the given Python code and return its stdout.
+
+        Args:
+            code: The Python source to execute.
+
+        Returns:
+            The captured standard output.
+        """
+        self.ran.append(code)
+        return "8"  # a stand-in: the test's policy only ever asks for fib(6)
+
+
+class GameEnv:
+    """The game half: a `move` tool whose state is the position reached."""
+
+    def reset(self, **kwargs) -> str:
+        self.position = 0
+        return "Reach the goal tile."
+
+    def move(self, action: str) -> str:
+        """Apply an action to the game and return the new observation.
+
+        Args:
+            action: One of "up", "down", "left", "right".
+
+        Returns:
+            The observation after the move.
+        """
+        self.position += 1 if action == "right" else 0
+        return "goal" if self.position == 1 else "empty"
+
+
+def test_trl_multiple_environments_example_trains_unchanged(tmp_path, model_path):
+    """TRL's documented mix of tasks: a dict of factories, a data set whose `environment` column routes each row,
+    prompts that come from reset, a reward function that branches on the environment's type, and
+    each episode offered only its own environment's tool."""
+    tokenizer = tool_tokenizer()
+    seen = {}
+
+    def reward_func(completions, environments, **kwargs):
+        seen["environments"], seen["completions"] = environments, completions
+        return [float(bool(e.ran)) if isinstance(e, CodingEnv) else float(e.position == 1) for e in environments]
+
+    coding, game = [call("run_code", code="print(8)"), "It is 8."], [call("move", action="right"), "Reached."]
+    trainer = GRPOTrainer(
+        model_path,
+        reward_func,
+        args=config(tmp_path, per_device_train_batch_size=2 * G, shuffle_dataset=False),
+        # TRL's rows hold only `environment`; here a `prompt` column is required (empty: reset's string is the prompt).
+        train_dataset=Dataset.from_dict(
+            {"environment": ["coding", "game"], "prompt": [[{"role": "user", "content": ""}]] * 2}
+        ),
+        processing_class=tokenizer,
+        environment_factory={"coding": CodingEnv, "game": GameEnv},
+    )
+    trainer.generation = ScriptedTurns(tokenizer, [coding] * G + [game] * G)
+    trainer.train()
+    environments = seen["environments"]
+    assert [type(e) for e in environments] == [CodingEnv] * G + [GameEnv] * G
+    assert all(e.ran == ["print(8)"] for e in environments[:G]) and all(e.position == 1 for e in environments[G:])
+    assert seen["completions"][0][1]["content"] == "8" and seen["completions"][G][1]["content"] == "goal"
+    # The prompt is reset's string, and each episode saw only its own environment's tool.
+    first_coding, first_game = (tokenizer.decode(trainer.generation.calls[0][r]) for r in (0, G))
+    assert "Fibonacci" in first_coding and '"run_code"' in first_coding and '"move"' not in first_coding
+    assert "goal tile" in first_game and '"move"' in first_game and '"run_code"' not in first_game
+    assert trainer.state.log_history[0]["reward"] == 1.0
+
+
 def test_string_prompts_with_tools_fail_at_construction(tmp_path, model_path):
     with pytest.raises(InputError, match="Tools need conversational prompts"):
         GRPOTrainer(

@@ -616,6 +616,8 @@ def test_a_dict_of_factories_routes_rows_and_offers_only_their_tools():
     assert list(count.tools) == ["increment"] and list(walk.tools) == ["move"]
     assert walk.environment.kwargs == {"level": 1}  # the routing column is not passed to reset
     assert [s["function"]["name"] for s in toolbox.schemas("walk")] == ["move"]
+    # No environment named: every environment's tools (what the trainer checks the chat template renders).
+    assert [s["function"]["name"] for s in toolbox.schemas()] == ["increment", "move"]
     with pytest.raises(ToolDefinitionError, match="'jump'"):
         toolbox.start_episodes([{"environment": "jump"}])
 

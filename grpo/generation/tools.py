@@ -197,9 +197,16 @@ class Toolbox:
         return methods
 
     def schemas(self, environment: str | None = None) -> list[dict]:
-        """The JSON schemas of the tools an episode of `environment` is offered, for the chat template's `tools`."""
-        methods = self._methods[self._environment_name({"environment": environment})] if self.factories else {}
-        return [tool.schema for tool in [*self.tools.values(), *methods.values()]]
+        """The JSON schemas of the tools an episode of `environment` is offered, for the chat template's `tools`.
+        With a dict of factories and no `environment`: every environment's tools (the checks made once, when the
+        trainer is built, cover them all)."""
+        if self.routed and environment is None:
+            methods = [tool for name in self.factories for tool in self._methods[name].values()]
+        elif self.factories:
+            methods = list(self._methods[self._environment_name({"environment": environment})].values())
+        else:
+            methods = []
+        return [tool.schema for tool in [*self.tools.values(), *methods]]
 
     def _environment_name(self, row: Mapping) -> str | None:
         if not self.routed:
