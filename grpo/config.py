@@ -480,6 +480,22 @@ class GRPOConfig(TrainingArguments):
         help="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta, which bounds the update of a "
         "token with negative advantage whose ratio has grown large. Must exceed 1 + epsilon_high; None = off.",
     )
+    use_bias_correction_kl: bool = option(
+        default=True,
+        section=Section.LOSS,
+        help="Multiply the k3 KL term by the importance ratio pi_theta / pi_old (at `importance_sampling_level`), "
+        "which makes its gradient the unbiased gradient of KL(pi_theta || pi_ref) for tokens sampled from pi_old "
+        "(DeepSeek-V3.2). The ratio is 1 in value on the first iteration: only the gradient changes. Default True, "
+        "as in TRL 1.16. Only matters with beta > 0.",
+    )
+    off_policy_mask_threshold: float | None = option(
+        default=None,
+        section=Section.LOSS,
+        range=Interval(0, why="a mean log-ratio per token, e.g. 0.5; None turns the masking off"),
+        help="DeepSeek-V3.2's off-policy sequence masking: drop a completion with a negative advantage from the "
+        "policy term when its mean per-token log(pi_sampler / pi_theta) exceeds this threshold (the sampler's own "
+        "log-probs where it reports them, else pi_old's). None (default) = off.",
+    )
     importance_sampling_level: str = option(
         default="token",
         section=Section.LOSS,

@@ -13,6 +13,7 @@ from grpo.objective.loss import (
     entropy_threshold,
     kl_k3,
     masked_mean,
+    off_policy_sequence_mask,
     policy_loss,
     sampling_correction,
     spans_the_step,
@@ -240,14 +241,14 @@ def _random_case(seed, B=6, T=7, token_advantages=False):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, bias_correction_kl", [(0.0, False), (0.04, False), (0.04, True)])
 @pytest.mark.parametrize("eps_high, delta", [(0.2, None), (0.28, None), (0.28, 1.4)])
 @pytest.mark.parametrize("on_policy", [False, True])
-def test_policy_loss_matches_naive_loop(loss_type, level, beta, eps_high, delta, on_policy):
+def test_policy_loss_matches_naive_loop(loss_type, level, beta, bias_correction_kl, eps_high, delta, on_policy):
     for seed in range(3):
         logps, old, ref, advantages, mask = _random_case(seed)
         old = None if on_policy else old
-        kwargs = dict(max_len=9, normalizer=17.0, level=level, delta=delta)
+        kwargs = dict(max_len=9, normalizer=17.0, level=level, delta=delta, bias_correction_kl=bias_correction_kl)
         expected = naive_policy_loss(logps, old, ref, advantages, mask, loss_type, beta, 0.2, eps_high, **kwargs)
         (expected_grad,) = torch.autograd.grad(expected, logps)
         loss, _ = policy_loss(
@@ -264,6 +265,81 @@ def test_policy_loss_matches_naive_loop(loss_type, level, beta, eps_high, delta,
             importance_sampling_level=level,
             max_completion_length=9,
             normalizer=17.0,
+            bias_correction_kl=bias_correction_kl,
+        )
+        (grad,) = torch.autograd.grad(loss, logps)
+        torch.testing.assert_close(loss, expected, **F64)
+        torch.testing.assert_close(grad, expected_grad, **F64)
+
+
+def test_bias_corrected_kl_hand_worked():
+    # One token, A = 0 (only the KL term), beta = 1, on-policy: logp = -1, ref = -1.5, so ref - logp = -0.5 and
+    #   k3 = exp(-0.5) + 0.5 - 1 = 0.106531 either way (the ratio is 1 in value);
+    #   d k3 / d logp         = 1 - exp(-0.5)             = 0.393469   (k3's own gradient)
+    #   d (ratio k3) / d logp = k3 + 1 - exp(-0.5)        = 0.5 = logp - ref, the reverse KL's gradient sample.
+    for correction, want_grad in [(False, 0.393469), (True, 0.5)]:
+        logps = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+        ref = torch.tensor([[-1.5]], dtype=torch.float64)
+        loss, stats = policy_loss(
+            logps,
+            None,
+            ref,
+            torch.zeros(1),
+            torch.ones(1, 1),
+            loss_type="bnpo",
+            beta=1.0,
+            bias_correction_kl=correction,
+        )
+        (grad,) = torch.autograd.grad(loss, logps)
+        assert loss.item() == pytest.approx(0.106531, abs=1e-6)
+        assert stats["kl"].item() == pytest.approx(0.106531, abs=1e-6)
+        assert grad.item() == pytest.approx(want_grad, abs=1e-6)
+
+
+def test_off_policy_sequence_mask_hand_worked():
+    # Four rows of two tokens; sampling - logp per token, and the mean over the row's loss tokens:
+    #   row 0: A = -1, drifts 0.5, 0.7 -> 0.6 > 0.5: dropped
+    #   row 1: A = +1, the same drifts -> kept (a positive advantage is always kept)
+    #   row 2: A = -1, drifts 0.4, 0.4 -> 0.4 <= 0.5: kept
+    #   row 3: A = -1, drifts 1.2, NaN (unscored, counts 0) -> 0.6: dropped; second token masked out -> 1.2: dropped
+    logps = torch.zeros(4, 2, dtype=torch.float64)
+    sampling = torch.tensor([[0.5, 0.7], [0.5, 0.7], [0.4, 0.4], [1.2, float("nan")]], dtype=torch.float64)
+    advantages = torch.tensor([-1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    keep = off_policy_sequence_mask(advantages, logps, sampling, torch.ones(4, 2), 0.5)
+    assert keep.squeeze(1).tolist() == [0.0, 1.0, 1.0, 0.0]
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    keep = off_policy_sequence_mask(advantages, logps, sampling, mask, 0.5)
+    assert keep.squeeze(1).tolist() == [0.0, 1.0, 1.0, 0.0]
+    # A row without loss tokens has no drift: kept.
+    assert off_policy_sequence_mask(advantages[:1], logps[:1], sampling[:1], torch.zeros(1, 2), 0.5).item() == 1.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [0.0, 0.1])
+def test_off_policy_masking_matches_naive_loop(level, threshold):
+    for seed in range(3):
+        logps, old, ref, advantages, mask = _random_case(seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        sampling = logps.detach() + 0.1 + torch.randn(logps.shape, generator=g, dtype=torch.float64) * 0.3
+        sampling[0, 0] = float("nan")  # a token the sampler could not score
+        keep = off_policy_sequence_mask(advantages, logps, sampling, mask, threshold)
+        assert 0 < keep.sum() < len(keep)  # some rows dropped, some kept: the case tests the mask
+        expected = naive_policy_loss(
+            logps, old, ref, advantages, mask, "grpo", 0.04, 0.2, 0.2, level=level, bias_correction_kl=True,
+            sampling_logps=sampling, off_policy_threshold=threshold,
+        )  # fmt: skip
+        (expected_grad,) = torch.autograd.grad(expected, logps)
+        loss, _ = policy_loss(
+            logps,
+            old,
+            ref,
+            advantages,
+            mask,
+            loss_type="grpo",
+            beta=0.04,
+            importance_sampling_level=level,
+            policy_mask=keep.bool().expand_as(mask),
+            bias_correction_kl=True,
         )
         (grad,) = torch.autograd.grad(loss, logps)
         torch.testing.assert_close(loss, expected, **F64)

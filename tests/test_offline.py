@@ -227,7 +227,9 @@ def test_offline_loss_equals_naive_computation(tmp_path):
     fresh = tiny_model(tokenizer)
     logps = _naive_logps(fresh, batch)
     mask = batch.completion_mask
-    expected = naive_policy_loss(logps, old, logps.detach(), torch.tensor(naive_adv), mask, "dapo", 0.04, 0.2, 0.2)
+    expected = naive_policy_loss(
+        logps, old, logps.detach(), torch.tensor(naive_adv), mask, "dapo", 0.04, 0.2, 0.2, bias_correction_kl=True
+    )
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4)
 
 

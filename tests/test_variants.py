@@ -28,12 +28,15 @@ from tests.helpers.scripted import (
 
 # Each variant as GRPOConfig settings and as the knobs of the naive objective (tests/helpers/naive.py) they mean;
 # a knob left out keeps its default: a token-level ratio, epsilon 0.2 on both sides, no delta cap, every token trained.
-DEFAULT_KNOBS = dict(level="token", eps_high=0.2, delta=None, top_entropy_quantile=1.0)
+DEFAULT_KNOBS = dict(level="token", eps_high=0.2, delta=None, top_entropy_quantile=1.0, off_policy_threshold=None)
 VARIANTS = {
     "gspo": (dict(importance_sampling_level="sequence"), dict(level="sequence")),
     "clip-higher": (dict(epsilon_high=0.28), dict(eps_high=0.28)),
     "two-sided": (dict(delta=1.5), dict(delta=1.5)),
     "top-entropy": (dict(top_entropy_quantile=0.5), dict(top_entropy_quantile=0.5)),
+    # pi_old is the behaviour policy here (no sampler log-probs): rows whose mean log(pi_old / pi_theta) is above 0
+    # and whose advantage is negative lose their policy term.
+    "off-policy-mask": (dict(off_policy_mask_threshold=0.0), dict(off_policy_threshold=0.0)),
     "together": (
         dict(importance_sampling_level="sequence", epsilon_high=0.28, delta=2.0, top_entropy_quantile=0.5),
         dict(level="sequence", eps_high=0.28, delta=2.0, top_entropy_quantile=0.5),
@@ -80,14 +83,20 @@ def loss_taken(output_dir, **config):
     return taken, trainer
 
 
-def naive_loss(record, level, eps_high, delta, top_entropy_quantile):
+def naive_loss(record, level, eps_high, delta, top_entropy_quantile, off_policy_threshold):
     """The dapo loss of the recorded micro-batch built token by token in float64 with these knobs."""
     mask, entropy = record["mask"], record["entropy"]
     policy_mask = None
     if top_entropy_quantile < 1:  # the top fraction of the loss tokens by entropy (one micro-batch, one process)
         policy_mask = entropy >= torch.quantile(entropy[mask], 1 - top_entropy_quantile)
     logps, old, ref, advantages = (record[k].double() for k in ("logps", "old", "ref", "advantages"))
-    knobs = dict(level=level, delta=delta, policy_mask=policy_mask)
+    knobs = dict(
+        level=level,
+        delta=delta,
+        policy_mask=policy_mask,
+        bias_correction_kl=True,
+        off_policy_threshold=off_policy_threshold,
+    )
     return naive_policy_loss(logps, old, ref, advantages, mask, "dapo", BETA, 0.2, eps_high, **knobs).item()
 
 
@@ -108,6 +117,22 @@ def test_each_variant_gives_the_loss_of_the_naive_objective_with_its_knobs(tmp_p
     logs = trainer.state.log_history[0]
     for key in ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert key in logs, key
+
+
+def test_bias_corrected_kl_changes_the_gradient_once_the_policy_has_left_the_reference(tmp_path):
+    """use_bias_correction_kl reaches the loss. At step 1 the policy is the reference (k3 = 0, and on-policy the
+    ratio is 1), so both settings make the same update, bit for bit; from step 2 on, k3 > 0 and the corrected
+    gradient, d logp * log(pi / ref) instead of d logp * (1 - ref / pi), moves the weights elsewhere."""
+    settings = dict(beta=0.5, learning_rate=0.5)  # a large KL weight, so that its gradient dominates step 2
+    first = [sgd_step_update(tmp_path / f"1-{c}", use_bias_correction_kl=c, **settings)[0] for c in (False, True)]
+    assert all(torch.equal(first[0][n], first[1][n]) for n in first[0])
+    both = [
+        sgd_step_update(tmp_path / f"2-{c}", use_bias_correction_kl=c, max_steps=2, **settings) for c in (False, True)
+    ]
+    (plain, trainer), (corrected, _) = both
+    params = dict(trainer.model.named_parameters())
+    with pytest.raises(AssertionError, match="max difference"):
+        assert_same_update(corrected, plain, params, steps=2, what="use_bias_correction_kl")
 
 
 # ---- Process rewards and dynamic sampling: what reaches the loss ----

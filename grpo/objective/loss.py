@@ -162,6 +162,32 @@ def sampling_correction(
     return weights, {"logp_difference": difference, "ratio": ratio}
 
 
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556, eq. 9): a completion with a negative advantage
+    whose tokens have drifted far from the policy that sampled them is dropped from the policy term.
+
+        d_i   = sum_t (sampling_it - logp_it) m_it / |o_i|       mean log(pi_sampler / pi_theta) over the row
+        M_i   = 1 if A_i >= 0 or d_i <= threshold, else 0
+
+    d_i estimates KL(pi_sampler || pi_theta) from the sampler's own tokens. A positive-advantage row is always kept:
+    reinforcing a sampled token is safe however stale it is; pushing down a token the policy has already moved away
+    from is where stale samples do harm. Tokens with a NaN sampler log-prob (the engine could not score them) count
+    as 0. Shapes: advantages (B,) or (B, T) (a row's sign is read from its first token), logps, sampling_logps, mask
+    (B, T). Returns M (B, 1), detached, in logps' dtype; rows without a loss token are kept.
+    """
+    mask = mask.bool()
+    drift = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    drift = torch.where(mask, drift, 0.0).sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    sign = advantages if advantages.dim() == 1 else advantages[:, 0]
+    return ((sign[:, None] >= 0) | (drift <= threshold)).to(logps.dtype)  # (B, 1)
+
+
 def loss_settings(args) -> dict[str, Any]:
     """The `policy_loss` settings a `GRPOConfig` fixes for a whole run."""
     return {
@@ -172,6 +198,7 @@ def loss_settings(args) -> dict[str, Any]:
         "delta": args.delta,
         "importance_sampling_level": args.importance_sampling_level,
         "max_completion_length": args.max_completion_length,
+        "bias_correction_kl": args.use_bias_correction_kl,
     }
 
 
@@ -192,14 +219,19 @@ def policy_loss(
     max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
+    bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
 
         ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
         s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )
-        l_it     = -(s_it * h_it - beta * kl_k3(logp_it, ref_it)) * w_it
+        k_it     = kl_k3(logp_it, ref_it)            times ratio (not detached) with `bias_correction_kl`
+        l_it     = -(s_it * h_it - beta * k_it) * w_it
         loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
+
+    `bias_correction_kl` (DeepSeek-V3.2): d(ratio * k3) = d logp * log(pi_theta / pi_ref) at theta = old, unbiased
+    for the reverse KL's gradient, unlike k3's own d logp * (1 - pi_ref / pi_theta) (docs/method.md).
 
     `delta` (two-sided clipping, INTELLECT-2, arXiv:2505.07291) caps the unclipped ratio, which bounds the update of
     a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
@@ -238,6 +270,7 @@ def policy_loss(
     if beta != 0:
         # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
         kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
+        kl = kl * ratio if bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
         per_token_loss = per_token_loss + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask)
     if sampling_weights is not None:

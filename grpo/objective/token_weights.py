@@ -9,18 +9,37 @@ from __future__ import annotations
 import torch
 from accelerate.utils import gather
 
-from grpo.objective.loss import entropy_threshold, sampling_correction
+from grpo.objective.loss import entropy_threshold, off_policy_sequence_mask, sampling_correction
 from grpo.rollout import MicroBatch
 
 
-def policy_mask(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float, accelerator) -> torch.Tensor | None:
-    """With `quantile` < 1, train the policy term only on the highest-entropy tokens; the threshold is over the loss
-    tokens of this micro-step on every process (ragged widths padded with NaN, ignored). None: every token."""
-    if quantile >= 1.0:
-        return None
-    local = torch.where(loss_mask.bool(), entropy, torch.nan).reshape(-1)
-    everyone = gather(accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
-    return entropy >= entropy_threshold(everyone, quantile)
+def policy_mask(
+    entropy: torch.Tensor, logps: torch.Tensor, batch: MicroBatch, args, accelerator
+) -> torch.Tensor | None:
+    """Where the policy term trains (B, T), None for every token: with `top_entropy_quantile` < 1 the highest-entropy
+    tokens only, the threshold over the loss tokens of this micro-step on every process (ragged widths padded with
+    NaN, ignored); with `off_policy_mask_threshold`, not in the rows that off-policy sequence masking drops."""
+    keep = None
+    if args.top_entropy_quantile < 1.0:
+        local = torch.where(batch.loss_mask.bool(), entropy, torch.nan).reshape(-1)
+        everyone = gather(accelerator.pad_across_processes(local, dim=0, pad_index=torch.nan))
+        keep = entropy >= entropy_threshold(everyone, args.top_entropy_quantile)
+    if args.off_policy_mask_threshold is not None:
+        # The sampler's own log-probs where it reports them (vLLM), else pi_old's: the policy that drew the tokens.
+        sampler = batch.sampling_logps
+        if sampler is None:
+            sampler = batch.old_logps if batch.old_logps is not None else logps.detach()
+        rows = off_policy_sequence_mask(
+            batch.advantages, logps, sampler, batch.loss_mask, args.off_policy_mask_threshold
+        ).bool()  # (B, 1)
+        keep = rows.expand_as(batch.loss_mask) if keep is None else keep & rows
+    return keep
+
+
+def keeps_sampling_logps(args) -> bool:
+    """Whether a round keeps the sampler's own log-probs: for the importance-sampling correction, or as the
+    behaviour policy of off-policy sequence masking."""
+    return args.vllm_importance_sampling_correction or args.off_policy_mask_threshold is not None
 
 
 def sampling_weights(logps: torch.Tensor, batch: MicroBatch, args) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -28,8 +47,8 @@ def sampling_weights(logps: torch.Tensor, batch: MicroBatch, args) -> tuple[torc
     truncated importance-sampling weights pi_old / pi_sampler (`sampling_correction`) and this process's share of the
     sampling/* metrics (`sampling_summary`); (None, None) without sampler log-probs. On-policy, pi_old is the current
     policy (logps.detach()): no extra forward."""
-    if batch.sampling_logps is None:
-        return None, None
+    if batch.sampling_logps is None or not args.vllm_importance_sampling_correction:
+        return None, None  # (sampler log-probs kept for off-policy masking alone correct nothing)
     old = batch.old_logps if batch.old_logps is not None else logps.detach()
     weights, stats = sampling_correction(
         old,

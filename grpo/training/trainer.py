@@ -32,7 +32,7 @@ from grpo.objective.advantages import mixed_advantages
 from grpo.objective.logprobs import completion_logprobs
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
-from grpo.objective.token_weights import policy_mask, sampling_weights
+from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import MicroBatch, Rollout, TokenBatch, gather_rows
@@ -356,7 +356,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         rollout = replace(
             rollout,
             advantages=local if local.dim() == 1 else local[:, : rollout.completion_ids.shape[1]],
-            sampling_logps=rollout.sampling_logps if args.vllm_importance_sampling_correction else None,
+            sampling_logps=rollout.sampling_logps if keeps_sampling_logps(args) else None,
         )
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         if args.beta != 0:
@@ -408,7 +408,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             inputs.ref_logps,
             inputs.advantages,
             inputs.loss_mask,
-            policy_mask=policy_mask(entropy, inputs.loss_mask, self.args.top_entropy_quantile, self.accelerator),
+            policy_mask=policy_mask(entropy, logps, inputs, self.args, self.accelerator),
             sampling_weights=weights,
             normalizer=normalizer,
             **loss_settings(self.args),

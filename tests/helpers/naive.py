@@ -58,11 +58,33 @@ def naive_policy_loss(
     level="token",
     delta=None,
     policy_mask=None,
+    bias_correction_kl=False,
+    sampling_logps=None,
+    off_policy_threshold=None,
 ):
-    """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too)."""
+    """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too).
+    `bias_correction_kl`: each token's k3 times its (token or sequence) ratio. `off_policy_threshold`: a row whose
+    advantage is negative and whose mean of sampling - logp over its tokens (NaN as 0) exceeds it trains no policy
+    term (the sampler's log-probs `sampling_logps`, else old, else logp itself)."""
     B, T = logps.shape
     token_loss = [[None] * T for _ in range(B)]
     for i in range(B):
+        dropped = False
+        if off_policy_threshold is not None:
+            drift, n = 0.0, 0
+            for t in range(T):
+                if mask[i][t]:
+                    if sampling_logps is not None:
+                        behaviour = float(sampling_logps[i][t])
+                    elif old_logps is not None:
+                        behaviour = float(old_logps[i][t])
+                    else:
+                        behaviour = float(logps[i][t])
+                    d = behaviour - float(logps[i][t])
+                    drift += 0.0 if math.isnan(d) else d
+                    n += 1
+            a0 = float(advantages[i]) if advantages.dim() == 1 else float(advantages[i][0])
+            dropped = n > 0 and a0 < 0 and drift / n > off_policy_threshold
         seq_log_ratio = None
         if level == "sequence":
             n = sum(int(mask[i][t]) for t in range(T))
@@ -80,12 +102,13 @@ def naive_policy_loss(
             clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
             capped = ratio if delta is None else torch.clamp(ratio, max=delta)
             surrogate = torch.min(capped * a, clipped * a)
-            if policy_mask is not None and not policy_mask[i][t]:
+            if (policy_mask is not None and not policy_mask[i][t]) or dropped:
                 surrogate = surrogate * 0
             loss = -surrogate
             if beta != 0:
                 d = ref_logps[i][t] - logps[i][t]
-                loss = loss + beta * (torch.exp(d) - d - 1)
+                k3 = torch.exp(d) - d - 1
+                loss = loss + beta * (k3 * ratio if bias_correction_kl else k3)
             token_loss[i][t] = loss
     zero = logps.sum() * 0
     if loss_type == "grpo":
