@@ -209,13 +209,16 @@ class InfiniteReference(TrainerCallback):
 
 
 def test_infinite_kl_stops_before_the_update_naming_term_and_row(tmp_path, tokenizer, prompt_dataset):
-    # Two micro-steps per optimizer step (a round of 8 rows): round row 5 is row 1 of the second micro-batch.
+    # Two micro-steps per optimizer step (a round of 8 rows): round row 5 is row 1 of the second micro-batch. The
+    # plain k3 term: its gradient at a -inf reference log-prob is finite (1 - exp(ref - logp) = 1) while its value is
+    # inf, the case the loss check exists for; the bias-corrected term's gradient (log(pi / ref) = inf) is not.
     trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,
         [reward_len],
         beta=0.04,
+        use_bias_correction_kl=False,
         gradient_accumulation_steps=2,
         save_strategy="steps",
         save_steps=1,
