@@ -390,3 +390,27 @@ def test_async_generation_runs_the_episodes_in_the_producer(tmp_path, model_path
     trainer.train()
     assert [h["tools/turns"] for h in trainer.state.log_history[:2]] == [2.0, 2.0]  # 3 turns and 1, per group
     assert len(scripted.calls) == 2 * 3  # two rounds of three turns, all in the producer thread
+
+
+def test_a_long_episode_prompt_keeps_the_tool_schemas_and_is_counted(tmp_path, model_path):
+    """Cut on the left (the default truncation_side), an episode's prompt keeps the system turn that carries the
+    tools' schemas, and its question's end; the cut is counted in prompts/truncated."""
+    tokenizer = tool_tokenizer()
+    long = [{"role": "user", "content": "x" * 3000 + " What is 2 + 3, then times 5?"}]
+    data = Dataset.from_dict({"prompt": [long, long]})
+    trainer = GRPOTrainer(
+        model_path,
+        reward_25,
+        args=config(tmp_path, max_prompt_length=1500),  # the byte-level system turn with two schemas: ~1,000 tokens
+        train_dataset=data,
+        processing_class=tokenizer,
+        tools=[add, multiply],
+    )
+    trainer.generation = ScriptedTurns(tokenizer, [SCRIPT])
+    trainer.train()
+    first_context = tokenizer.decode(trainer.generation.calls[0][0])
+    assert len(trainer.generation.calls[0][0]) == 1500
+    assert first_context.startswith("<|im_start|>system\nYou can call functions.")  # the schemas survived
+    assert '"name": "multiply"' in first_context
+    assert first_context.endswith("then times 5?<|im_end|>\n<|im_start|>assistant\n")
+    assert trainer.state.log_history[0]["prompts/truncated"] == 1.0

@@ -8,6 +8,7 @@ the tokenizer's chat template. Completions come back in the same form: strings, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,26 +97,45 @@ def cut_prompt(ids: list[int], max_length: int, side: str, head: int = 0) -> lis
     return list(ids[:head]) + list(ids[len(ids) - (max_length - head) :])
 
 
-def system_head(prompt: str | list[dict], text: str, tokenizer) -> str:
-    """The start of `text` (the rendered `prompt`) that its leading system message makes up; "" for a string prompt,
-    one without a system message, or a template whose rendering of the system message alone is not a prefix."""
-    if isinstance(prompt, str) or prompt[0]["role"] != "system" or len(prompt) == 1:
+def system_head(prompt: str | list[dict], text: str, tokenizer, tools: list[dict] | None = None) -> str:
+    """The start of `text` (the rendered `prompt`) that its leading system message makes up, with the tools' schemas
+    where the template renders them there (a system turn of their own when the prompt has no system message), up to
+    the next message's content; "" for a string prompt, a prompt with no such turn, or a template that renders the
+    turn differently depending on what follows. Found as the common start of two renderings of that turn followed by
+    a one-letter user message (templates refuse to render no messages at all)."""
+    if isinstance(prompt, str):
         return ""
-    head = tokenizer.apply_chat_template(prompt[:1], tokenize=False, add_generation_prompt=False)
-    return head if isinstance(head, str) and text.startswith(head) else ""
+    lead = prompt[:1] if prompt[0]["role"] == "system" else []
+    if (not lead and not tools) or len(prompt) == len(lead):
+        return ""
+    try:
+        a, b = (
+            tokenizer.apply_chat_template(lead + [{"role": "user", "content": c}], tools=tools, tokenize=False)
+            for c in ("a", "b")
+        )
+    except Exception:  # a template that cannot render that turn with a user message after it: no head to keep
+        return ""
+    head = os.path.commonprefix([a, b]) if isinstance(a, str) and isinstance(b, str) else ""
+    return head if head and text.startswith(head) and head != text else ""
 
 
 def encode_prompts(
-    prompts: Sequence[str | list[dict]], tokenizer, max_prompt_length: int | None, side: str = "left"
+    prompts: Sequence[str | list[dict]],
+    tokenizer,
+    max_prompt_length: int | None,
+    side: str = "left",
+    tools: Sequence[list[dict] | None] | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
-    """Render and tokenize `prompts` (`render_prompt`, `tokenize_prompts`), and which of them were cut. A prompt
-    longer than `max_prompt_length` cut on the left keeps its leading system message: the message and the rest are
-    then tokenized apart, and the cut falls right after the message (`cut_prompt`)."""
-    texts = [render_prompt(p, tokenizer) for p in prompts]
+    """Render and tokenize `prompts` (`render_prompt`, `tokenize_prompts`; `tools`: each row's tool schemas, for
+    episodes), and which of them were cut. A prompt longer than `max_prompt_length` cut on the left keeps its leading
+    system message (and the tools' schemas the template renders with it): that turn and the rest are then tokenized
+    apart, and the cut falls right after the turn (`cut_prompt`)."""
+    tools = [None] * len(prompts) if tools is None else list(tools)
+    texts = [render_prompt(p, tokenizer, t) for p, t in zip(prompts, tools)]
     ids = tokenize_prompts(texts, tokenizer, None)
     cut = [max_prompt_length is not None and len(seq) > max_prompt_length for seq in ids]
     for i in (i for i, long in enumerate(cut) if long):
-        head = system_head(prompts[i], texts[i], tokenizer) if side == "left" else ""
+        head = system_head(prompts[i], texts[i], tokenizer, tools[i]) if side == "left" else ""
         if head:
             head_ids, rest = tokenizer([head, texts[i][len(head) :]], add_special_tokens=False)["input_ids"]
             ids[i] = cut_prompt(head_ids + rest, max_prompt_length, side, head=len(head_ids))

@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from grpo.data import InputError, render_prompt, tokenize_prompts
+from grpo.data import InputError, encode_prompts
 from grpo.generation.base import cut_at_eos
 from grpo.generation.tool_calls import ParseFailure, ToolCall, resolve_parser
 from grpo.generation.tools import Episode, Toolbox, ToolCounts, ToolExecutor
@@ -68,6 +69,7 @@ class EpisodeState:
 
     episode: Episode
     prompt_ids: list[int]
+    prompt_cut: bool = False  # the prompt was longer than max_prompt_length (cut on `truncation_side`)
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -168,9 +170,12 @@ class AgentLoop:
         for episode in episodes:
             if isinstance(episode.prompt, str):
                 raise InputError(_STRING_PROMPT.format(prompt=episode.prompt[:60]))
-        texts = [render_prompt(e.prompt, self.tokenizer, [t.schema for t in e.tools.values()]) for e in episodes]
-        prompt_ids = tokenize_prompts(texts, self.tokenizer, self.args.max_prompt_length)
-        return [EpisodeState(e, ids) for e, ids in zip(episodes, prompt_ids)]
+        tools = [[t.schema for t in e.tools.values()] for e in episodes]
+        args = self.args
+        prompt_ids, cut = encode_prompts(
+            [e.prompt for e in episodes], self.tokenizer, args.max_prompt_length, args.truncation_side, tools
+        )
+        return [EpisodeState(e, ids, prompt_cut=c) for e, ids, c in zip(episodes, prompt_ids, cut)]
 
     def _add_policy_turn(self, state: EpisodeState, raw_ids: list[int], raw_logprobs) -> list:
         """Append one sampled turn, cut after its first EOS and to what is left of the budget; return the tool
@@ -227,6 +232,7 @@ class AgentLoop:
             sampled_masks=[s.sampled for s in states],
         )
         rollout.episode_stats = episode_stats(states)
+        rollout.prompt_truncated = torch.tensor([s.prompt_cut for s in states], dtype=torch.bool)
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         columns["environments"] = [s.episode.environment for s in states]
         return rollout, columns
