@@ -82,6 +82,21 @@ SCENARIOS = {
         kill=["--kill-after-micro-step", "2"],
         flags=["--lora"],
     ),
+    # Multi-turn episodes with a tool, sampled by the model (turns, calls and tool answers depend on the draw); one
+    # round feeds two optimizer steps and the run dies in step 2, so the resume trains the rest of the round's
+    # episodes (their tool answers masked out of the loss) from checkpoint-1.
+    "agent_episodes": dict(
+        settings=dict(
+            per_device_train_batch_size=4,
+            steps_per_generation=2,
+            max_steps=4,
+            max_completion_length=256,  # room for three turns and their tool answers (byte tokens)
+            max_prompt_length=None,  # the tools' schemas make a long prompt; keep it whole
+            max_tool_calling_iterations=3,
+        ),
+        kill=["--kill-after-micro-step", "2"],
+        flags=["--agent"],
+    ),
 }
 
 
@@ -117,6 +132,8 @@ def test_killed_run_resumes_exactly(tmp_path, name):
     if name == "lora":
         pytest.importorskip("peft", reason="the LoRA scenario needs `pip install peft`")
     full = run(scenario["settings"], tmp_path / "full", *flags)
+    if name == "agent_episodes":  # the episodes did call the tool, so rows hold tool answers between turns
+        assert any(entry.get("tools/call_frequency", 0) > 0 for entry in full["log_history"])
 
     out = tmp_path / "killed"
     run(scenario["settings"], out, *scenario["kill"], *flags, killed=True)

@@ -93,12 +93,15 @@ def shared_prompt_hidden_states(
         )
         if cache.get_seq_length() != prompt_ids.shape[1]:  # a layer kept no cache: run the batch plainly
             return None
-        first = captured[0][:, -1][repeat]  # (B, H): predicts completion token 0
+        # index_select, never `x[repeat]`: on CPU the backward of indexing with repeated indices accumulates the
+        # copies' gradients in parallel, in an order that changes from run to run (no exact resume, no equal runs).
+        first = captured[0][:, -1].index_select(0, repeat)  # (B, H): predicts completion token 0
         width = completion_ids.shape[1]
         if width == 1:
             return first[completion_mask[:, 0].bool()]
-        # 2. The prompt's keys and values for every row.
-        cache.batch_select_indices(repeat)
+        # 2. The prompt's keys and values for every row (`cache.batch_select_indices` indexes: see above).
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, repeat), layer.values.index_select(0, repeat)
         # 3. Completion pass.
         lengths = prompt_mask.sum(1, keepdim=True)  # (B, 1)
         model(

@@ -1,13 +1,15 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
     python tests/helpers/resume_run.py SETTINGS_JSON OUTPUT_DIR
-        [--kill-after-micro-step K | --kill-in-save STEP] [--resume] [--lora] [--prompts N]
+        [--kill-after-micro-step K | --kill-in-save STEP] [--resume] [--lora] [--agent] [--prompts N]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
 micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
 being written: every file is written, the rename that publishes it has not happened. `--lora` trains a LoRA adapter
 (rank 4 on every linear layer) instead of every weight. `--prompts N` trains on N prompts (default 24).
+`--agent` makes each row a multi-turn episode with real sampling (`agent_trainer`): chat prompts, an `add` tool,
+and turns that each end at the first sampled letter, so an episode's turns and tool calls depend on what was drawn.
 """
 
 import argparse
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import grpo.training.checkpoints  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.helpers.agents import add, chat_prompts, last_turn_length, tool_tokenizer  # noqa: E402
 from tests.helpers.distributed_update import lora_config  # noqa: E402
 from tests.helpers.net import end_launched_process  # noqa: E402
 
@@ -37,6 +40,38 @@ def reward_parity(completions):
 
 def reward_length(completions):
     return [len(c) / 10 for c in completions]
+
+
+def odd_turns_call_add(text, tool_names):
+    """A tool-call parser for the random model, which writes no JSON: a turn of odd length calls `add(len, 1)`, an even
+    one answers, so whether an episode goes on depends on the tokens sampled."""
+    from grpo.generation.tool_calls import ToolCall
+
+    return [ToolCall("add", {"a": len(text), "b": 1})] if len(text) % 2 else []
+
+
+def reward_messages(completions):
+    """The number of messages of each conversation (policy turns and tool answers), over 10."""
+    return [len(c) / 10 for c in completions]
+
+
+def agent_trainer(args, prompts):
+    """A trainer whose rows are episodes of up to three tool turns, sampled by the tiny model: every lowercase letter
+    ends a turn (random turns end after a few tokens) and `odd_turns_call_add` reads the calls."""
+    tokenizer = tool_tokenizer()
+    model = tiny_model(tokenizer)
+    letters = tokenizer("abcdefghijklmnopqrstuvwxyz", add_special_tokens=False)["input_ids"]
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *letters]
+    trainer = GRPOTrainer(
+        model,
+        [last_turn_length, reward_messages],
+        args=args,
+        train_dataset=chat_prompts(prompts),
+        processing_class=tokenizer,
+        tools=[add],
+    )
+    trainer.agent.parser = odd_turns_call_add
+    return trainer
 
 
 class KillAfter(TrainerCallback):
@@ -63,6 +98,7 @@ def main():
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--agent", action="store_true")
     parser.add_argument("--prompts", type=int, default=24)
     cli = parser.parse_args()
 
@@ -87,21 +123,24 @@ def main():
         save_strategy="steps",
         save_steps=1,
         disable_tqdm=True,
-        max_completion_length=8,  # short completions keep each run to a few seconds
         num_generations=4,
         temperature=1.0,
         learning_rate=1e-2,  # large enough that every step visibly moves the weights
         seed=7,
-        **json.loads(cli.settings),
+        # short completions keep each run to a few seconds (an episode's budget is the scenario's)
+        **{"max_completion_length": 8, **json.loads(cli.settings)},
     )
-    trainer = GRPOTrainer(
-        tiny_model(tokenizer),
-        [reward_parity, reward_length],
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=lora_config() if cli.lora else None,
-    )
+    if cli.agent:
+        trainer = agent_trainer(args, cli.prompts)
+    else:
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer),
+            [reward_parity, reward_length],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=lora_config() if cli.lora else None,
+        )
     if cli.kill_after_micro_step is not None:
         trainer.add_callback(KillAfter(cli.kill_after_micro_step))
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
