@@ -127,8 +127,9 @@ bench-modes: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
-# The agent demo: SmolLM2-135M-Instruct learns to call a `multiply` tool for two-digit products, offline, on the CPU;
-# held-out accuracy and tool use before/after, the model in outputs/agent_calculator/ (docs/agents.md, "The demo").
+# The agent demo: SmolLM2-135M-Instruct with a `multiply` tool on two-digit products, offline, on the CPU; held-out
+# accuracy and tool use before/after, the model in outputs/agent_calculator/. Not yet shown to learn (docs/agents.md,
+# "The demo").
 demo-agent: $(STAMP)
 	$(PY) -m grpo train examples/recipes/agent_calculator.yaml
 
