@@ -669,7 +669,8 @@ class GRPOConfig(TrainingArguments):
         default=None,
         section=Section.AGENTS,
         help="How tool calls are read from a policy turn: 'hermes' (<tool_call> JSON, Qwen and ChatML models) or "
-        "'llama3_json'; None picks one from the chat template. A parser of your own: GRPOTrainer(tool_call_parser=f).",
+        "'llama3_json'; None picks one from the chat template. A parser of your own: set trainer.agent.parser = f "
+        "after building the trainer (docs/agents.md).",
     )
 
     # ---- Training on stored, scored completions (docs/offline.md) ----

@@ -414,3 +414,27 @@ def test_a_long_episode_prompt_keeps_the_tool_schemas_and_is_counted(tmp_path, m
     assert '"name": "multiply"' in first_context
     assert first_context.endswith("then times 5?<|im_end|>\n<|im_start|>assistant\n")
     assert trainer.state.log_history[0]["prompts/truncated"] == 1.0
+
+
+@pytest.mark.parametrize("weights", [[2.0], [2.0, 3.0]], ids=["trl-one-per-function", "one-per-reward"])
+def test_reward_weights_count_the_functions_given_as_in_trl(tmp_path, model_path, weights):
+    """TRL's convention: one weight per reward function given, each environment's get_reward weighing 1; a list with
+    an entry for the environment reward too is taken as written."""
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Count."}]] * 2, "target": [3, 3]})
+
+    def one(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = GRPOTrainer(
+        model_path,
+        one,
+        args=config(tmp_path, reward_weights=weights),
+        train_dataset=data,
+        processing_class=tool_tokenizer(),
+        environment_factory=IncrementEnv,
+    )
+    trainer.generation = ScriptedTurns(trainer.processing_class, [[call("increment", step=3), "Done."]])
+    assert trainer.reward_names == ["one", "IncrementEnv"]
+    trainer.train()
+    # Both rewards are 1 on every row (the counter reaches the target): the reward is the sum of the weights.
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(weights) + (1.0 if len(weights) == 1 else 0.0))

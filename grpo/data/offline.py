@@ -318,11 +318,11 @@ def offline_groups(train_dataset, eval_dataset, args, reward_funcs) -> OfflineGr
     return groups
 
 
-def offline_rewards(offline: OfflineGroups | None, reward_funcs, processing_classes, args):
+def offline_rewards(offline: OfflineGroups | None, reward_funcs, processing_classes, reward_weights):
     """(reward functions, their tokenizers, their weights) for `RewardSet`: online, as given (reward functions
     required); offline, the stored reward first (`StoredReward`, weight 1, or the first of `reward_weights` when it
     has one more entry than there are functions), then the functions given, which may be none."""
-    weights = args.reward_weights
+    weights = reward_weights
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
     if offline is None:
         if not funcs:

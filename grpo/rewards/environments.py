@@ -32,11 +32,15 @@ def environment_rewards(environment_types: list[type]) -> list[EnvironmentReward
     return [EnvironmentReward(kind) for kind in environment_types if callable(getattr(kind, "get_reward", None))]
 
 
-def with_environment_rewards(reward_funcs, toolbox) -> list | None:
-    """`reward_funcs` followed by the environments' `EnvironmentReward`s (unchanged without a toolbox); None stays
-    None when there are none (no reward at all is refused later, with the fix)."""
+def with_environment_rewards(reward_funcs, toolbox, reward_weights=None) -> tuple[list | None, list | None]:
+    """(`reward_funcs` followed by the environments' `EnvironmentReward`s, their weights): unchanged without a
+    toolbox; None stays None when there are no rewards (no reward at all is refused later, with the fix).
+    `reward_weights` with one entry per function given is TRL's convention: each `get_reward` then weighs 1. With
+    one more entry per environment reward, those entries weigh them."""
     if toolbox is None:
-        return reward_funcs
+        return reward_funcs, reward_weights
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
-    funcs += environment_rewards(toolbox.environment_types)
-    return funcs or None
+    added = environment_rewards(toolbox.environment_types)
+    if reward_weights is not None and added and len(reward_weights) == len(funcs):
+        reward_weights = [*reward_weights, *[1.0] * len(added)]
+    return (funcs + added) or None, reward_weights

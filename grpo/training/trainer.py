@@ -131,9 +131,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
-        reward_funcs = with_environment_rewards(reward_funcs, self.toolbox)
+        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
-        rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, args)
+        rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards)
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
