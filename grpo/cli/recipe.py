@@ -25,11 +25,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 import numbers
 import os
 import re
-import sys
 import types
 import typing
 from collections.abc import Callable
@@ -39,7 +37,7 @@ from typing import Any
 from grpo.config import GRPOConfig
 from grpo.data import InputError
 from grpo.models import SMOLLM2_NAME, looks_local
-from grpo.rewards.names import resolve_reward_name, reward_kind
+from grpo.rewards.names import import_from_folders, resolve_reward_name, reward_kind
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -437,11 +435,8 @@ def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable
     """The function a `tools:` entry names, imported with the working directory and `search_dirs` (the recipe's
     folder) on the import path, as rewards' `module:function` are."""
     module_name, _, attr = path.partition(":")
-    for folder in [Path.cwd(), *search_dirs]:
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
     try:
-        module = importlib.import_module(module_name)
+        module = import_from_folders(module_name, search_dirs)
     except ImportError as e:
         raise RecipeError(
             f"Tool '{path}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the working "

@@ -74,6 +74,15 @@ def reward_kind(name: str) -> str:
     return "hub"
 
 
+def import_from_folders(module_name: str, search_dirs: Sequence[Path] = ()):
+    """Import `module_name` with the working directory and `search_dirs` (a recipe's folder) on the import path:
+    how a `module:function` reward, or a recipe's tool, finds a file beside the recipe. ImportError as import raises."""
+    for folder in [Path.cwd(), *search_dirs]:
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    return importlib.import_module(module_name)
+
+
 def resolve_reward_name(
     name: str, kwargs: dict | None = None, search_dirs: Sequence = ()
 ) -> Callable | PreTrainedModel:
@@ -99,11 +108,8 @@ def resolve_reward_name(
             ) from e
     if kind == "function":
         module_name, _, attr = name.partition(":")
-        for folder in [Path.cwd(), *search_dirs]:
-            if str(folder) not in sys.path:
-                sys.path.insert(0, str(folder))
         try:
-            module = importlib.import_module(module_name)
+            module = import_from_folders(module_name, search_dirs)
         except ImportError as e:
             raise InputError(
                 f"Reward '{name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "

@@ -40,7 +40,7 @@ from grpo.training.checkpoint_checks import (
     run_settings,
     warn_without_rng_state,
 )
-from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, publish_files
+from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, fsync, publish_files
 
 STATE_FILE = "grpo_state_{}.pt"
 REFERENCE_FILE = "reference_model.safetensors"  # only when the reference moves (sync_ref_model, ref_model_reset_steps)
@@ -155,28 +155,20 @@ def remove_stale_staging(output_dir: str, keep: str | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(staged: str, final: str) -> None:
     """fsync every file of `staged`, then rename it to `final` (replacing an older `final`) and fsync the parent,
     so that `final` exists only once all its bytes are on disk."""
     for root, _, files in os.walk(staged):
         for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root, directory=True)
+            fsync(os.path.join(root, name))
+        fsync(root, directory=True)
     old = None
     if os.path.exists(final):  # the same step saved twice (e.g. at the end of training): keep the newer
         old = final + ".replaced"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(staged, final)
-    _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+    fsync(os.path.dirname(os.path.abspath(final)), directory=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

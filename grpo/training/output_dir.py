@@ -92,7 +92,8 @@ class RunLock:
                 pass
 
 
-def _fsync(path: str, directory: bool = False) -> None:
+def fsync(path: str, directory: bool = False) -> None:
+    """Flush a file's (or, with `directory`, a folder's entries') writes to disk."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
@@ -113,14 +114,14 @@ def publish_files(staged: str, output_dir: str) -> None:
     older files of the same name), fsync `output_dir` and remove `staged`."""
     for root, _, files in os.walk(staged):
         for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root, directory=True)
+            fsync(os.path.join(root, name))
+        fsync(root, directory=True)
     for name in sorted(os.listdir(staged), key=_rename_order):
         target = os.path.join(output_dir, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
         os.replace(os.path.join(staged, name), target)
-    _fsync(output_dir, directory=True)
+    fsync(output_dir, directory=True)
     os.rmdir(staged)
 
 
