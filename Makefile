@@ -124,13 +124,17 @@ bench-modes: $(VLLM_STAMP)
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
 # The recipe switches on the opt-in CPU options (kernel, draw, malloc settings for its own process), so that
 # `grpo train examples/recipes/demo.yaml` typed by hand runs as fast as this target (docs/performance.md).
+# A run refuses an output_dir that holds an earlier run's model; outputs/demo is this target's own folder, so a second
+# `make demo` replaces the first one's outputs, and says so.
 demo: $(STAMP)
+	@if [ -e outputs/demo ]; then echo "make demo: removing outputs/demo from an earlier make demo"; rm -rf outputs/demo; fi
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 # The agent demo: SmolLM2-135M-Instruct with a `multiply` tool on two-digit products, offline, on the CPU; held-out
 # accuracy and tool use before/after, the model in outputs/agent_calculator/. Not yet shown to learn (docs/agents.md,
 # "The demo").
 demo-agent: $(STAMP)
+	@if [ -e outputs/agent_calculator ]; then echo "make demo-agent: removing outputs/agent_calculator from an earlier run"; rm -rf outputs/agent_calculator; fi
 	$(PY) -m grpo train examples/recipes/agent_calculator.yaml
 
 clean:
