@@ -108,3 +108,25 @@ def test_the_carried_state_gives_the_logits_of_a_fresh_prefill(tokenizer):
         ids, mask = pad(contexts, PAD, side="left")
         fresh = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits[:, -1]
     torch.testing.assert_close(carried, fresh, rtol=0, atol=1e-10)
+
+
+def test_a_static_cache_is_not_carried(tokenizer):
+    """A cache that does not keep every column (here `cache_implementation="static"`) is never cut and extended:
+    each turn prefills its whole context, as a plain `generate` does."""
+    model = tiny_model(tokenizer, seed=4)
+    backend = TransformersGeneration(
+        max_completion_length=3,
+        pad_token_id=PAD,
+        eos_token_ids=EOS,
+        greedy=True,
+        generation_kwargs={"cache_implementation": "static"},
+    )
+    turns = backend.turns()
+    prompts = tokenize_prompts(["a longer prompt", "mid"], tokenizer, None)
+    first = turns.generate(model, prompts).ids
+    assert turns.cache is None
+    contexts = [p + cut + answer(tokenizer, 0, 0) for p, cut in zip(prompts, cut_at_eos(first, EOS, 3)[0])]
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    turns.generate(model, contexts)
+    assert seen[0][1] == max(len(c) for c in contexts)  # the whole context, prefilled again

@@ -229,7 +229,13 @@ class CarriedTurns:
             sequences, cache = self.sampler._run(model, input_ids, attention_mask, cache=cache)
         width = input_ids.shape[1]
         new = sequences[:, width:].tolist()
-        carries = cache is not None and cache.get_seq_length() == sequences.shape[1] - 1
+        # Only a dynamic cache of full-attention layers is carried: a static, sliding-window or recurrent cache does
+        # not keep every column to mask and extend, so those turns start afresh.
+        carries = (
+            isinstance(cache, DynamicCache)
+            and not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+            and cache.get_seq_length() == sequences.shape[1] - 1
+        )
         self.ids, self.cache = sequences, cache if carries else None
         self.mask = torch.cat([attention_mask, attention_mask.new_ones(len(contexts), len(new[0]))], dim=1)
         cut, _ = cut_at_eos(new, self.eos_token_ids, len(new[0]))
