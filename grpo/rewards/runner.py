@@ -136,12 +136,14 @@ class _Call(NamedTuple):
 _Outcome = tuple[list[Any], list[tuple[int | None, BaseException]]]
 
 
-def _retry_rows(call: _Call, batch_error: BaseException, one_row: Callable, stop_at_first: bool) -> _Outcome:
+def _retry_rows(
+    call: _Call, batch_error: BaseException, one_row: Callable, stop_at_first: bool, own: Callable = _own_copy
+) -> _Outcome:
     name = reward_name(call.func)
     values, failures = [], []
     for i in range(call.num_rows):
         try:
-            value = one_row(_own_copy(_rows(call.kwargs, i, i + 1)))
+            value = one_row(own(_rows(call.kwargs, i, i + 1)))
         except BaseException as error:
             _reraise_interrupt(error)
             failures.append((call.start + i, error))
@@ -157,12 +159,14 @@ def _retry_rows(call: _Call, batch_error: BaseException, one_row: Callable, stop
 
 def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) -> _Outcome:
     """Call a synchronous function, here or through `invoke(kwargs)` (a call in a worker process)."""
+    # Arguments sent to a worker process are pickled there and back: that is the call's own copy already.
+    own = _own_copy if invoke is None else (lambda kwargs: kwargs)
     invoke = invoke or (lambda kwargs: call.func(**kwargs))
     try:
-        values = invoke(_own_copy(call.kwargs))
+        values = invoke(own(call.kwargs))
     except BaseException as error:
         _reraise_interrupt(error)
-        return _retry_rows(call, error, invoke, stop_at_first)
+        return _retry_rows(call, error, invoke, stop_at_first, own)
     return call.check(values, reward_name(call.func), call.num_rows, call.start), []
 
 
