@@ -321,3 +321,34 @@ def test_recipe_trains_with_tools_and_reports_tool_use(tmp_path, tiny_model_path
     history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
     assert [h["step"] for h in history if "eval_greedy_tool_use" in h] == [0, 1]  # before and after
     assert any("tools/call_frequency" in h for h in history if "loss" in h)  # the training steps were episodes
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("learning_rate: 1e-5\nmax_steps: 3\nlearning_rate: 1e-4\n", "learning_rate", (1, 3)),
+        ("dataset:\n  reasoning_gym: basic_arithmetic\nmax_steps: 3\ndataset:\n  path: x.jsonl\n", "dataset", (1, 4)),
+        ("dataset:\n  reasoning_gym: basic_arithmetic\n  size: 8\n  size: 80\n", "dataset.size", (3, 4)),
+        ("rewards:\n  - name: accuracy\n    weight: 1\n    weight: 2\n", "rewards[0].weight", (3, 4)),
+    ],
+)
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path, text, key, lines):
+    # YAML loaders keep the last of two equal keys without a word; a recipe must not train with either silently.
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(
+        RecipeError,
+        match=rf"the key '{re.escape(key)}' is given twice, at line {lines[0]} and "
+        rf"line {lines[1]}",
+    ):
+        load_recipe(path)
+
+
+def test_an_empty_recipe_says_it_is_empty(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("# nothing yet\n\n")
+    with pytest.raises(RecipeError, match=r"recipe.yaml is empty: a recipe needs at least a `dataset:` section"):
+        load_recipe(path)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "is empty" in err and "dataset section needs" not in err

@@ -308,7 +308,14 @@ def _read_yaml(source: Path) -> dict[str, Any]:
         raise RecipeError(f"Recipe file {str(source)!r} not found.")
     text = source.read_text()
     try:
-        raw = yaml.load(text, Loader=_loader()) or {}
+        node = yaml.compose(text, Loader=_loader())
+        if node is None:  # nothing but comments and blank lines
+            raise RecipeError(
+                f"{source} is empty: a recipe needs at least a `dataset:` section (and usually `model:` and "
+                "`rewards:`). Start from a copy of examples/recipes/demo.yaml (docs/recipes.md)."
+            )
+        _check_duplicate_keys(node, source)
+        raw = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -322,6 +329,30 @@ def _read_yaml(source: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise RecipeError(f"{source} must hold a mapping of keys to values at the top level.")
     return raw
+
+
+def _check_duplicate_keys(node, source: Path, where: str = "") -> None:
+    """A key given twice in one mapping, at any depth, is an error naming it and both lines: YAML loaders keep the
+    last one silently, so `learning_rate` written twice trained with whichever came last."""
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, source, f"{where}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[Any, int] = {}
+    for key, value in node.value:
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        path = f"{where}.{name}" if where else str(name)
+        if name is not None and name != "<<":
+            if name in lines:
+                raise RecipeError(
+                    f"{source}: the key {path!r} is given twice, at line {lines[name]} and line "
+                    f"{key.start_mark.line + 1}; only the last would count. Keep one of them."
+                )
+            lines[name] = key.start_mark.line + 1
+        _check_duplicate_keys(value, source, path)
 
 
 def _dataset_section(raw: Any) -> DatasetSection:
@@ -391,7 +422,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
     for i, spec in enumerate(recipe.rewards):
         try:  # typos of built-in names and missing local paths, before anything is imported or downloaded
-            reward_kind(spec.name)
+            reward_kind(spec.name, [source.parent.resolve()] if source else [])
         except InputError as e:
             raise RecipeError(f"rewards[{i}]: {e}") from e
     return recipe
@@ -436,12 +467,9 @@ def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable
     folder) on the import path, as rewards' `module:function` are."""
     module_name, _, attr = path.partition(":")
     try:
-        module = import_from_folders(module_name, search_dirs)
-    except ImportError as e:
-        raise RecipeError(
-            f"Tool '{path}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the working "
-            "directory or the recipe's folder, or install the package that provides it."
-        ) from e
+        module = import_from_folders(module_name, search_dirs, what=f"Tool '{path}'")
+    except InputError as e:
+        raise RecipeError(str(e)) from e
     func = getattr(module, attr, None)
     if not callable(func):
         raise RecipeError(
