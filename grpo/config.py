@@ -558,6 +558,14 @@ class GRPOConfig(TrainingArguments):
         help="Seconds to keep retrying, with backoff, when the server does not answer (still starting, or "
         "gone) before failing with an error that says how to start it; also the weight-sync group's timeout.",
     )
+    vllm_request_timeout: float = option(
+        default=1800.0,
+        section=Section.VLLM,
+        range=Interval(0, open_low=True, why="seconds"),
+        help="Seconds the server may take to answer one request it has accepted (a generation round, a weight "
+        "update) before the run fails naming the server: a hung server cannot hang the trainer. Generous, since a "
+        "round of many long completions takes minutes; raise it for longer rounds.",
+    )
     vllm_group_port: int = option(
         default=51216,
         section=Section.VLLM,

@@ -3,6 +3,7 @@ handshake, the client's errors and API key, the server's access checks (as plain
 prompts, checkpoint names with PEFT, and the importance-sampling correction. The real server is tested in
 tests/test_vllm.py (`make test-vllm`)."""
 
+import contextlib
 import copy
 import io
 import multiprocessing
@@ -211,6 +212,62 @@ def test_no_server_gives_an_error_naming_host_port_and_command(monkeypatch):
     # Retried with backoff for the timeout, then gave up: it kept trying for the timeout at least, and its own waits
     # add up to no more (how long a connection attempt takes is the machine's: no bound on the wall time above).
     assert time.monotonic() - start >= 1.0 and sum(sleeps) <= 1.0
+
+
+@contextlib.contextmanager
+def _silent_server():
+    """A socket on 127.0.0.1 that accepts every connection (the kernel does, from its backlog) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_server_that_accepts_and_never_answers_cannot_hang_the_client(caplog):
+    with _silent_server() as url:
+        client = VLLMClient(url, timeout=3.0, request_timeout=1.0)
+        client.progress_every = 0.5  # seconds: short enough that a 3 s wait shows the progress lines
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="grpo.generation.vllm.client"):
+            with pytest.raises(VLLMServerError) as error:
+                client.wait_until_ready()
+        # A bound against a hang only (today's client waits forever): the wait is 3 s.
+        assert time.monotonic() - start < 30
+        message = str(error.value)
+        assert f"The vLLM server at {url} accepted the connection but did not answer /health within" in message
+        assert "(vllm_server_timeout)" in message and "\n" not in message
+        progress = [r.getMessage() for r in caplog.records if "Waiting for the vLLM server" in r.getMessage()]
+        assert progress and all(url in line and "giving up in" in line for line in progress)
+        # A request the server took (a generation round) fails once `request_timeout` has passed, naming it.
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=r"did not answer /generate within .*\(vllm_request_timeout\)"):
+            client.generate([[1, 2]], n=2)
+        assert time.monotonic() - start < 30
+
+
+def test_an_answer_that_is_not_json_names_the_server_and_what_it_sent():
+    page = "<!DOCTYPE html>\n<html><body>\n  <h1>Welcome to nginx!</h1>\n</body></html>"
+    with stand_in_server(body=page.encode(), content_type="text/html") as (url, _):
+        with pytest.raises(VLLMServerError) as error:
+            VLLMClient(url, api_key="", timeout=5).wait_until_ready()
+    message = str(error.value)
+    assert f"The server at {url} answered /health with something that is not JSON (text/html:" in message
+    assert "<h1>Welcome to nginx!</h1>" in message and "\n" not in message
+    assert "vllm_server_base_url" in message
+    with stand_in_server(502, body=page.encode(), content_type="text/html") as (url, _):
+        with pytest.raises(VLLMServerError, match=r"/generate answered 502: <!DOCTYPE html> <html>"):
+            VLLMClient(url, api_key="", timeout=5).generate([[1]], n=1)
+
+
+def test_the_config_passes_the_request_timeout_to_the_client(monkeypatch):
+    import grpo.generation.vllm.server_backend as server_backend
+    from grpo import GRPOConfig
+    from grpo.generation import make_generation_backend
+
+    args = GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_request_timeout=7.5, report_to=[])
+    monkeypatch.setattr(server_backend, "VLLMGeneration", lambda accelerator, client, **kwargs: client)
+    client = make_generation_backend(args, Accelerator(cpu=True), pad_token_id=0, eos_token_ids=[1])
+    assert client.request_timeout == 7.5 and client.timeout == args.vllm_server_timeout
 
 
 def test_base_url_wins_over_host_and_port():

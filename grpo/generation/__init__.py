@@ -81,6 +81,7 @@ def make_generation_backend(
         port=args.vllm_server_port,
         timeout=args.vllm_server_timeout,
         group_port=args.vllm_group_port,
+        request_timeout=args.vllm_request_timeout,
     )
     return VLLMGeneration(
         accelerator,

@@ -62,11 +62,15 @@ def end_launched_process() -> None:
 
 
 @contextlib.contextmanager
-def stand_in_server(status: int = 200, answer: dict | None = None):
-    """A stand-in HTTP server on 127.0.0.1 that answers every GET and POST with `status` and the JSON `answer`.
-    Yields (base URL, the requests seen: a dict of method, path and lower-cased headers each)."""
+def stand_in_server(
+    status: int = 200, answer: dict | None = None, body: bytes | None = None, content_type: str = "application/json"
+):
+    """A stand-in HTTP server on 127.0.0.1 that answers every GET and POST with `status` and the JSON `answer` (or
+    the raw `body`, sent as `content_type`). Yields (base URL, the requests seen: a dict of method, path and
+    lower-cased headers each)."""
     seen = []
-    body = json.dumps(answer if answer is not None else {"status": "ok"}).encode()
+    if body is None:
+        body = json.dumps(answer if answer is not None else {"status": "ok"}).encode()
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self):
@@ -75,7 +79,7 @@ def stand_in_server(status: int = 200, answer: dict | None = None):
                 {"method": self.command, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}
             )
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

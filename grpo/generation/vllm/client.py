@@ -2,7 +2,11 @@
 communicator it opens with the server.
 
 It speaks the server's API with the standard library only: requests retry with backoff while the server cannot be
-reached, up to `timeout` seconds, then fail with the host, the port and the command that starts a server. The backend
+reached, up to `timeout` seconds, then fail with the host, the port and the command that starts a server. No request
+waits without bound: the wait for `/health` sends each try a short timeout and logs progress, and every other request
+(a generation round, a weight update) gets `request_timeout` seconds to answer, so a server that accepts connections
+and never answers cannot hang the trainer. An answer that is not JSON (another program on the port, a proxy's HTML
+page) is an error naming the server and what it sent. The backend
 that uses it is `VLLMGeneration` (grpo/generation/vllm/server_backend.py); vLLM itself is never imported here.
 
 A server requires `Authorization: Bearer <key>` on every request unless started with --insecure-no-key
@@ -13,6 +17,7 @@ server on a loopback address, the key such a server made and wrote to this user'
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -32,8 +37,20 @@ from grpo.generation.vllm.server_key import API_KEY_ENV, is_loopback, key_file, 
 logger = logging.getLogger(__name__)
 
 
+# How long one try of `/health` may take: a server that runs answers it at once; one that accepted the connection and
+# says nothing is tried again (until `timeout`) rather than waited on.
+HEALTH_TRY_SECONDS = 10.0
+
+
 class VLLMServerError(RuntimeError):
     """The vLLM server could not be reached, or refused a request."""
+
+
+def _excerpt(body: bytes | str, limit: int = 200) -> str:
+    """The start of an answer on one line, for an error message (an HTML page is many lines)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    text = " ".join(text.split())
+    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 class VLLMClient:
@@ -42,6 +59,8 @@ class VLLMClient:
     Args:
         timeout: seconds to keep retrying, with backoff, a request the server does not answer (not started yet,
             restarting, or gone); also the weight-sync group's timeout.
+        request_timeout: seconds a request the server has taken (a generation round, a weight update) may go
+            unanswered before it fails naming the server; generous, since a round of long completions takes minutes.
         group_port: the port of the weight-sync group's store, opened by the server's first worker.
         api_key: the server's API key, sent as `Authorization: Bearer <key>`; None reads GRPO_VLLM_API_KEY, or
             when that is unset or empty and the server is on a loopback address, the key file a server on that
@@ -56,11 +75,14 @@ class VLLMClient:
         timeout: float = 240.0,
         group_port: int = 51216,
         api_key: str | None = None,
+        request_timeout: float = 1800.0,
     ):
         self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
         self.host = urllib.parse.urlsplit(self.base_url).hostname
         self.port = urllib.parse.urlsplit(self.base_url).port or 80
         self.timeout = timeout
+        self.request_timeout = request_timeout
+        self.progress_every = 10.0  # seconds between the lines the wait for the server logs
         self.group_port = group_port
         self.group = None
         self.info: dict | None = None
@@ -93,6 +115,21 @@ class VLLMClient:
             f"vllm_server_host and vllm_server_port; vllm_server_timeout sets how long to wait."
         )
 
+    def _silent(self, path: str, waited: float, setting: str) -> VLLMServerError:
+        return VLLMServerError(
+            f"The vLLM server at {self.base_url} accepted the connection but did not answer {path} within "
+            f"{waited:.0f} s ({setting}). It may be hung or overloaded, or another program may be listening on port "
+            f"{self.port}: check the server's log, or restart it with `grpo vllm-serve` (docs/vllm.md)."
+        )
+
+    def _not_json(self, path: str, response, body: bytes) -> VLLMServerError:
+        kind = response.headers.get("Content-Type") or "no Content-Type"
+        return VLLMServerError(
+            f"The server at {self.base_url} answered {path} with something that is not JSON ({kind}: "
+            f"{_excerpt(body)!r}). Is another program (a web server, a proxy's page) listening on port {self.port}? "
+            "Point vllm_server_base_url, or vllm_server_host and vllm_server_port, at a `grpo vllm-serve` server."
+        )
+
     def _unauthorized(self, path: str, detail: str) -> VLLMServerError:
         sent = (
             f"refused the API key this client sent (from {self.key_source})" if self.key_source else "got no API key"
@@ -104,32 +141,71 @@ class VLLMClient:
             "docs/vllm.md#security."
         )
 
-    def request(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
+    def request(self, path: str, payload: dict | None = None, retry: bool = True, waiting: bool = False) -> dict:
         """GET (no payload) or POST `path`; returns the JSON answer. Connection failures are retried with backoff
-        for `timeout` seconds when `retry`; an answer with an error status raises at once with its message."""
+        for `timeout` seconds when `retry`; an answer with an error status raises at once with its message.
+
+        Each try has a timeout (connecting and each read): `request_timeout` once the server has the request, which
+        then fails at once naming the server; `waiting` (the wait for /health) gives each try at most
+        HEALTH_TRY_SECONDS, tries again until `timeout` and logs a line every `progress_every` seconds."""
         data = None if payload is None else json.dumps(payload).encode()
-        start, delay = time.monotonic(), 0.25
+        start, delay, said = time.monotonic(), 0.25, time.monotonic()
         while True:
-            http = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
+            waited = time.monotonic() - start
+            if waiting:  # short tries, so that a silent server is reported as the wait goes on
+                try_seconds = max(min(HEALTH_TRY_SECONDS, self.progress_every, self.timeout - waited), 0.1)
+            else:
+                try_seconds = self.request_timeout
+            sent = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
             try:
-                # No read timeout: a generation may take long; a dead server closes the connection instead.
-                with urllib.request.urlopen(http) as response:
-                    return json.loads(response.read())
+                with urllib.request.urlopen(sent, timeout=try_seconds) as response:
+                    body = response.read()
+                try:
+                    return json.loads(body)
+                except ValueError:
+                    raise self._not_json(path, response, body) from None
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")
                 if e.code == 401:
                     raise self._unauthorized(path, detail) from None
-                raise VLLMServerError(f"vLLM server {self.base_url}{path} answered {e.code}: {detail}") from None
+                raise VLLMServerError(
+                    f"vLLM server {self.base_url}{path} answered {e.code}: {_excerpt(detail, 500)}"
+                ) from None
+            except http.client.HTTPException as e:  # answered, but not in HTTP (another protocol on the port)
+                raise VLLMServerError(
+                    f"The server at {self.base_url} answered {path} with something that is not HTTP "
+                    f"({type(e).__name__}: {e}). Is another program listening on port {self.port}? Point the trainer "
+                    "at a `grpo vllm-serve` server (vllm_server_base_url, or vllm_server_host and vllm_server_port)."
+                ) from None
             except (urllib.error.URLError, ConnectionError, OSError) as e:
                 waited = time.monotonic() - start
+                # A TimeoutError of its own (not inside a URLError) is a read: the server took the request, then said
+                # nothing. Connecting that timed out comes as URLError and is retried like a refused connection.
+                silent = isinstance(e, TimeoutError)
+                if silent and not waiting:
+                    raise self._silent(path, waited, "vllm_request_timeout") from None
                 if not retry or waited >= self.timeout:
+                    if silent:
+                        raise self._silent(path, waited, "vllm_server_timeout") from None
                     raise self._unreachable(waited, getattr(e, "reason", e)) from None
+                if waiting and time.monotonic() - said >= self.progress_every:
+                    said = time.monotonic()
+                    logger.warning(
+                        "Waiting for the vLLM server at %s: %s for %.0f s so far (%s); giving up in %.0f s "
+                        "(vllm_server_timeout).",
+                        self.base_url,
+                        "no answer" if silent else "not reachable",
+                        waited,
+                        getattr(e, "reason", e),
+                        max(self.timeout - waited, 0.0),
+                    )
                 time.sleep(min(delay, max(self.timeout - waited, 0.0)))
                 delay = min(delay * 2, 5.0)
 
     def wait_until_ready(self) -> dict:
-        """The server's /health answer, once it answers (at most `timeout` seconds)."""
-        self.info = self.request("/health")
+        """The server's /health answer, once it answers (at most `timeout` seconds, with a line of progress every
+        `progress_every` seconds)."""
+        self.info = self.request("/health", waiting=True)
         return self.info
 
     def generate(self, prompts: list[list[int]], n: int, **sampling) -> dict:
