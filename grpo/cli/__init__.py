@@ -1,12 +1,19 @@
 """The `grpo` command line (also `python -m grpo`).
 
     grpo train RECIPE.yaml [--field value ...]    train from a recipe (docs/recipes.md); works under accelerate launch
+    grpo check RECIPE.yaml [--field value ...]    validate a recipe without loading any weight; say what would run
     grpo plot OUTPUT_DIR                          the logged metrics that moved, against step, as a PNG
     grpo vllm-serve --model PATH_OR_ID [...]      a vLLM generation server for `use_vllm=True` (docs/vllm.md)
+    grpo env                                      versions and the machine, for a bug report
+    grpo --version; grpo train --help             (every recipe key with its default and help)
+
+A mistake (a recipe, a path, the environment, a reward function's bug) is one line on stderr and exit status 2;
+`--debug` (or GRPO_DEBUG=1) shows the traceback instead.
 
 `grpo train` does, in order:
-  1. parse and validate the recipe and the overrides (unknown keys stop here, before any model is loaded);
-  2. load the prompts and the rewards, build the `GRPOTrainer`;
+  1. validate everything that needs no weights (`grpo.cli.check.plan_run`: the recipe and overrides, the output
+     directory, the model's source, the data, the rewards' imports and the batch arithmetic); load the prompts;
+  2. build the `GRPOTrainer` (the weights load here) and print what is about to run;
   3. evaluate the held-out prompts: sampled (`eval_reward`, G samples per prompt) and greedy (one completion per
      prompt: `eval_greedy_accuracy`), when the recipe has held-out prompts and the run is not resumed;
   4. train; 5. evaluate again; 6. save the model, the trainer state and the plot; print before/after with the
@@ -19,9 +26,9 @@ import argparse
 import os
 import sys
 
-from grpo.cli.recipe import RecipeError, load_recipe, resolve_reward, resolve_tool
+from grpo.cli.recipe import RecipeError
 from grpo.data import InputError, completion_text
-from grpo.training.checkpoints import CheckpointError, check_fresh_output_dir, resolve_resume
+from grpo.training.checkpoints import CheckpointError
 from grpo.training.nonfinite import NonFiniteError
 
 
@@ -186,40 +193,39 @@ def _tokenizer(model, tools: list):
 def train(recipe_path: str, overrides: list[str]) -> dict:
     """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
     prompts)."""
-    # 1. Parse and validate.
-    recipe = load_recipe(recipe_path, overrides)
-    args = recipe.grpo_config()
-    # Resume (`--resume_from_checkpoint DIR|true`), or refuse to write over an earlier run's checkpoints.
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-    if resume is None:
-        check_fresh_output_dir(args.output_dir)
+    # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
+    # bad recipe fails in a second.
+    from grpo.cli.check import plan_run, run_summary
 
-    # 2. Data, rewards, trainer. Imported here so that a bad recipe fails in a second.
     _quiet_deepspeed_on_cpu()
-    from grpo.cli.datasets import load_prompt_datasets
+    plan = plan_run(recipe_path, overrides)
+    recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
     from grpo.training.trainer import GRPOTrainer
 
-    train_data, held_out = load_prompt_datasets(recipe.dataset)
-    search = [recipe.source.parent.resolve()] if recipe.source else []
-    reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
-    tools = [resolve_tool(path, search) for path in recipe.tools]
-    if tools and len(train_data) and isinstance(train_data[0]["prompt"], str):
-        raise RecipeError(
-            "The recipe's tools need conversational prompts (the chat template renders the tools); these are "
-            "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
+    # 2. The trainer; the weights load here.
+    try:
+        trainer = GRPOTrainer(
+            model=recipe.model.name_or_path,
+            reward_funcs=plan.reward_funcs,
+            args=args,
+            train_dataset=plan.train_data,
+            eval_dataset=held_out,
+            processing_class=_tokenizer(recipe.model, plan.tools),
+            peft_config=recipe.peft_config(),
+            tools=plan.tools or None,
         )
-    trainer = GRPOTrainer(
-        model=recipe.model.name_or_path,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=train_data,
-        eval_dataset=held_out,
-        processing_class=_tokenizer(recipe.model, tools),
-        peft_config=recipe.peft_config(),
-        tools=tools or None,
-    )
+    except (OSError, ConnectionError) as e:
+        if isinstance(e, FileNotFoundError | PermissionError):
+            raise
+        # A hub model that cannot be fetched (no network, a wrong or private id): transformers says which.
+        raise RecipeError(
+            f"model {recipe.model.name_or_path!r} could not be loaded: {type(e).__name__}: {e} Check the id and "
+            "the network, or give the model's local folder."
+        ) from e
     main = trainer.accelerator.is_main_process
     run = recipe.run
+    if main:
+        print(run_summary(trainer, plan), flush=True)
 
     # 3. Before training (not when resuming: the weights are the checkpoint's only once training starts).
     before, samples_before = None, []
@@ -264,21 +270,49 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     return {"before": before or {}, "after": after}
 
 
-def main(argv: list[str] | None = None) -> int:
+def check(recipe_path: str, overrides: list[str]) -> None:
+    """Run `grpo check`: validate as `grpo train` does before any weight loads, and print what the run would do."""
+    import datasets
+
+    from grpo.cli.check import describe_plan, plan_run
+
+    datasets.disable_progress_bars()  # shaping a few hundred rows is instant; its bars would hide the answer
+    print(describe_plan(plan_run(recipe_path, overrides)))
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("grpo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: run from a checkout with `pip install -e .`)"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo", description="Group Relative Policy Optimization for language models."
     )
+    parser.add_argument("--version", action="version", version=f"grpo {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error instead of one line (or GRPO_DEBUG=1)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train_parser = commands.add_parser(
-        "train",
-        help="train from a recipe YAML file",
-        description="Train from a recipe. Any GRPOConfig field or section key (--dataset.size) can be overridden.",
-    )
-    train_parser.add_argument("recipe", help="path to the recipe YAML file (see examples/recipes/)")
-    train_parser.add_argument(
-        "overrides", nargs=argparse.REMAINDER, help="--field value or --section.field value, read as YAML"
-    )
+    for name, text in (("train", "train from a recipe YAML file"), ("check", "validate a recipe without training")):
+        # The keys are listed by `--help` itself (`_print_recipe_help`): the epilog would be built on every call.
+        sub = commands.add_parser(
+            name,
+            help=text,
+            add_help=False,
+            description=f"{text[0].upper()}{text[1:]}. Any GRPOConfig field or section key (--dataset.size) can be "
+            "overridden; --help lists them all, with defaults.",
+        )
+        sub.add_argument("-h", "--help", action="store_true", help="list every recipe key with its default and help")
+        sub.add_argument("recipe", nargs="?", help="path to the recipe YAML file (see examples/recipes/)")
+        sub.add_argument(
+            "overrides", nargs=argparse.REMAINDER, help="--field value or --section.field value, read as YAML"
+        )
 
     plot_parser = commands.add_parser("plot", help="plot a run's logged metrics to a PNG")
     plot_parser.add_argument("output_dir", help="the run's output_dir (holds trainer_state.json)")
@@ -293,28 +327,67 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.generation.vllm.serve import add_arguments
 
     add_arguments(serve_parser)
+    commands.add_parser("env", help="print versions and the machine, for a bug report")
+    return parser
 
+
+def _print_recipe_help(parser: argparse.ArgumentParser, command: str) -> None:
+    from grpo.cli.info import keys_help
+
+    sub = parser._subparsers._group_actions[0].choices[command]  # argparse keeps its subparsers only here
+    print(sub.format_help())
+    print(keys_help())
+
+
+def _run(cli, parser) -> None:
+    if cli.command in ("train", "check"):
+        if cli.help or any(a in ("-h", "--help") for a in cli.overrides):
+            _print_recipe_help(parser, cli.command)
+        elif cli.recipe is None:
+            raise RecipeError(f"Name a recipe: grpo {cli.command} RECIPE.yaml (see examples/recipes/).")
+        elif cli.command == "train":
+            train(cli.recipe, cli.overrides)
+        else:
+            check(cli.recipe, cli.overrides)
+    elif cli.command == "plot":
+        from grpo.cli.plot import plot_run
+
+        print(plot_run(cli.output_dir, cli.out))
+    elif cli.command == "vllm-serve":
+        from grpo.generation.vllm.serve import serve
+
+        serve(cli)
+    elif cli.command == "env":
+        from grpo.cli.info import env_report
+
+        print(env_report())
+
+
+def main(argv: list[str] | None = None) -> int:
+    # `--debug` may come anywhere (`grpo train r.yaml --debug`): taken out before the overrides are read.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("GRPO_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    parser = _parser()
     cli = parser.parse_args(argv)
     try:
-        if cli.command == "train":
-            train(cli.recipe, cli.overrides)
-        elif cli.command == "plot":
-            from grpo.cli.plot import plot_run
-
-            print(plot_run(cli.output_dir, cli.out))
-        elif cli.command == "vllm-serve":
-            from grpo.generation.vllm.serve import serve
-
-            serve(cli)
+        _run(cli, parser)
     except (InputError, FileNotFoundError) as e:
         # Bad input (a recipe, its data, a reward, a path; RecipeError is one): one line, exit status 2.
+        if debug:
+            raise
         message = " ".join(str(e).split())
         print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
     except (NonFiniteError, CheckpointError) as e:
         # Training stopped to protect the weights or a checkpoint: the message says what is intact and what to do.
+        if debug:
+            raise
         print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `grpo train --help | head`: the reader has all it wanted
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's flush at exit is quiet too
+        return 0
     return 0
 
 

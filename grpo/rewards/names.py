@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -46,10 +47,11 @@ def reward_name(func: Callable | PreTrainedModel | str) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def reward_kind(name: str) -> str:
+def reward_kind(name: str, search_dirs: Sequence[Path] = ()) -> str:
     """What a reward string names, decided without importing or downloading anything: 'builtin', 'function'
     (`module:function`), 'path' (an existing local reward-model folder) or 'hub' (a reward-model id). Raises
-    `InputError` for a local-looking path that does not exist and for a name close to a built-in one."""
+    `InputError` for a local-looking path that does not exist, for a name close to a built-in one and for TRL's
+    dotted 'module.function' of a module found here (`search_dirs`: a recipe's folder)."""
     if name in BUILTIN_REWARDS:
         return "builtin"
     if looks_local(name):
@@ -64,6 +66,12 @@ def reward_kind(name: str) -> str:
         return "function"
     if Path(name).is_dir():
         return "path"
+    colon = _dotted_function(name, search_dirs)
+    if colon is not None:
+        raise InputError(
+            f"Reward {name!r}: a function is named 'module:function' here, with a colon (TRL's dotted form would be "
+            f"tried as a hub model id). Did you mean {colon!r}?"
+        )
     close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.6) if "/" not in name else []
     if close:
         raise InputError(
@@ -74,13 +82,67 @@ def reward_kind(name: str) -> str:
     return "hub"
 
 
-def import_from_folders(module_name: str, search_dirs: Sequence[Path] = ()):
+def import_from_folders(module_name: str, search_dirs: Sequence[Path] = (), what: str = ""):
     """Import `module_name` with the working directory and `search_dirs` (a recipe's folder) on the import path:
-    how a `module:function` reward, or a recipe's tool, finds a file beside the recipe. ImportError as import raises."""
+    how a `module:function` reward, or a recipe's tool, finds a file beside the recipe. Every failure is an
+    `InputError` that starts with `what` (e.g. "Reward 'my_rewards:short'") and says which of these it is: the module
+    is not found, a module it imports is missing (install it), it has a syntax error (file and line), or its own code
+    raised while it was imported."""
     for folder in [Path.cwd(), *search_dirs]:
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
-    return importlib.import_module(module_name)
+    what = what or f"Module '{module_name}'"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name != e.name and not module_name.startswith(e.name + "."):
+            raise InputError(
+                f"{what}: module '{module_name}' imports '{e.name}', which is not installed. Install it in this "
+                f"environment (pip install {e.name.split('.')[0]}), or remove that import."
+            ) from e
+        raise InputError(
+            f"{what}: cannot import module '{module_name}' ({e}). Put {module_name.split('.')[0]}.py in the "
+            "working directory or the recipe's folder, or install the package that provides it."
+        ) from e
+    except SyntaxError as e:
+        where = f"{e.filename}, line {e.lineno}" if e.filename else f"line {e.lineno}"
+        raise InputError(
+            f"{what}: module '{module_name}' has a syntax error ({where}): {e.msg}. Fix that line."
+        ) from e
+    except Exception as e:
+        frame = _last_frame_in(e, module_name)
+        raise InputError(
+            f"{what}: importing module '{module_name}' raised {type(e).__name__}: {e}{frame}. Fix the module's "
+            "top-level code (it runs when the module is imported)."
+        ) from e
+
+
+def _last_frame_in(error: BaseException, module_name: str) -> str:
+    """' (at FILE, line N)' for the deepest traceback frame in the module's own file, or ''."""
+    import traceback
+
+    stem = module_name.rsplit(".", 1)[-1]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).stem == stem]
+    return f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+
+
+def _dotted_function(name: str, search_dirs: Sequence[Path] = ()) -> str | None:
+    """'module:function' when `name` is TRL's dotted form 'module.function' of a module found here (a .py file in
+    the working directory or `search_dirs`, or an installed top-level module), else None. Such a name is not a hub
+    id, and trying it as one costs retries and, offline, a misleading error."""
+    if "/" in name or ":" in name or "." not in name:
+        return None
+    module, _, attr = name.rpartition(".")
+    top = module.split(".")[0]
+    if not (module and attr.isidentifier() and all(part.isidentifier() for part in module.split("."))):
+        return None
+    if any((Path(folder) / f"{top}.py").is_file() for folder in [Path.cwd(), *search_dirs]):
+        return f"{module}:{attr}"
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    return f"{module}:{attr}" if found else None
 
 
 def resolve_reward_name(
@@ -89,7 +151,7 @@ def resolve_reward_name(
     """The reward a string names (see `reward_kind`), the one resolver behind both `GRPOTrainer(reward_funcs="...")`
     and recipes. `module:function` is imported with the working directory and `search_dirs` on the import path; a
     factory (built-in or imported) is called with `kwargs` when they are given."""
-    kind = reward_kind(name)
+    kind = reward_kind(name, search_dirs)
     kwargs = kwargs or {}
     if kind in ("path", "hub"):
         if kwargs:
@@ -108,13 +170,7 @@ def resolve_reward_name(
             ) from e
     if kind == "function":
         module_name, _, attr = name.partition(":")
-        try:
-            module = import_from_folders(module_name, search_dirs)
-        except ImportError as e:
-            raise InputError(
-                f"Reward '{name}': cannot import module '{module_name}' ({e}). Put {module_name}.py in the "
-                "working directory or the recipe's folder, or install the package that provides it."
-            ) from e
+        module = import_from_folders(module_name, search_dirs, what=f"Reward '{name}'")
         if not hasattr(module, attr):
             raise InputError(
                 f"Reward '{name}': module '{module_name}' has no attribute '{attr}'. Check the function's name: "

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from grpo.data import InputError
 from grpo.rewards.names import reward_name
 from grpo.rewards.process import is_process_reward
 
@@ -67,6 +68,12 @@ def _accepted_kwargs(func: Callable, available: dict[str, Any]) -> dict[str, Any
             f"reward arguments nor dataset columns. Available: {sorted(available)}."
         )
     return {k: v for k, v in available.items() if k in params}
+
+
+class RewardFunctionError(InputError, RuntimeError, TypeError):
+    """A reward function raised, or returned something other than one number (or None) per row: a bug in the
+    function, which the message names with its fix. An `InputError`, so that `grpo train` prints it as one line; also
+    the RuntimeError, ValueError and TypeError these failures were raised as before."""
 
 
 def _rows(kwargs: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
@@ -101,7 +108,7 @@ def _to_float(value: Any, name: str, row: int) -> float | None:
         value = value.item()
     if isinstance(value, numbers.Real):
         return float(value)
-    raise TypeError(
+    raise RewardFunctionError(
         f"Reward function '{name}' returned {value!r} ({type(value).__name__}) for row {row}; "
         "each entry must be a number, or None when the function does not apply to that row."
     )
@@ -114,7 +121,9 @@ def check_rewards(values: Any, name: str, num_rows: int, offset: int = 0) -> lis
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_rows:
         got = f"length {len(values)}" if isinstance(values, Sequence) else type(values).__name__
-        raise ValueError(f"Reward function '{name}' must return a list of {num_rows} values (one per row), got {got}.")
+        raise RewardFunctionError(
+            f"Reward function '{name}' must return a list of {num_rows} values (one per row), got {got}."
+        )
     return [_to_float(v, name, offset + i) for i, v in enumerate(values)]
 
 
@@ -295,7 +304,7 @@ def _report(call: _Call, failures: list, prompts: Sequence, errors: str) -> int:
     why = f"{type(error).__name__}: {error}"
     if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt, ...: say why the run did not end
         why += " (a reward function cannot end the run: return a reward, or None for a row it cannot score)"
-    raise RuntimeError(
+    raise RewardFunctionError(
         f"{what} '{name}' failed on {where}{detail}: {why}. Fix the function, or "
         "set reward_errors='skip' to give such rows None for this function and continue."
     ) from error

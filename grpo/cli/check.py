@@ -1,0 +1,329 @@
+"""What `grpo check` validates and `grpo train` validates first: every mistake that can be found without loading a
+weight, each raised as a `RecipeError` (one line, exit status 2), and what the run would do.
+
+    grpo check examples/recipes/demo.yaml --max_steps 5
+
+`plan_run` does, in order:
+  1. the environment: the distributed variables (LOCAL_RANK, RANK, WORLD_SIZE, ...) are integers, the Hugging Face
+     cache folders are usable;
+  2. the recipe and its overrides (`load_recipe`), then the `GRPOConfig` they give;
+  3. the output directory: a directory (or one that can be made), writable, names the file system accepts, no
+     earlier run in it unless resuming; the file-size limit (`ulimit -f`) leaves room for the weights;
+  4. the model: a local folder, the offline SmolLM2, or a well-formed hub id that is cached when the hub is off;
+     `report_to` names trackers that are installed;
+  5. the data and the rewards: loaded and imported (no weights), then the checks `GRPOTrainer` runs before it loads
+     the policy (columns, batch arithmetic, reward signatures and weights).
+`describe_plan` is what `grpo check` prints; `run_summary` is what `grpo train` prints once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from grpo.cli.recipe import Recipe, RecipeError, load_recipe, resolve_reward, resolve_tool
+from grpo.config import GRPOConfig
+from grpo.models import SMOLLM2_NAME, looks_local
+
+# Variables that torchrun / accelerate launch set; transformers reads them with int() when the config is built.
+DISTRIBUTED_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
+# The caches a run writes to (models, data sets); an unusable one fails deep inside a download otherwise.
+CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE")
+# report_to names and transformers' availability check for each (transformers.integrations).
+TRACKERS = {
+    "wandb": ("is_wandb_available", "wandb"),
+    "tensorboard": ("is_tensorboard_available", "tensorboard"),
+    "mlflow": ("is_mlflow_available", "mlflow"),
+    "comet_ml": ("is_comet_available", "comet_ml"),
+    "clearml": ("is_clearml_available", "clearml"),
+    "trackio": ("is_trackio_available", "trackio"),
+    "swanlab": ("is_swanlab_available", "swanlab"),
+    "neptune": ("is_neptune_available", "neptune"),
+    "dvclive": ("is_dvclive_available", "dvclive"),
+    "codecarbon": ("is_codecarbon_available", "codecarbon"),
+    "azure_ml": ("is_azureml_available", "azureml-core"),
+}
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """A validated recipe with what it loaded before any weight: the config, the checkpoint to resume from (None:
+    a fresh run), the prompts, the reward functions (reward models still as names) and the tools."""
+
+    recipe: Recipe
+    args: GRPOConfig
+    resume: str | None
+    train_data: Any
+    held_out: Any
+    reward_funcs: list
+    tools: list
+
+
+def check_environment() -> None:
+    """1. Environment variables that would fail later under another name."""
+    for name in DISTRIBUTED_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None and not value.strip().lstrip("-").isdigit():
+            raise RecipeError(
+                f"The environment variable {name}={value!r} is not an integer (torchrun and accelerate launch set it "
+                f"to a process number). Unset it (unset {name}), or start the run with accelerate launch."
+            )
+    for name in CACHE_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            problem = _unwritable(Path(value).expanduser())
+            if problem:
+                raise RecipeError(
+                    f"The Hugging Face cache folder {name}={value!r} cannot be used: {problem}. Point {name} at a "
+                    f"folder you can write to, or unset it (default ~/.cache/huggingface)."
+                )
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written to or created as a folder, or None. Probes with a temporary file in the deepest
+    folder that exists (permissions alone do not show a read-only file system)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".grpo-probe-")
+    except OSError as e:
+        return f"{str(existing)!r} is not writable ({e.strerror or e})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
+def check_output_dir(output_dir: str) -> None:
+    """3. The output directory can hold the run: a directory or creatable as one, every name within the file
+    system's length limit, writable."""
+    path = Path(output_dir).expanduser()
+    try:
+        limit = os.pathconf(_deepest_existing(path), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in path.parts:
+        if len(os.fsencode(part)) > limit:
+            raise RecipeError(
+                f"output_dir: the name {part[:40]!r}... is {len(os.fsencode(part))} bytes long, over this file "
+                f"system's limit of {limit}. Use a shorter output_dir."
+            )
+    if path.exists() and not path.is_dir():
+        raise RecipeError(
+            f"output_dir {output_dir!r} is a file, not a directory. Give a directory (it is created when missing), "
+            "or move the file away."
+        )
+    problem = _unwritable(path)
+    if problem:
+        raise RecipeError(
+            f"output_dir {output_dir!r} cannot be written: {problem}. Use an output_dir you can write to "
+            "(--output_dir PATH)."
+        )
+
+
+def _deepest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path if path.is_dir() else path.parent
+
+
+def check_file_size_limit(model: str) -> None:
+    """The file-size limit (`ulimit -f`) must admit the weights every checkpoint and the final save write; known
+    for a local model folder only (the size of its weight files)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    folder = Path(model).expanduser()
+    if soft == resource.RLIM_INFINITY or not folder.is_dir():
+        return
+    size = max((p.stat().st_size for p in folder.glob("*.safetensors")), default=0)
+    size = size or max((p.stat().st_size for p in folder.glob("*.bin")), default=0)
+    if size > soft:
+        raise RecipeError(
+            f"The file-size limit (ulimit -f) is {soft / 2**20:.1f} MiB, smaller than the model's weights "
+            f"({size / 2**20:.1f} MiB), which every checkpoint and the final save write: raise it (ulimit -f "
+            "unlimited) and run again. (Free disk space is not the problem.)"
+        )
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(v, "").upper() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(f in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def check_model_source(name: str, what: str = "model") -> None:
+    """4. A model that is not a local folder or the offline SmolLM2 is a hub id: well formed, and in the local cache
+    when the hub is off (HF_HUB_OFFLINE=1), so that nothing waits on the network to fail."""
+    if name == SMOLLM2_NAME or looks_local(name) or Path(name).expanduser().exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise RecipeError(
+            f"{what}: {name!r} is neither a local folder nor a hub id ({' '.join(str(e).split())}). Give a folder "
+            f"that exists, a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or '{SMOLLM2_NAME}'."
+        ) from e
+    if _hub_offline() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise RecipeError(
+            f"{what}: {name!r} is a hub id that is not in the local cache, and HF_HUB_OFFLINE=1 forbids downloading "
+            f"it. Download it where there is network (hf download {name}), or give its local folder."
+        )
+
+
+def check_report_to(report_to: list[str]) -> None:
+    """4. Every tracker `report_to` names is installed (transformers would fail at construction, after loading)."""
+    from transformers import integrations
+
+    for name in report_to:
+        check, package = TRACKERS.get(name, (None, None))
+        available = getattr(integrations, check, None) if check else None
+        if available is not None and not available():
+            raise RecipeError(
+                f"report_to names {name!r}, but the {package} package is not installed. Install it (pip install "
+                f"{package}), or leave {name} out of report_to (--report_to none)."
+            )
+
+
+def check_trainer_inputs(plan: RunPlan) -> None:
+    """5. The checks `GRPOTrainer.__init__` runs before it loads the policy, in its order, on the recipe's data,
+    rewards and tools: the data set's columns, the batch arithmetic, whether the reference may move, the tools'
+    schemas, and the rewards' signatures and weights (reward models are not loaded). Their ValueError and
+    TypeError become `RecipeError`s, message unchanged."""
+    from grpo.data import check_prompt_dataset, offline
+    from grpo.data.sampler import train_sampler
+    from grpo.generation.tools import Toolbox
+    from grpo.objective.reference import reference_moves
+    from grpo.rewards.environments import with_environment_rewards
+    from grpo.rewards.names import check_reward_funcs
+
+    args = plan.args
+    try:
+        stored = offline.offline_groups(plan.train_data, plan.held_out, args, plan.reward_funcs or None)
+        train_data = stored if stored is not None else plan.train_data
+        check_prompt_dataset(train_data, "train_dataset")
+        check_prompt_dataset(plan.held_out, "eval_dataset")
+        train_sampler(args, len(train_data), groups=stored is not None)
+        reference_moves(args, peft=plan.recipe.peft is not None)
+        toolbox = Toolbox(plan.tools) if plan.tools else None
+        funcs, weights = with_environment_rewards(plan.reward_funcs or None, toolbox, args.reward_weights)
+        funcs, _, weights = offline.offline_rewards(stored, funcs, None, weights)
+        if funcs:
+            check_reward_funcs(funcs, None, weights)
+    except (ValueError, TypeError) as e:
+        raise RecipeError(str(e)) from e
+
+
+def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
+    """Steps 1-5 of the module docstring: a run's inputs, validated and loaded short of any weight."""
+    from grpo.training.checkpoints import check_fresh_output_dir, resolve_resume
+
+    check_environment()
+    recipe = load_recipe(recipe_path, overrides)
+    args = recipe.grpo_config()
+    check_output_dir(args.output_dir)
+    # Resume (`--resume_from_checkpoint DIR|true`), or refuse to write over an earlier run's checkpoints.
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume is None:
+        check_fresh_output_dir(args.output_dir)
+    check_model_source(recipe.model.name_or_path)
+    check_file_size_limit(recipe.model.name_or_path)
+    check_report_to(args.report_to or [])
+
+    from grpo.cli.datasets import load_prompt_datasets
+
+    train_data, held_out = load_prompt_datasets(recipe.dataset)
+    search = [recipe.source.parent.resolve()] if recipe.source else []
+    reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
+    for spec in recipe.rewards:
+        if isinstance(spec.name, str) and ":" not in spec.name and "/" in spec.name:
+            check_model_source(spec.name, what="reward model")
+    tools = [resolve_tool(path, search) for path in recipe.tools]
+    if tools and len(train_data) and isinstance(train_data[0]["prompt"], str):
+        raise RecipeError(
+            "The recipe's tools need conversational prompts (the chat template renders the tools); these are "
+            "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
+        )
+    plan = RunPlan(recipe, args, resume, train_data, held_out, reward_funcs, tools)
+    check_trainer_inputs(plan)
+    return plan
+
+
+def _backend(args: GRPOConfig) -> str:
+    if args.use_vllm and args.vllm_mode == "colocate":
+        return "vLLM engine in this process (vllm_mode=colocate)"
+    if args.use_vllm:
+        where = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return f"vLLM server at {where} (start it with grpo vllm-serve)"
+    return "model.generate in this process"
+
+
+def _steps(args: GRPOConfig, rows: int) -> str:
+    if args.max_steps > 0:
+        return f"{args.max_steps} (max_steps)"
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    steps = max(1, int(args.num_train_epochs * rows * args.num_generations // per_step))
+    return f"about {steps} on one process ({args.num_train_epochs:g} epochs of {rows} prompts)"
+
+
+def describe_plan(plan: RunPlan) -> str:
+    """What the run would do, as `grpo check` prints it."""
+    args, recipe = plan.args, plan.recipe
+    rows = len(plan.train_data)
+    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    prompt_tokens = args.max_prompt_length if args.max_prompt_length is not None else "the prompt's"
+    names = [s.name + (f" (weight {s.weight:g})" if s.weight is not None else "") for s in recipe.rewards]
+    held_out = f", {len(plan.held_out)} held out" if plan.held_out is not None else ""
+    lines = [
+        f"{recipe.source or 'recipe'}: valid (no weights were loaded).",
+        f"  model:        {recipe.model.name_or_path}" + (" + LoRA adapter" if recipe.peft else ""),
+        f"  data:         {rows} training prompts{held_out}",
+        f"  rewards:      {', '.join(names) or 'the stored ones (offline data)'}",
+        f"  tools:        {', '.join(recipe.tools)}" if recipe.tools else None,
+        f"  steps:        {_steps(args, rows)}",
+        f"  per step:     {completions // args.num_generations} prompts x G={args.num_generations} completions per "
+        f"process, at most {args.max_completion_length} tokens each (prompts: {prompt_tokens} tokens at most)",
+        f"  loss:         {args.loss_type}, beta={args.beta:g}, learning_rate={args.learning_rate:g}",
+        f"  generation:   {_backend(args)}",
+        f"  output_dir:   {args.output_dir}" + (f" (resuming from {plan.resume})" if plan.resume else ""),
+    ]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def run_summary(trainer, plan: RunPlan) -> str:
+    """What `grpo train` prints once the model is loaded: the model and its parameters, the trainable share, the
+    data, G, steps, tokens per step, the generation backend and the output directory."""
+    from grpo.models import unwrap_parallel
+
+    args = trainer.args
+    model = unwrap_parallel(trainer.model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    processes = trainer.accelerator.num_processes
+    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    tokens = completions * ((args.max_prompt_length or 0) + args.max_completion_length)
+    prompt_part = "" if args.max_prompt_length is not None else " (completion tokens; prompts are not capped)"
+    held_out = f", {len(plan.held_out)} held out" if plan.held_out is not None else ""
+    lines = [
+        f"model:      {plan.recipe.model.name_or_path}: {total / 1e6:.1f}M parameters, "
+        f"{trainable / 1e6:.1f}M trainable ({100 * trainable / max(total, 1):.1f}%)",
+        f"data:       {len(plan.train_data)} training prompts{held_out}",
+        f"steps:      {_steps(args, len(plan.train_data))}; {completions // args.num_generations} prompts x "
+        f"G={args.num_generations} = {completions} completions per step on {processes} process(es), at most "
+        f"{tokens} tokens{prompt_part}",
+        f"generation: {_backend(args)}",
+        f"output_dir: {args.output_dir}",
+    ]
+    return "\n".join(lines)
