@@ -11,7 +11,7 @@ A mistake (a recipe, a path, the environment, a reward function's bug) is one li
 `--debug` (or GRPO_DEBUG=1) shows the traceback instead.
 
 `grpo train` does, in order:
-  1. validate everything that needs no weights (`grpo.cli.check.plan_run`: the recipe and overrides, the output
+  1. validate everything that needs no weights (`grpo.cli.preflight.plan_run`: the recipe and overrides, the output
      directory, the model's source, the data, the rewards' imports and the batch arithmetic); load the prompts;
   2. build the `GRPOTrainer` (the weights load here) and print what is about to run;
   3. evaluate the held-out prompts: sampled (`eval_reward`, G samples per prompt) and greedy (one completion per
@@ -195,7 +195,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     prompts)."""
     # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
     # bad recipe fails in a second.
-    from grpo.cli.check import plan_run, run_summary
+    from grpo.cli.preflight import plan_run, run_summary
 
     _quiet_deepspeed_on_cpu()
     plan = plan_run(recipe_path, overrides)
@@ -274,7 +274,7 @@ def check(recipe_path: str, overrides: list[str]) -> None:
     """Run `grpo check`: validate as `grpo train` does before any weight loads, and print what the run would do."""
     import datasets
 
-    from grpo.cli.check import describe_plan, plan_run
+    from grpo.cli.preflight import describe_plan, plan_run
 
     datasets.disable_progress_bars()  # shaping a few hundred rows is instant; its bars would hide the answer
     print(describe_plan(plan_run(recipe_path, overrides)))
@@ -363,6 +363,18 @@ def _run(cli, parser) -> None:
         print(env_report())
 
 
+def _close_progress_bars() -> None:
+    """Clear the progress bars still open (a step that failed midway), so that the error line starts a line of its
+    own and no bar is redrawn after it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.leave = False
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     # `--debug` may come anywhere (`grpo train r.yaml --debug`): taken out before the overrides are read.
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -376,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input (a recipe, its data, a reward, a path; RecipeError is one): one line, exit status 2.
         if debug:
             raise
+        _close_progress_bars()
         message = " ".join(str(e).split())
         print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
@@ -383,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         # Training stopped to protect the weights or a checkpoint: the message says what is intact and what to do.
         if debug:
             raise
+        _close_progress_bars()
         print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `grpo train --help | head`: the reader has all it wanted

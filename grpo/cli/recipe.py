@@ -170,7 +170,37 @@ def config_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.init}
 
 
+# TRL's command-line and YAML keys (its ScriptArguments and ModelConfig) that are spelt otherwise in a recipe
+# (docs/from-trl.md); GRPOConfig's own fields keep TRL's names.
+TRL_KEYS = {
+    "model_name_or_path": "model",
+    "model_revision": "model_init_kwargs: {revision: ...}",
+    "torch_dtype": "model_init_kwargs: {dtype: ...}",
+    "dtype": "model_init_kwargs: {dtype: ...}",
+    "attn_implementation": "model_init_kwargs: {attn_implementation: ...}",
+    "trust_remote_code": "model_init_kwargs: {trust_remote_code: true}",
+    "dataset_name": "dataset.path",
+    "dataset_config": "dataset.name",
+    "dataset_train_split": "dataset.split",
+    "dataset_test_split": "dataset.eval_split",
+    "reward_funcs": "rewards",
+    "reward_model_name_or_path": "rewards",
+    "use_peft": "peft",
+    "lora_r": "peft.r",
+    "lora_alpha": "peft.lora_alpha",
+    "lora_dropout": "peft.lora_dropout",
+    "lora_target_modules": "peft.target_modules",
+    "lora_modules_to_save": "peft.modules_to_save",
+    "use_rslora": "peft.use_rslora",
+}
+
+
 def _unknown(key: str, valid, where: str) -> RecipeError:
+    if key in TRL_KEYS and "section" not in where:
+        return RecipeError(
+            f"Unknown key '{key}' in {where}: that is TRL's name. Did you mean '{TRL_KEYS[key]}'? (docs/from-trl.md "
+            "maps TRL's keys.)"
+        )
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return RecipeError(f"Unknown key '{key}' in {where}.{hint} See docs/recipes.md for the valid keys.")
@@ -275,7 +305,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> di
         if dot:
             if section not in _SECTIONS:
                 raise _unknown(section, _SECTIONS, "the command-line overrides (--section.field)")
-            raw[section] = {**(raw.get(section) or {}), field: value}
+            existing = raw.get(section) or {}
+            if section == "model" and isinstance(existing, str):  # `model: PATH` is short for {name_or_path: PATH}
+                existing = {"name_or_path": existing}
+            raw[section] = {**existing, field: value}
         else:
             raw[key] = value
     return raw
