@@ -872,8 +872,7 @@ class GRPOConfig(TrainingArguments):
                     )
 
     def _check_steps_and_prompts(self):
-        """A learning rate no fine-tuning run means, a temperature at which nothing is learned (a warning), and the
-        side long prompts are cut on."""
+        """A learning rate no fine-tuning run means, and the side long prompts are cut on."""
         if self.max_steps == 0:  # transformers reads 0 as "not set" and trains for num_train_epochs instead
             raise ValueError(
                 "max_steps=0 would train for num_train_epochs instead of not at all. Give a positive number of "
@@ -885,52 +884,11 @@ class GRPOConfig(TrainingArguments):
                 "and Adam moves each weight by about the learning rate per step. Fix its exponent (e.g. 1e-5), or set "
                 "allow_large_learning_rate=True if you mean it."
             )
-        if self.temperature < MIN_USEFUL_TEMPERATURE:
-            warnings.warn(
-                f"temperature={self.temperature!r} is below {MIN_USEFUL_TEMPERATURE:g}: sampling is then close to "
-                f"greedy, so the {self.num_generations} completions of a group come out identical, their rewards tie, "
-                "every advantage is 0 and nothing is learned (frac_reward_zero_std near 1). GRPO learns from the "
-                "differences within a group: use a temperature of 0.6 to 1.0 (the default is 1.0).",
-                stacklevel=4,
-            )
         if self.truncation_side not in TRUNCATION_SIDES:
             raise ValueError(
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
                 "a long prompt (and its system message), 'right' keeps its start."
             )
-
-    def _check_loss_type(self):
-        """What each loss type's own term needs (objective/loss_types.py)."""
-        name, term = self.loss_type, LOSS_TYPE_TABLE[self.loss_type].term
-        if term != "clipped" and self.delta is not None:
-            raise ValueError(
-                f"delta={self.delta} caps the ratio of PPO's clipped term, which loss_type={name!r} does not use. Set "
-                "delta=None, or pick a loss_type with the clipped term (grpo, bnpo, dr_grpo, dapo, luspo)."
-            )
-        if name == "cispo" and self.epsilon_high < 1:
-            raise ValueError(
-                f"loss_type='cispo' caps its importance weight at epsilon_high={self.epsilon_high}, below the ratio 1 "
-                "of every on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, "
-                "e.g. epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
-            )
-        if name == "luspo" and self.importance_sampling_level != "sequence":
-            raise ValueError(
-                "loss_type='luspo' is GSPO with each sequence's loss scaled by its length: it is defined on the "
-                "sequence ratio. Set importance_sampling_level='sequence'."
-            )
-        if name == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError(
-                "loss_type='vespo' builds its own sequence weight from the token ratios; importance_sampling_level="
-                "'sequence' would change only the KL term's ratio. Leave importance_sampling_level='token'."
-            )
-        sampler = self.use_vllm or self.async_generation
-        if name == "vespo" and sampler and self.vllm_importance_sampling_correction:
-            if self.vllm_importance_sampling_mode.startswith("sequence"):
-                raise ValueError(
-                    f"loss_type='vespo' folds the sampler's per-token correction weights into its sequence weight; "
-                    f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} gives one per sequence. "
-                    "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
-                )
 
     def _check_async(self):
         """What asynchronous generation cannot combine with."""
