@@ -9,6 +9,7 @@ hold on their own. They need bubblewrap and skip without it, except under CI, wh
 """
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -17,13 +18,15 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import grpo.rewards.sandbox as sandbox
 from grpo.rewards import code_execution
-from grpo.rewards.sandbox import Limits, SandboxUnavailable, run_python
+from grpo.rewards.sandbox import Limits, SandboxUnavailable, run_cases, run_python
+from grpo.rewards.sandbox.cases import check_cases, judge, same, same_output
 
 LIMITS = dict(wall_seconds=2.0, cpu_seconds=1, memory_mb=256)
 PASSES = ["assert True"]  # a test any completion that runs to the end passes
@@ -32,18 +35,25 @@ needs_bwrap = pytest.mark.skipif(
     not HAS_BWRAP, reason="bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
 )
 HOOK = pytest.mark.parametrize("hook", [True, False], ids=["with-hook", "os-layers-only"])
+# Most tests here score by `tests` on purpose (the attacks predate cases); the warning that recommends cases for
+# training is checked once, in test_code_execution_reads_cases_or_tests_and_warns_about_tests.
+pytestmark = pytest.mark.filterwarnings("ignore:code_execution scores rows by their `tests`:UserWarning")
 
 
 def score(code, tests=PASSES, **options):
     return code_execution(**{**LIMITS, **options})([code], tests=[tests])[0]
 
 
-def attack_all(codes, hook, tests=PASSES, **limits):
-    """Run each attack in its own sandbox, all at once; return the results and each run's wall time."""
+def attack_all(codes, hook, tests=PASSES, cases=None, **limits):
+    """Run each attack in its own sandbox, all at once, against `tests` (or `cases`, when given); return the results
+    and each run's wall time."""
 
     def one(code):
         began = time.perf_counter()
-        result = run_python(code, tests, Limits(**{**LIMITS, **limits}), audit_hook=hook)
+        if cases is not None:
+            result = run_cases(code, cases, Limits(**{**LIMITS, **limits}), audit_hook=hook)
+        else:
+            result = run_python(code, tests, Limits(**{**LIMITS, **limits}), audit_hook=hook)
         return result, time.perf_counter() - began
 
     with ThreadPoolExecutor(len(codes)) as pool:
@@ -481,14 +491,232 @@ def test_attack_time(hook, bystanders):
         assert "CPU limit" in result.error or "timed out" in result.error or "killed" in result.error, result
 
 
+# ---- test cases: the verdict computed outside the process that ran the code ----
+
+# Wrong code (it subtracts) and the cases it must fail; no attack below may make them pass.
+WRONG_ADD = "def add(a, b):\n    return a - b\n"
+ADD_CASES = [
+    {"call": "add(1, 2)", "expected": 3},
+    {"call": "add(2, 5)", "expected": 7},
+    {"call": "add(9, 0)", "expected": 9},
+]
+# What the documented limit of tests (not cases) needs: one line that finds the worker's result pipe in the frame
+# that runs the code and reports every test passed (the supervisor accepts any count in range).
+FRAMES_FAKE = (
+    "import os, sys\nos.write(sys._getframe(1).f_locals['out'], b'{\"passed\": 3, \"error\": null}')\nos._exit(0)\n"
+)
+ALWAYS_EQUAL = "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+
+
+@needs_bwrap
+def test_cases_score_calls_and_programs_and_say_why_a_case_failed():
+    right = "def add(a, b):\n    return a + b\n"
+    result = run_cases(right, ADD_CASES + [{"call": "add([1], [2.0])", "expected": [1, 2]}], Limits(**LIMITS))
+    assert (result.passed, result.total, result.error, result.failures) == (4, 4, None, ())
+    result = run_cases(WRONG_ADD, ADD_CASES, Limits(**LIMITS))
+    assert result.passed == 1 and result.failures == (
+        "case 0 (add(1, 2)): returned -1, expected 3",
+        "case 1 (add(2, 5)): returned -3, expected 7",
+    )
+    program = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\nexit(0)\n"
+    cases = [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5", "stdout": "10  \n\n"}, {"stdin": "x", "stdout": ""}]
+    result = run_cases(program, cases, Limits(**LIMITS))
+    assert result.passed == 2 and len(result.failures) == 1 and "raised ValueError" in result.failures[0]
+    assert run_cases("print(int(input()) * 2)", '[{"stdin": "21", "stdout": "42"}]', Limits(**LIMITS)).passed == 1
+
+
+@needs_bwrap
+@HOOK
+def test_attack_forged_results_with_cases(hook, bystanders):
+    # Every fake that works (or worked) on tests, against cases: each must score 0 of 3, hook or no hook.
+    every_fd = "import os\nfor fd in range(1024):\n    try:\n        os.write(fd, {line!r})\n    except OSError:\n        pass\n"
+    claims = [
+        b'{"passed": 3, "error": null}',
+        b'{"results": [[true, true], [true, true], [true, true]], "error": null}',
+        b'{"results": [[true, 0], [true, 0], [true, 0]], "error": null}',
+    ]
+    codes = {
+        "frames": WRONG_ADD + FRAMES_FAKE,
+        # The same frame, asked for the cases' expected values: the job it holds has none, so it can only guess.
+        "frames, results": WRONG_ADD + "import json, os, sys\njob = sys._getframe(1).f_locals['job']\n"
+        "claim = [[True, c.get('expected', True)] for c in job['cases']]\n"
+        "os.write(sys._getframe(1).f_locals['out'], json.dumps({'results': claim, 'error': None}).encode())\n"
+        "os._exit(0)\n",
+        "always-equal": ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n",
+        "int with a lying __eq__": "class Three(int):\n    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = int.__hash__\ndef add(a, b):\n    return Three(a - b)\n",
+        "list of always-equal": ALWAYS_EQUAL + "def add(a, b):\n    return [Anything()]\n",
+        **{
+            f"every descriptor {i}": WRONG_ADD + every_fd.format(line=claim) + "os._exit(0)"
+            for i, claim in enumerate(claims)
+        },
+        "printed": WRONG_ADD + "import json\nprint('3 passed')\nprint(json.dumps({'passed': 3, 'error': None}))\n"
+        "import sys\nsys.exit(0)",
+        "exits at the first call": "import os\ndef add(a, b):\n    os._exit(0)\n",
+        "raises": "def add(a, b):\n    raise ValueError('no')\n",
+        "raises at top level": "raise SystemExit(0)\ndef add(a, b):\n    return a + b\n",
+        "times out": "def add(a, b):\n    while True:\n        pass\n",
+    }
+    results = attack_all(list(codes.values()), hook, cases=ADD_CASES)
+    for name, (result, _) in zip(codes, results):
+        assert result.passed == 0 and result.total == 3, (name, result)
+    by_name = dict(zip(codes, (r for r, _ in results)))
+    assert "not plain data" in by_name["always-equal"].failures[0]
+    assert "type Three" in by_name["int with a lying __eq__"].failures[0]
+    assert "timed out" in by_name["times out"].error or "CPU limit" in by_name["times out"].error
+
+
+@needs_bwrap
+@HOOK
+def test_programs_cannot_fake_their_output(hook, bystanders):
+    # Program-style cases: printing to the real stdout (fd 1), a report claiming a pass on every descriptor, or
+    # exiting with an error status passes nothing. (A report can only say what the program printed, which the trainer
+    # compares: claiming "3\n" is no more than printing it, so the forged report claims a pass, or "4\n".)
+    every_fd = "import os\nfor fd in range(1024):\n    try:\n        os.write(fd, {line!r})\n    except OSError:\n        pass\n"
+    codes = [
+        "import os\nos.write(1, b'3\\n')\n",
+        every_fd.format(line=b'{"passed": 1, "error": null}') + "os._exit(0)\n",
+        every_fd.format(line=b'{"results": [[true, "4\\n"]], "error": null}') + "os._exit(0)\n",
+        "import sys\nprint(3)\nsys.exit(1)\n",
+        "while True:\n    print('3')\n",  # prints without end: past the results' bytes, the case fails
+    ]
+    for code, (result, _) in zip(codes, attack_all(codes, hook, cases=[{"stdin": "1 2\n", "stdout": "3\n"}])):
+        assert result.passed == 0 and result.total == 1, (code, result)
+
+
+@needs_bwrap
+def test_the_expected_values_never_enter_the_sandbox(monkeypatch):
+    # All that enters the sandbox is its command line, a fixed environment and the job written to its stdin: the
+    # job holds each call, never the value it must return (nor a program's expected stdout).
+    sent = []
+    communicate = sandbox._communicate
+    monkeypatch.setattr(
+        sandbox,
+        "_communicate",
+        lambda proc, payload, *a, **k: sent.append(payload) or communicate(proc, payload, *a, **k),
+    )
+    cases = [{"call": "f()", "expected": "expected-value-6f1d"}, {"call": "g()", "expected": 982451653}]
+    assert run_cases("def f():\n    return 1\ng = f", cases, Limits(**LIMITS)).passed == 0
+    assert run_cases("print(1)", [{"stdin": "in-7c2a", "stdout": "printed-9be4"}], Limits(**LIMITS)).passed == 0
+    assert len(sent) == 2 and b'"call": "f()"' in sent[0] and b"in-7c2a" in sent[1]
+    for secret in (b"expected-value-6f1d", b"982451653", b"printed-9be4", b"expected", b"stdout"):
+        assert not any(secret in payload for payload in sent), secret
+
+
+@needs_bwrap
+def test_tests_not_cases_can_be_fooled_the_documented_limit():
+    # The limit docs/rewards.md states for tests: they run in the process that ran the code, so wrong code passes
+    # them all, with one line a policy can learn (or an always-equal result). The same completions score 0 on cases.
+    tests = ["assert add(1, 2) == 3", "assert add(2, 5) == 7", "assert add(0, 9) == 9"]
+    always_equal = ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n"
+    for code in (WRONG_ADD + FRAMES_FAKE, always_equal):
+        assert run_python(code, tests, Limits(**LIMITS)).passed == 3
+        assert run_cases(code, ADD_CASES, Limits(**LIMITS)).passed == 0
+
+
+@needs_bwrap
+def test_code_execution_reads_cases_or_tests_and_warns_about_tests():
+    reward = code_execution(**LIMITS)
+    right = "```python\ndef add(a, b):\n    return a + b\n```"
+    as_json = json.dumps(ADD_CASES[:2])  # a datasets column holds one type: JSON text of each row's cases
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cases alone: no warning
+        assert reward([right, WRONG_ADD + FRAMES_FAKE, right], cases=[ADD_CASES, ADD_CASES, as_json]) == [
+            1.0,
+            0.0,
+            1.0,
+        ]
+    with pytest.warns(UserWarning, match="the code can make them pass"):
+        assert reward([right, right], tests=[["assert add(1, 2) == 3"], None], cases=[None, ADD_CASES]) == [1.0, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reward
+        assert reward([right], tests=[["assert add(1, 2) == 3"]]) == [1.0]
+    assert reward([right, right], cases=[None, []]) == [None, None]
+    with pytest.raises(ValueError, match="row 1 has both `cases` and `tests`"):
+        reward([right, right], tests=[None, ["assert True"]], cases=[ADD_CASES, ADD_CASES])
+    with pytest.raises(ValueError, match="row 0: Case 0 has a call and has no 'expected'"):
+        reward([right], cases=[[{"call": "add(1, 2)"}]])
+    with pytest.raises(TypeError, match="needs a `cases` column"):
+        reward([right])
+
+
+def test_malformed_cases_are_refused_with_the_fix():
+    assert check_cases({"call": "f((1, 2))", "expected": (1, [2])}) == [{"call": "f((1, 2))", "expected": [1, [2]]}]
+    # A datasets column holding both kinds fills each dict with the other kind's keys, set to None.
+    filled = {"call": None, "expected": None, "stdin": None, "stdout": "1\n"}
+    assert check_cases([filled]) == [{"stdin": "", "stdout": "1\n"}]
+    assert check_cases([{"call": "f()", "expected": None, "stdin": None, "stdout": None}])[0]["expected"] is None
+    for cases, message in [
+        ("[{", "text but not JSON"),
+        (7, "give a list of cases"),
+        (["f() == 1"], "Case 0 is a str"),
+        ([{"call": "f()", "expect": 1}], "unknown keys \\['expect'\\]"),
+        ([{"call": "f()"}], "has no 'expected'"),
+        ([{"call": "x = 1", "expected": 1}], "not a Python expression"),
+        ([{"call": "f()", "expected": {1, 2}}], "an object of type set"),
+        ([{"call": "f()", "expected": {1: "a"}}], "a key of type int"),
+        ([{"call": "f()", "expected": 1, "stdout": "1"}], "also has \\['stdout'\\]"),
+        ([{"stdin": "1"}], "neither a call nor a stdout"),
+        ([{"stdin": 1, "stdout": "1"}], "must be text"),
+        ([{"call": "f()", "expected": 1}, {"stdin": "", "stdout": "1"}], "mix calls and programs"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_cases(cases)
+
+
+def test_results_are_compared_outside_by_json_rules_only():
+    # The comparison is the trainer's, on values JSON made: numbers by value, but a bool is not a number.
+    assert same(3, 3.0) and same([1, {"a": [None, "x"]}], [1.0, {"a": [None, "x"]}])
+    for got, expected in [
+        (True, 1),
+        (1, True),
+        ("3", 3),
+        ([1, 2], [1, 2, 3]),
+        ({"a": 1}, {"a": 1, "b": 2}),
+        (None, 0),
+        (float("nan"), float("nan")),
+        ([[1]], [1]),
+    ]:
+        assert not same(got, expected), (got, expected)
+    assert same_output("3  \n\n", "3") and same_output("a\nb", "a \nb\n") and not same_output("3\n4", "3 4")
+    cases = check_cases(ADD_CASES)
+    passed, failures = judge(cases, [[True, 3], [True, 7.0], [False, "raised ValueError: no"]])
+    assert passed == 2 and failures == ("case 2 (add(9, 0)): raised ValueError: no",)
+
+
+def test_the_results_in_a_report_are_checked_again():
+    token = "cd" * 16
+
+    def line(results):
+        return f'{token} {{"passed": 0, "error": null, "output_bytes": 0, "results": {results}}}\n'.encode()
+
+    assert sandbox._parse_report(line('[[true, 3], [false, "why"]]'), token, 2, cases=True)[4] == [
+        [True, 3],
+        [False, "why"],
+    ]
+    for bad in [
+        "null",  # no results and no error
+        "[[true, 3]]",  # one entry for two cases
+        "[[true, 3], [false, 3]]",  # a failed case's reason is text
+        '[[true, 3], ["true", 3]]',
+        "[[true, 3], [true, 3, 3]]",
+        "[[true, 3], " + "[" * 5000 + "]" * 5000 + "]",  # nested past what JSON (or the check) takes
+        "[[true, 3], [true, " + "[" * 150 + "]" * 150 + "]]",
+    ]:
+        assert sandbox._parse_report(line(bad), token, 2, cases=True) is None, bad
+    # The error of a failed run needs no results.
+    failed = f'{token} {{"passed": 0, "error": "timed out", "output_bytes": 0, "results": null}}\n'.encode()
+    assert sandbox._parse_report(failed, token, 2, cases=True) == (0, 2, "timed out", 0, None)
+
+
 # ---- the result channel, the weaker mode, and a missing bubblewrap ----
 
 
 def test_the_report_is_validated_and_clamped():
     token = "ab" * 16
-    good = f'{token} {{"passed": 2, "error": null, "output_bytes": 5}}\n'.encode()
-    assert sandbox._parse_report(good, token, 3) == (2, 3, None, 5)
-    assert sandbox._parse_report(good.replace(b"2", b"7"), token, 3) == (3, 3, None, 5)  # clamped to total
+    good = f'{token} {{"passed": 2, "error": null, "output_bytes": 5, "results": null}}\n'.encode()
+    assert sandbox._parse_report(good, token, 3) == (2, 3, None, 5, None)
+    assert sandbox._parse_report(good.replace(b"2", b"7"), token, 3) == (3, 3, None, 5, None)  # clamped to total
     for bad in (
         good.replace(token.encode(), b"0" * 32),  # wrong token
         good + good,  # two lines
@@ -497,7 +725,7 @@ def test_the_report_is_validated_and_clamped():
         f'{token} {{"passed": 1.5, "error": null, "output_bytes": 0}}\n'.encode(),
         f'{token} {{"passed": 1, "error": 7, "output_bytes": 0}}\n'.encode(),
         f'{token} {{"passed": 1, "error": null, "output_bytes": "5"}}\n'.encode(),
-        f'{token} {{"passed": 1, "error": null}}\n'.encode(),  # no output_bytes
+        f'{token} {{"passed": 1, "error": null, "results": null}}\n'.encode(),  # no output_bytes
         f"{token} [1, 2]\n".encode(),
         f"{token} not json\n".encode(),
         b"",
@@ -507,18 +735,30 @@ def test_the_report_is_validated_and_clamped():
 
 def test_the_trainer_keeps_a_bounded_amount_of_the_sandboxs_output():
     # Whatever writes to the pipes the trainer reads, it holds at most PIPE_BYTES of each and closes a pipe past that
-    # (communicate() used to buffer all of it). The job, larger than a pipe's buffer, still arrives whole.
+    # (communicate() used to buffer all of it). The job, larger than a pipe's buffer, still arrives whole. The report
+    # pipe is read beside them (a report larger than a pipe's buffer arrives whole), up to its limit and one byte.
+    report_r, report_w = os.pipe()
     flood = (
         "import os, sys\nassert sys.stdin.buffer.read() == b'job' * 10**5\nopen_fds = {1, 2}\n"
+        f"os.write({report_w}, b'r' * 100_100)\n"
         "for _ in range(100):\n    for fd in sorted(open_fds):\n        try:\n            os.write(fd, b'x' * 10**6)\n"
         "        except BrokenPipeError:\n            open_fds.discard(fd)\n"
         "sys.exit(3 if not open_fds else 0)\n"  # 3: both pipes were closed on it
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", flood], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", flood],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=[report_w],
     )
-    out, err = sandbox._communicate(proc, b"job" * 10**5, timeout=120)
+    os.close(report_w)
+    try:
+        out, err, report = sandbox._communicate(proc, b"job" * 10**5, 120, report_r, report_bytes=100_000)
+    finally:
+        os.close(report_r)
     assert out == err == b"x" * sandbox.PIPE_BYTES
+    assert report == b"r" * 100_001  # its limit and one byte more, which marks it as too long
     assert proc.returncode == 3  # both pipes were closed on it before it wrote 100 MB to each
 
 
@@ -602,6 +842,6 @@ def test_ci_runs_the_bubblewrap_tier():
     if not os.environ.get("CI"):
         pytest.skip("only enforced under CI=1; locally the bubblewrap tests skip when bwrap is missing")
     assert HAS_BWRAP, (
-        "CI must have bubblewrap: `make install` installs it as root, or run `apt-get install bubblewrap`"
+        "CI must have bubblewrap: `.ci/run` installs it as root, or run `apt-get install bubblewrap`"
     )
     sandbox.check_isolation("bwrap")  # and it can start a sandbox here
