@@ -195,6 +195,20 @@ TRL_KEYS = {
 }
 
 
+# TrainingArguments fields transformers renamed, keeping the old (TRL's) name as an alias that warns on every run.
+RENAMED_FIELDS = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+}
+
+
+def _current_name(key: str, fields: dict) -> str:
+    """The name this transformers uses for a recipe key: a recipe may keep TRL's `gradient_checkpointing` and run
+    without the deprecation warning (the installed transformers has the new name from 5.2x on)."""
+    new = RENAMED_FIELDS.get(key)
+    return new if new in fields else key
+
+
 def _unknown(key: str, valid, where: str) -> RecipeError:
     if key in TRL_KEYS and "section" not in where:
         return RecipeError(
@@ -420,7 +434,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
             continue
         if key not in fields:
             raise _unknown(key, valid, str(source) if source else "the recipe")
-        config[key] = _coerce(key, value)
+        config[_current_name(key, fields)] = _coerce(key, value)
     model = raw.get("model")
     model = ModelSection(name_or_path=model) if isinstance(model, str) else _section(ModelSection, model, "model")
     _check_chat_template(model.chat_template)

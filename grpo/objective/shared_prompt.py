@@ -20,6 +20,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grpo.generation.model_generate import cache_keyword
 from grpo.models import unwrap_parallel
 
 
@@ -83,11 +84,13 @@ def shared_prompt_hidden_states(
         # 1. Prompt pass, positions counting real tokens (as `generate` and the plain forward do).
         mask = prompt_mask[rows]  # (U, P)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        # The cache by the name this transformers takes it (`past_key_values` is a deprecated alias from 5.24 on).
+        with_cache = {cache_keyword(language_model.forward): cache}
         model(
             input_ids=prompt_ids[rows],
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **with_cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -108,7 +111,7 @@ def shared_prompt_hidden_states(
             input_ids=completion_ids[:, :-1],
             attention_mask=torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1),
             position_ids=lengths + torch.arange(width - 1, device=device),
-            past_key_values=cache,
+            **with_cache,
             use_cache=True,
             logits_to_keep=1,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import unicodedata
 import warnings
 
 import torch
@@ -197,9 +198,19 @@ def sample_records(prompts: list, completions: list, rewards: torch.Tensor, adva
 
 
 def report_samples(samples: list[dict], reward_names: list[str], path: str, step: int, max_rows: int | None) -> None:
-    """`log_completions`: print a table of a round's completions and append them all to `path` (JSON lines)."""
-    print(format_completions(samples, reward_names, max_rows))
+    """`log_completions`: print a table of a round's completions and append them all to `path` (JSON lines). The
+    table starts on a line of its own: the progress bar holds the current one."""
+    print("\n" + format_completions(samples, reward_names, max_rows), flush=True)
     write_completions(path, step, samples, reward_names)
+
+
+def printable(text) -> str:
+    """`text` on one line with every control character escaped (newline as \\n, tab as \\t, ESC as \\x1b): model
+    output printed raw could move the cursor, clear the screen or recolour the terminal."""
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") else ch
+        for ch in str(text)
+    )
 
 
 def format_completions(samples: list[dict], reward_names: list[str], max_rows: int | None = None) -> str:
@@ -209,7 +220,7 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     def clip(value, width):
         if isinstance(value, list) and len(value) > 1:  # a multi-turn episode: each message clipped on its own
             return " / ".join(clip(f"{m.get('name') or m['role']}: {m['content']}", width // 2) for m in value)
-        text = str(completion_text(value)).replace("\n", "\\n")
+        text = printable(completion_text(value))
         return text if len(text) <= width else text[: width - 3] + "..."
 
     header = ["prompt", "completion", *reward_names, "advantage"]

@@ -1,0 +1,87 @@
+"""What a new user sees first (issue 30): `grpo check`, `grpo train --help`, `grpo --version`, `grpo env`, the
+completions table and our own code paths without deprecation warnings. The mistakes are in test_cli_mistakes.py."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from grpo.cli import main
+from grpo.config import GRPOConfig
+from grpo.training.metrics import format_completions, printable
+from tests.test_cli_mistakes import BASE, write_files
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_check_says_what_would_run_and_writes_nothing(workdir, capsys):
+    write_files(workdir, BASE)
+    assert main(["check", "r.yaml", "--max_steps", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "r.yaml: valid (no weights were loaded)." in out
+    assert "steps:        7 (max_steps)" in out
+    assert "1 prompts x G=2 completions per process, at most 4 tokens each" in out
+    assert "data:         8 training prompts" in out and "rewards:      my_rewards:short" in out
+    assert "model.generate in this process" in out and "output_dir:   out" in out
+    assert not (workdir / "out").exists()  # a check creates no output directory
+
+
+def test_train_help_lists_every_key_with_default_and_help(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(GRPOConfig):
+        if f.init:
+            assert f"  --{f.name} (default " in out, f.name
+    assert "  --num_generations (default 8)" in out
+    assert "G, completions sampled per prompt" in out  # the field's own help text
+    assert "dataset.eval_size (default 0)" in out and "peft.r (default 16)" in out
+    assert main(["train", "r.yaml", "--help"]) == 0  # after a recipe too
+    assert "--num_generations (default 8)" in capsys.readouterr().out
+
+
+def test_version_and_env(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("grpo ")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch:         {torch.__version__}" in out
+    for name in ("python:", "transformers:", "accelerate:", "peft:", "vllm:", "deepspeed:", "device:", "flags"):
+        assert name in out, name
+
+
+def test_completions_table_escapes_control_characters():
+    samples = [{"prompt": "p\x1b[2J", "completion": "a\rb\tc\nd\x07", "rewards": [1.0], "advantage": 0.5}]
+    table = format_completions(samples, ["r"])
+    assert table.splitlines()[1] == "p\\x1b[2J | a\\rb\\tc\\nd\\x07 | 1.000 | +0.500"
+    assert printable("é ü 7") == "é ü 7"  # printable text is left alone
+
+
+def test_shared_prompt_pass_emits_no_deprecation_warning(tokenizer):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache`: our call uses the name it takes."""
+    from grpo.data import pad
+    from grpo.objective.logprobs import completion_logprobs
+    from grpo.testing import tiny_model
+
+    model = tiny_model(tokenizer, seed=0)
+    prompts, prompt_mask = pad([[5, 6, 7]] * 2, 256, "left")
+    completions, completion_mask = pad([[20, 21], [22, 23]], 256, "right")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, temperature=1.0)
+
+
+def test_gradient_checkpointing_is_read_under_its_current_name(workdir):
+    from grpo.cli.recipe import load_recipe
+
+    write_files(workdir, BASE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = load_recipe("r.yaml", ["--gradient_checkpointing", "true"]).grpo_config()
+    assert args.activation_checkpointing is True
