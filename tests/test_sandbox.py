@@ -709,6 +709,15 @@ def test_the_results_in_a_report_are_checked_again():
     assert sandbox._parse_report(failed, token, 2, cases=True) == (0, 2, "timed out", 0, None)
 
 
+def test_the_comparisons_docstring_examples_run():
+    import doctest
+
+    import grpo.rewards.sandbox.cases as cases
+
+    results = doctest.testmod(cases)
+    assert results.attempted >= 2 and results.failed == 0
+
+
 # ---- the result channel, the weaker mode, and a missing bubblewrap ----
 
 
@@ -841,7 +850,5 @@ def test_ci_runs_the_bubblewrap_tier():
     # Without this, CI without bubblewrap would skip every attack test above and still go green.
     if not os.environ.get("CI"):
         pytest.skip("only enforced under CI=1; locally the bubblewrap tests skip when bwrap is missing")
-    assert HAS_BWRAP, (
-        "CI must have bubblewrap: `.ci/run` installs it as root, or run `apt-get install bubblewrap`"
-    )
+    assert HAS_BWRAP, "CI must have bubblewrap: `.ci/run` installs it as root, or run `apt-get install bubblewrap`"
     sandbox.check_isolation("bwrap")  # and it can start a sandbox here

@@ -16,6 +16,7 @@ import functools
 import json
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
@@ -265,6 +266,36 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
+_TESTS_WARNING = (
+    "code_execution scores rows by their `tests` snippets, which run in the process that ran the code: the code can "
+    "make them pass (an always-equal __eq__, a forged count), and a policy can learn that. For training, give a "
+    "`cases` column ({'call': ..., 'expected': ...} or {'stdin': ..., 'stdout': ...} per case), whose verdict is "
+    "computed outside the sandbox (docs/rewards.md#safe-code-execution)."
+)
+
+
+def _code_checks(i: int, row_tests, row_cases) -> tuple[str, list] | None:
+    """("cases", the checked cases), ("tests", the snippets) or None (nothing to score) for row `i` of
+    `code_execution`; a row with both, or with malformed cases, is a ValueError naming the row."""
+    from grpo.rewards.sandbox import check_cases
+
+    if row_cases is not None and not isinstance(row_cases, str) and not row_cases:
+        row_cases = None  # an empty list
+    row_tests = [row_tests] if isinstance(row_tests, str) else list(row_tests or [])
+    if row_cases is not None and row_tests:
+        raise ValueError(
+            f"code_execution: row {i} has both `cases` and `tests`; it scores one of them. Drop the `tests` column "
+            "(cases cannot be faked by the code: docs/rewards.md#safe-code-execution)."
+        )
+    if row_cases is None:
+        return ("tests", row_tests) if row_tests else None
+    try:
+        row_cases = check_cases(row_cases)
+    except ValueError as e:
+        raise ValueError(f"code_execution: row {i}: {e}") from None
+    return ("cases", row_cases) if row_cases else None
+
+
 def code_execution(
     wall_seconds: float = 10.0,
     cpu_seconds: int = 10,
@@ -273,43 +304,57 @@ def code_execution(
     max_parallel: int = 4,
     isolation: str = "bwrap",
 ) -> Callable:
-    """A reward named `code_execution`: the fraction of the row's tests that pass when the completion's code (its
-    last fenced block, or the whole text) runs in `grpo.rewards.sandbox`: by default under bubblewrap, in its own user,
-    PID, mount, network and IPC namespaces, with a read-only view of the interpreter, a private temporary directory,
-    no network, none of the trainer's processes, files or environment variables, and the given wall-clock, CPU and
-    memory limits. The `tests` column holds, per row, a list of snippets (each typically an `assert`) or one
-    snippet; None or an empty list gives None.
+    """A reward named `code_execution`: the fraction of the row's checks that pass when the completion's code (its
+    last fenced block, or the whole text) runs in `grpo.rewards.sandbox` (by default under bubblewrap: no network,
+    none of the trainer's processes, files or environment variables; the given wall-clock, CPU and memory limits).
+    The checks are the row's `cases` (recommended for training) or its `tests`:
 
-    A completion whose code raises at top level, times out, exceeds a limit or tries a refused operation gets
-    `on_error` (0.0, or None to leave the row out). Up to `max_parallel` rows run at once.
+    - `cases`: a list (or its JSON text) of `{"call": "add(1, 2)", "expected": 3}`, each call evaluated after the
+      code and compared with `expected`, or of `{"stdin": "1 2\\n", "stdout": "3\\n"}`, the code run as a program
+      per case. The sandbox sends back plain data and the trainer compares (`sandbox.run_cases`): no faked passes.
+    - `tests`: snippets (typically `assert`s) run after the code, in its namespace and its process, which can make
+      them pass (an always-equal `__eq__`, a forged count): a policy can learn that, so using them warns once.
 
-    Building the reward checks the sandbox: without bubblewrap it raises `SandboxUnavailable`, which says to run
-    `apt-get install bubblewrap`; `isolation="process"` opts into the weaker sandbox (a plain child process with
-    rlimits and an audit hook) by name.
+    A row with neither gets None, one with both is an error. Code that raises at top level, times out, exceeds a
+    limit or tries a refused operation gets `on_error` (0.0, or None to leave the row out). Up to `max_parallel`
+    rows run at once. Building the reward checks the sandbox: without bubblewrap it raises `SandboxUnavailable`,
+    which says to run `apt-get install bubblewrap`; `isolation="process"` opts into the weaker sandbox by name.
 
     >>> reward = code_execution(wall_seconds=5)
     >>> reward(["```python\\ndef add(a, b):\\n    return a + b\\n```", "def add(a, b): return a - b",
     ...         "import socket; socket.create_connection(('example.com', 80))"],
-    ...        tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"]] * 3)
+    ...        cases=[[{"call": "add(1, 2)", "expected": 3}, {"call": "add(0, 0)", "expected": 0}]] * 3)
     [1.0, 0.5, 0.0]
     """
     # Imported here, not at the top: the sandbox (and ctypes, for its seccomp filters) loads only when asked for.
-    from grpo.rewards.sandbox import Limits, check_isolation, run_python
+    from grpo.rewards.sandbox import Limits, check_isolation, run_cases, run_python
 
     check_isolation(isolation)  # fail when the reward is built, not at the first training step
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)
+    warned = []
 
-    def score(completion, row_tests):
-        if row_tests is None:
+    def score(completion, row):
+        if row is None:
             return None
-        row_tests = [row_tests] if isinstance(row_tests, str) else list(row_tests)
-        if not row_tests:
-            return None
-        result = run_python(extract_code(completion_text(completion)), row_tests, limits, isolation=isolation)
+        code = extract_code(completion_text(completion))
+        if row[0] == "cases":
+            result = run_cases(code, row[1], limits, isolation=isolation)
+        else:
+            result = run_python(code, row[1], limits, isolation=isolation)
         return on_error if result.error is not None else result.passed / result.total
 
-    def code_execution(completions, tests, **kwargs) -> list[float | None]:
+    def code_execution(completions, tests=None, cases=None, **kwargs) -> list[float | None]:
+        if tests is None and cases is None:
+            raise TypeError(
+                "code_execution needs a `cases` column (recommended: [{'call': 'add(1, 2)', 'expected': 3}, ...] "
+                "per row) or a `tests` column (assert snippets) in the dataset: docs/rewards.md."
+            )
+        none = [None] * len(completions)
+        rows = [_code_checks(i, t, c) for i, (t, c) in enumerate(zip(tests or none, cases or none))]
+        if not warned and any(row is not None and row[0] == "tests" for row in rows):
+            warned.append(True)
+            warnings.warn(_TESTS_WARNING, UserWarning, stacklevel=2)
         with ThreadPoolExecutor(max_workers=max(1, max_parallel)) as pool:
-            return list(pool.map(score, completions, tests))
+            return list(pool.map(score, completions, rows))
 
     return code_execution

@@ -1,7 +1,10 @@
 """Running untrusted code (a model's completion) against tests, contained by the operating system.
 
-    result = run_python("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"], Limits(wall_seconds=5))
+    add = "def add(a, b):\n    return a + b"
+    result = run_cases(add, [{"call": "add(1, 2)", "expected": 3}], Limits(wall_seconds=5))
     result.passed, result.total, result.error      # 1, 1, None
+    run_cases("print(sum(map(int, input().split())))", [{"stdin": "1 2\n", "stdout": "3\n"}]).passed   # 1
+    run_python(add, ["assert add(1, 2) == 3"]).passed   # 1 (tests that run beside the code, which can fake them)
     run_python("print(6 * 7)", []).output          # '42\n' (what the code printed: stdout and stderr)
 
 Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
@@ -28,14 +31,21 @@ files; processes in "bwrap"), a second seccomp filter that refuses fork, clone o
 (kill, tgkill, pidfd_send_signal, sigqueue: to itself too) and every trace (threads stay allowed), and a `sys.addaudithook` hook that refuses sockets, new processes, signals, ctypes and files outside
 the working directory. The hook is an extra layer only: Python code can walk around it, the layers above it not.
 
+Two ways to check the code. `run_cases` (test cases: a call and the value it must return, or a program's stdin and
+what it must print; cases.py) computes the verdict outside the sandbox: only the calls or the stdin texts enter it,
+the worker sends back what each call returned or each run printed as plain JSON data (at most RESULT_BYTES), and
+the trainer compares that with the expected values, which never enter the sandbox. The code cannot know what to
+report, and no object of its own crosses the boundary. `run_python` (tests: snippets that raise when they fail) runs
+the tests in the worker, beside the code, which can therefore make them pass.
+
 The reported result is validated twice. Inside the sandbox a supervisor process reads the job, forks the worker,
 and only then reads a random token, so the worker's memory never holds it. The worker closes the report pipe (the
 supervisor is not dumpable and ptrace is filtered, so it cannot reopen it) and sends its count through a pipe of
 its own; the supervisor accepts only a well-formed count with 0 <= passed <= total and writes it, with the token,
 to the report pipe, where the trainer checks the token, the format and the range again. Exiting early, printing
-results, writing to inherited descriptors or claiming more passes than tests gives no pass. What no sandbox can
-prevent: the worker runs the tests, so code that subverts them in its own process (an `__eq__` that is always
-True, or a forged count on its own pipe) can score up to `total`, never more.
+results, writing to inherited descriptors or claiming more passes than tests gives no pass. With tests (not
+cases), what no sandbox can prevent: the worker runs the tests, so code that subverts them in its own process (an
+`__eq__` that is always True, or a forged count on its own pipe) can score up to `total`, never more.
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.rewards.sandbox.bwrap import bwrap_argv, stdlib_dirs
+from grpo.rewards.sandbox.cases import case_inputs, check_cases, judge
+from grpo.rewards.sandbox.harness import well_formed_results
 from grpo.rewards.sandbox.seccomp import seccomp_programs
 
 ISOLATIONS = ("bwrap", "process")
@@ -67,6 +79,9 @@ OUTPUT_BYTES = 16 * 1024
 # The most the trainer reads from each of the sandbox's stdout and stderr: past it the pipe is closed, so nothing in
 # the sandbox can make the trainer hold more (the supervisor writes at most OUTPUT_BYTES there, bwrap a few lines).
 PIPE_BYTES = 4 * OUTPUT_BYTES
+# The most the results of a run's test cases (what the calls returned, what the programs printed) may take as JSON;
+# a case whose result does not fit fails. The trainer reads no more than this (and a few bytes per case) of a report.
+RESULT_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class SandboxResult:
     error: str | None  # why the run did not complete: timeout, a limit, an exception in the code, a refused action
     output: str = ""  # what the code printed to stdout and stderr, its first OUTPUT_BYTES (UTF-8, bad bytes replaced)
     output_bytes: int = 0  # how many bytes it printed in all (more than `output` holds when it was cut)
+    failures: tuple[str, ...] = ()  # run_cases: why each failed case failed (empty when `error` says the run did)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -107,6 +123,23 @@ def run_python(
     Python-level layer (the tests use it to check that the OS layers hold on their own)."""
     check_isolation(isolation)
     return _run(code, list(tests), limits or Limits(), isolation, audit_hook)
+
+
+def run_cases(
+    code: str, cases, limits: Limits | None = None, *, isolation: str = "bwrap", audit_hook: bool = True
+) -> SandboxResult:
+    """Run `code` in the sandbox against test cases and count those it passes, the verdict computed here, outside
+    the process that ran the code. `cases` (a list, one dict, or JSON text of either; `check_cases`) are all
+    `{"call": "add(1, 2)", "expected": 3}`: the code runs once, then each call is evaluated in its namespace and must
+    return a value equal to `expected` as JSON data (`same`); or all `{"stdin": "1 2\n", "stdout": "3\n"}`: the
+    code runs as a program once per case, reading `stdin` from `sys.stdin`, and what it prints to `sys.stdout` must
+    be `stdout` up to trailing whitespace (`same_output`). A call or program that raises, returns anything but plain
+    data, or exits with a status other than 0 fails its case; a failed run (timeout, a limit, a syntax error, an
+    exception in the code before the calls) sets `error` and passes none. `failures` says why each case failed.
+    Raises ValueError for malformed cases, `SandboxUnavailable` when the isolation cannot run here."""
+    check_isolation(isolation)
+    cases = check_cases(cases)
+    return _run(code, [], limits or Limits(), isolation, audit_hook, cases)
 
 
 def check_isolation(isolation: str = "bwrap") -> None:
@@ -138,25 +171,13 @@ def _bwrap_problem() -> str | None:
     return None
 
 
-def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook: bool) -> SandboxResult:
-    total = len(tests)
+def _run(
+    code: str, tests: list[str], limits: Limits, isolation: str, audit_hook: bool, cases: list[dict] | None = None
+) -> SandboxResult:
+    total = len(tests) if cases is None else len(cases)
     report_r, report_w = os.pipe()
-    job = {
-        "code": code,
-        "tests": tests,
-        "cpu": max(1, int(limits.cpu_seconds)),
-        "memory_mb": int(limits.memory_mb),
-        "file_size_mb": int(limits.file_size_mb),
-        "max_open_files": int(limits.max_open_files),
-        "nproc": int(limits.max_processes) if isolation == "bwrap" else 0,
-        "stdlib": stdlib_dirs(),
-        "report_fd": report_w,
-        "hook": audit_hook,
-        "isolation": isolation,
-        "output_bytes": OUTPUT_BYTES,
-    }
     programs = seccomp_programs()
-    job["worker_seccomp"] = programs[1].hex() if programs is not None else None
+    job = _job(code, tests, cases, limits, isolation, audit_hook, report_w, programs)
     token = secrets.token_hex(16)
     payload = json.dumps(job).encode()
     payload = str(len(payload)).encode() + b"\n" + payload + token.encode()
@@ -190,16 +211,23 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
         )
         os.close(report_w)
         report_w = None
+        report_bytes = RESULT_BYTES + 64 * total + 4096  # the results, a few bytes of each entry, the rest
         try:
-            printed, stderr = _communicate(proc, payload, limits.wall_seconds)
+            printed, stderr, report = _communicate(proc, payload, limits.wall_seconds, report_r, report_bytes)
         except subprocess.TimeoutExpired:
             return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
         finally:
             _kill_group(proc)
-        parsed = _parse_report(_drain(report_r), token, total)
+        parsed = _parse_report(report, token, total, cases is not None)
         if parsed is not None:
+            passed, _, error, output_bytes, results = parsed
+            failures = ()
+            if cases is not None and error is None:  # the verdict, computed here: the sandbox sent values only
+                passed, failures = judge(cases, results)
             output = printed[:OUTPUT_BYTES]
-            return SandboxResult(*parsed[:3], output.decode(errors="replace"), max(parsed[3], len(output)))
+            return SandboxResult(
+                passed, total, error, output.decode(errors="replace"), max(output_bytes, len(output)), failures
+            )
         reason = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
         detail = stderr.decode(errors="replace").strip()[-500:]
         return SandboxResult(
@@ -213,13 +241,42 @@ def _run(code: str, tests: list[str], limits: Limits, isolation: str, audit_hook
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _communicate(proc: subprocess.Popen, payload: bytes, timeout: float) -> tuple[bytes, bytes]:
+def _job(code, tests, cases, limits, isolation, audit_hook, report_fd, programs) -> dict:
+    """What the harness reads from its stdin: the code, the tests or the cases' inputs (never what they must return
+    or print), the limits, the report pipe's descriptor and the worker's seccomp filter."""
+    return {
+        "code": code,
+        "tests": tests,
+        "cases": None if cases is None else case_inputs(cases),
+        "result_bytes": RESULT_BYTES,
+        "cpu": max(1, int(limits.cpu_seconds)),
+        "memory_mb": int(limits.memory_mb),
+        "file_size_mb": int(limits.file_size_mb),
+        "max_open_files": int(limits.max_open_files),
+        "nproc": int(limits.max_processes) if isolation == "bwrap" else 0,
+        "stdlib": stdlib_dirs(),
+        "report_fd": report_fd,
+        "hook": audit_hook,
+        "isolation": isolation,
+        "output_bytes": OUTPUT_BYTES,
+        "worker_seccomp": programs[1].hex() if programs is not None else None,
+    }
+
+
+def _communicate(
+    proc: subprocess.Popen, payload: bytes, timeout: float, report_fd: int | None = None, report_bytes: int = 0
+) -> tuple[bytes, bytes, bytes]:
     """`proc.communicate(payload, timeout)` with a bound: send `payload` to stdin while reading stdout and stderr as
     they arrive, keeping at most PIPE_BYTES of each; a stream that reaches it is closed (its writer gets EPIPE).
-    Raises `subprocess.TimeoutExpired` after `timeout` seconds."""
+    Reads `report_fd` (the report pipe) beside them, up to `report_bytes` and one more (so a longer report is seen
+    to be too long), until it closes. Returns (stdout, stderr, report); raises `subprocess.TimeoutExpired` after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     streams = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr}
     kept = {fd: bytearray() for fd in streams}
+    limits = dict.fromkeys(streams, PIPE_BYTES)
+    if report_fd is not None:  # read as it arrives: a report larger than a pipe's buffer must not block its writer
+        kept[report_fd], limits[report_fd] = bytearray(), report_bytes + 1
     stdin, sent = proc.stdin.fileno(), 0
     os.set_blocking(stdin, False)
     with selectors.DefaultSelector() as selector:
@@ -243,44 +300,37 @@ def _communicate(proc: subprocess.Popen, payload: bytes, timeout: float) -> tupl
                         proc.stdin.close()
                     continue
                 chunk, buffer = os.read(key.fd, 65536), kept[key.fd]
-                buffer += chunk[: PIPE_BYTES - len(buffer)]
-                if not chunk or len(buffer) >= PIPE_BYTES:
+                buffer += chunk[: limits[key.fd] - len(buffer)]
+                if not chunk or len(buffer) >= limits[key.fd]:
                     selector.unregister(key.fd)
-                    streams[key.fd].close()
+                    if key.fd in streams:  # the report pipe is the caller's to close
+                        streams[key.fd].close()
     proc.wait(max(deadline - time.monotonic(), 0.0))
-    out, err = kept.values()
-    return bytes(out), bytes(err)
+    report = bytes(kept.pop(report_fd)) if report_fd is not None else b""
+    out, err = (bytes(kept[fd]) for fd in streams)
+    return out, err, report
 
 
-def _drain(fd: int, limit: int = 4096) -> bytes:
-    """What the supervisor wrote to the report pipe (everything in the sandbox is dead by now)."""
-    os.set_blocking(fd, False)
-    data = b""
-    try:
-        while len(data) < limit:
-            chunk = os.read(fd, limit)
-            if not chunk:
-                break
-            data += chunk
-    except BlockingIOError:
-        pass
-    return data
-
-
-def _parse_report(data: bytes, token: str, total: int) -> tuple[int, int, str | None, int] | None:
-    """(passed, total, error, output_bytes) from the report line, or None unless it is exactly one well-formed line
-    with the token and 0 <= passed <= total."""
+def _parse_report(
+    data: bytes, token: str, total: int, cases: bool = False
+) -> tuple[int, int, str | None, int, list | None] | None:
+    """(passed, total, error, output_bytes, results) from the report line, or None unless it is exactly one
+    well-formed line with the token and 0 <= passed <= total; with `cases`, and no error, `results` must be one
+    well-formed entry per case (harness.well_formed_results: what each call returned as plain data, or why not)."""
     prefix = token.encode() + b" "
     if not data.startswith(prefix) or data.count(b"\n") != 1 or not data.endswith(b"\n"):
         return None
     try:
         report = json.loads(data[len(prefix) :].decode())
-        passed, error, printed = report["passed"], report["error"], report["output_bytes"]
-    except (ValueError, KeyError, TypeError):
+        passed, error, printed, results = report["passed"], report["error"], report["output_bytes"], report["results"]
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     if type(passed) is not int or type(printed) is not int or not (error is None or isinstance(error, str)):
         return None
-    return min(max(passed, 0), total), total, error if error is None else error[:500], max(printed, 0)
+    if cases and error is None and not well_formed_results(results, total):
+        return None
+    results = results if cases and error is None else None
+    return min(max(passed, 0), total), total, error if error is None else error[:500], max(printed, 0), results
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -8,6 +8,10 @@ worker (`work`) keeps no descriptor but its own pipe and the one its stdout and 
 (rlimits, a seccomp filter against new processes, an audit hook) and then runs the code and the tests. The
 supervisor accepts only a well-formed count in range (`verdict`) and writes it, with the token, to the report pipe;
 what the code printed (its first `output_bytes`) it writes to its own stdout, apart from the verdict.
+
+With test cases instead of tests (`job["cases"]`), the worker gets only each case's input (a call expression, or
+the text for stdin) and sends back what each returned or printed, as plain data (`plain_problem`), never a verdict:
+the expected values stay with the trainer, which compares (grpo/rewards/sandbox/cases.py).
 """
 
 import json
@@ -154,13 +158,24 @@ def work(job, out, printed):
         sys.stdout.reconfigure(line_buffering=True)
     except Exception:
         pass
+    import builtins
+
+    # exit() and quit(), which programs call and `site` adds (this interpreter runs with -S)
+    builtins.exit = builtins.quit = sys.exit
     namespace = {"__name__": "__main__"}
-    error, passed = None, 0
+    cases, error, passed, results = job["cases"], None, 0, None
     try:
-        exec(compile(job["code"], "<completion>", "exec"), namespace)
+        program = compile(job["code"], "<completion>", "exec")
+        if not (cases and "stdin" in cases[0]):  # a program-style case runs the code itself, once per input
+            exec(program, namespace)
     except BaseException as e:
         error = f"the code raised {type(e).__name__}: {e}"[:500]
-    if error is None:
+    if error is None and cases is not None:
+        if cases and "stdin" in cases[0]:
+            results = run_programs(program, cases, job["result_bytes"])
+        else:
+            results = evaluate_calls(namespace, cases, job["result_bytes"])
+    elif error is None:
         for test in job["tests"]:
             try:
                 exec(compile(test, "<test>", "exec"), namespace)
@@ -172,26 +187,156 @@ def work(job, out, printed):
             stream.flush()
         except BaseException:
             pass
-    os.write(out, json.dumps({"passed": passed, "error": error}).encode())
+    report = {"passed": passed, "error": error} if cases is None else {"results": results, "error": error}
+    write_all(out, json.dumps(report).encode())
     os._exit(0)
 
 
+def plain_problem(value, depth=0):
+    """None when `value` is plain data: None, a bool, int, float or str, or a list, tuple or dict (string keys) of
+    plain data, nested at most 100 deep; else what is not. Types are checked exactly: a subclass (an int with its
+    own `__eq__`) is not plain data. The worker sends only plain data, and the trainer accepts only plain data."""
+    kind = type(value)
+    if kind in (type(None), bool, int, float, str):
+        return None
+    if depth >= 100:
+        return "data nested more than 100 deep"
+    if kind in (list, tuple):
+        for item in value:
+            problem = plain_problem(item, depth + 1)
+            if problem:
+                return problem
+        return None
+    if kind is dict:
+        for key, item in value.items():
+            problem = f"a dict with a key of type {type(key).__name__}" if type(key) is not str else None
+            problem = problem or plain_problem(item, depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"an object of type {kind.__name__}, not plain data (None, bool, int, float, str, list, dict)"
+
+
+def well_formed_results(results, count):
+    """Whether `results` (as read from JSON) is one entry per case: [true, value] with plain data, or [false, why]
+    with a string. The supervisor checks what the worker sent with it, and the trainer checks the report again."""
+    if type(results) is not list or len(results) != count:
+        return False
+    for item in results:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not bool:
+            return False
+        if plain_problem(item[1]) if item[0] else type(item[1]) is not str:
+            return False
+    return True
+
+
+# The entry of a case whose result did not fit in what was left of the results' bytes (what any entry may take).
+TOO_LARGE = [False, "its result is over the size limit for results"]
+ENTRY_BYTES = 64
+
+
+def entry(ok, value, budget):
+    # One case's entry, [True, what it returned or printed] or [False, why], charged to budget[0], the bytes left for
+    # results: past them, or when the value is not plain data JSON can hold, the case failed.
+    problem = plain_problem(value) if ok else None
+    if problem:
+        ok, value = False, f"returned {problem}"
+    try:
+        size = len(json.dumps([ok, value]))
+    except (ValueError, RecursionError) as e:  # e.g. an int with more digits than int-to-str allows
+        ok, value, size = False, f"returned a value JSON cannot hold ({type(e).__name__})", ENTRY_BYTES
+    if size > budget[0]:
+        return TOO_LARGE
+    budget[0] -= size
+    return [ok, value]
+
+
+def evaluate_calls(namespace, cases, result_bytes):
+    # Each case's call expression, evaluated in the code's namespace; what it returned is sent back as plain data.
+    results, budget = [], [result_bytes]
+    for case in cases:
+        try:
+            value = eval(compile(case["call"], "<case>", "eval"), namespace)
+        except BaseException as e:
+            results.append(entry(False, f"raised {type(e).__name__}: {e}"[:300], budget))
+            continue
+        results.append(entry(True, value, budget))
+    return results
+
+
+def run_programs(program, cases, result_bytes):
+    # The code as a program, once per case: stdin is the case's text, and what it prints to sys.stdout is sent back.
+    import io
+
+    class Capture(io.RawIOBase):  # keeps at most `limit` bytes; past that, writing fails
+        def __init__(self, limit):
+            self.data, self.limit = bytearray(), limit
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if len(self.data) + len(data) > self.limit:
+                raise OSError(f"printed more than the {self.limit} bytes left for results")
+            self.data += data
+            return len(data)
+
+    results, budget, saved = [], [result_bytes], (sys.stdin, sys.stdout)
+    for case in cases:
+        captured = Capture(budget[0])
+        sys.stdin = io.TextIOWrapper(io.BytesIO(case["stdin"].encode()), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(captured), encoding="utf-8", errors="replace")
+        why = None
+        try:
+            exec(program, {"__name__": "__main__"})
+        except SystemExit as e:  # exit() and exit(0) end a program normally
+            if e.code not in (None, 0):
+                why = f"exited with status {e.code!r}"[:300]
+        except BaseException as e:
+            why = f"raised {type(e).__name__}: {e}"[:300]
+        try:
+            sys.stdout.flush()
+        except BaseException as e:
+            why = why or f"raised {type(e).__name__}: {e}"[:300]
+        sys.stdin, sys.stdout = saved
+        printed = captured.data.decode("utf-8", "replace")
+        captured.limit = float("inf")  # a flush when the stream is collected must not raise again
+        results.append(entry(False, why, budget) if why else entry(True, printed, budget))
+    return results
+
+
+def results_bytes(job):
+    # The most the case results may take as JSON: the values' budget, and the few bytes of each entry around it.
+    return job["result_bytes"] + ENTRY_BYTES * len(job["cases"] or ())
+
+
 def verdict(data, status, job):
-    # Everything the worker sent is untrusted: accept only a well-formed count in range.
-    total = len(job["tests"])
+    # Everything the worker sent is untrusted: accept only a well-formed count in range, or with cases, one
+    # well-formed entry per case (and no more than result_bytes of them). Returns (passed, error, results).
+    cases = job["cases"]
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         why = {24: f"exceeded the CPU limit of {job['cpu']} s", 25: "exceeded the file size limit"}.get(sig)
-        return 0, why or f"killed by signal {sig}"
+        return 0, why or f"killed by signal {sig}", None
     try:
         report = json.loads(data.decode())
-        passed, error = report["passed"], report["error"]
-        if type(passed) is not int or not 0 <= passed <= total or not (error is None or type(error) is str):
+        error = report["error"]
+        if not (error is None or type(error) is str):
             raise ValueError
-        return passed, None if error is None else error[:500]
+        if error is not None:
+            return 0, error[:500], None
+        if cases is not None:
+            results = report["results"]
+            if not well_formed_results(results, len(cases)) or len(json.dumps(results)) > results_bytes(job):
+                raise ValueError
+            return 0, None, results
+        passed = report["passed"]
+        if type(passed) is not int or not 0 <= passed <= len(job["tests"]):
+            raise ValueError
+        return passed, None, None
     except Exception:
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
-        return 0, f"the process ended without a valid result (exit status {code})"
+        return 0, f"the process ended without a valid result (exit status {code})", None
 
 
 def supervise():
@@ -222,20 +367,20 @@ def supervise():
     os.close(printed_w)
     del job["code"]
     token = read_exactly(0, 32)  # only now: the worker's memory never held it
-    data, printed, printed_bytes = collect(r, printed_r, job["output_bytes"])
+    data, printed, printed_bytes = collect(r, printed_r, job["output_bytes"], results_bytes(job) + 4096)
     _, status = os.waitpid(pid, 0)
-    passed, error = verdict(data, status, job)
+    passed, error, results = verdict(data, status, job)
     # What the code printed is no part of the verdict: it goes to stdout, the report keeps only its size.
     write_all(1, printed)
-    result = {"passed": passed, "error": error, "output_bytes": printed_bytes}
-    os.write(report, token + b" " + json.dumps(result).encode() + b"\n")
+    result = {"passed": passed, "error": error, "output_bytes": printed_bytes, "results": results}
+    write_all(report, token + b" " + json.dumps(result).encode() + b"\n")
     os._exit(0)
 
 
-def collect(result_fd, printed_fd, limit):
+def collect(result_fd, printed_fd, limit, result_limit):
     # Read the worker's result and what it prints until both pipes close, draining both at once so that a worker
-    # printing without end never blocks on a full pipe. Keeps 64 KiB of result, `limit` bytes of output, and the
-    # count of every byte printed.
+    # printing without end never blocks on a full pipe. Keeps `result_limit` bytes of result (more is cut, so no
+    # longer valid), `limit` bytes of output, and the count of every byte printed.
     import select
 
     data, printed, printed_bytes, pending = b"", b"", 0, [result_fd, printed_fd]
@@ -245,7 +390,7 @@ def collect(result_fd, printed_fd, limit):
             if not chunk:
                 pending.remove(fd)
             elif fd == result_fd:
-                data = (data + chunk)[:65536]
+                data += chunk[: max(0, result_limit + 1 - len(data))]
             else:
                 printed_bytes += len(chunk)
                 printed += chunk[: max(0, limit - len(printed))]
