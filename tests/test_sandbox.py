@@ -780,6 +780,9 @@ def test_process_isolation_is_a_named_opt_in_and_still_scores():
         0.0,
         0.0,
     ]
+    # Cases too: the verdict is computed outside the process that ran the code in this mode as well.
+    right = "def add(a, b):\n    return a + b\n"
+    assert reward([right, WRONG_ADD + FRAMES_FAKE], cases=[ADD_CASES] * 2) == [1.0, 0.0]
     with pytest.raises(ValueError, match="isolation='docker'"):
         code_execution(isolation="docker")
 
