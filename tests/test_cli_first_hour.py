@@ -85,3 +85,38 @@ def test_gradient_checkpointing_is_read_under_its_current_name(workdir):
         warnings.simplefilter("error", FutureWarning)
         args = load_recipe("r.yaml", ["--gradient_checkpointing", "true"]).grpo_config()
     assert args.activation_checkpointing is True
+
+
+def test_plot_panels_for_loss_learning_rate_and_grad_norm_with_whole_steps(tmp_path):
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from grpo.cli import plot
+
+    history = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "loss": 0.5 - 0.1 * s,
+            "learning_rate": 1e-5 * (4 - s),
+            "grad_norm": s,
+            "entropy": 5.5 + 0.0001 * s,
+        }
+        for s in range(1, 4)
+    ]
+    chosen = dict(plot.panels(history, []))
+    assert chosen["loss"] == ["loss"] and chosen["learning rate"] == ["learning_rate"]
+    assert chosen["gradient norm (before clipping)"] == ["grad_norm"]
+    # An entropy that moves by 0.0002 is drawn at a scale of 1% of 5.5: flat, not a cliff.
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [h["entropy"] for h in history])
+    plot._at_least_one_percent(ax, [h["entropy"] for h in history])
+    low, high = ax.get_ylim()
+    assert high - low >= 0.11 - 1e-9
+    plt.close(fig)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert plot.plot_run(tmp_path).read_bytes()[:4] == b"\x89PNG"

@@ -1,10 +1,13 @@
 """`grpo plot OUTPUT_DIR`: the training curves of a run as one PNG, from the log history `Trainer` saves in
 `trainer_state.json` (at the end of `grpo train`, and in every checkpoint).
 
-Panels, each against the optimizer step, and each only when its metric moved in this run (a KL of 0 or absent with
-beta = 0, a clip ratio of 0 on-policy, would be empty boxes): the reward, with a band of one `reward_std` either side
-and one curve per reward function when there are several; the mean completion length; the entropy; KL; the clip
-ratios; and the held-out evaluations (`eval_reward` and `eval_greedy_accuracy`, before and after training).
+Panels, each against the optimizer step (integer ticks), and each only when its metric moved in this run (a KL of 0
+or absent with beta = 0, a clip ratio of 0 on-policy, would be empty boxes): the reward, with a band of one
+`reward_std` either side and one curve per reward function when there are several; the mean completion length; the
+entropy; KL; the clip ratios; the loss; the learning rate; the gradient norm; and the held-out evaluations
+(`eval_reward` and `eval_greedy_accuracy`, before and after training). Value axes show the values themselves (no
+offset such as "+5.5e0"), and a panel whose values barely move is drawn around them at a scale of at least 1% of
+their size, so that a change of 0.0002 in an entropy of 5.5 looks flat, not like a cliff.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ def panels(training: list[dict], evaluations: list[dict]) -> list[tuple[str, lis
         ("entropy (nats per token)", ["entropy"]),
         ("KL to the reference", ["kl"]),
         ("clip ratio", ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]),
+        ("loss", ["loss"]),
+        ("learning rate", ["learning_rate"]),
+        ("gradient norm (before clipping)", ["grad_norm"]),
     ]:
         keys = [k for k in keys if moves(training, k)]
         if keys:
@@ -79,6 +85,18 @@ def panels(training: list[dict], evaluations: list[dict]) -> list[tuple[str, lis
     return chosen
 
 
+def _at_least_one_percent(ax, values: list[float]) -> None:
+    """Widen the value axis to at least 1% of the values' size around them (autoscaling would stretch any spread,
+    however small, over the whole panel)."""
+    if not values:
+        return
+    low, high = min(values), max(values)
+    floor = 0.01 * max(abs(low), abs(high))
+    if 0 < high - low < floor:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - floor, middle + floor)
+
+
 def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the PNG (default `output_dir/training.png`) and return its path."""
     try:
@@ -87,6 +105,7 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ImportError("Plotting needs matplotlib: pip install 'grpo[plot]' (or pip install matplotlib).") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     training, evaluations = split_history(load_log_history(output_dir))
     out = Path(out) if out is not None else Path(output_dir) / "training.png"
@@ -123,6 +142,9 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
             ax.margins(x=0.08, y=0.2)  # room for the value labels
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)
+        _at_least_one_percent(ax, [v for key in keys for v in _series(source, key)[1]])
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
