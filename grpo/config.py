@@ -23,7 +23,8 @@ from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
 from grpo.data import TRUNCATION_SIDES
 from grpo.objective.advantages import SCALE_REWARDS
-from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTIONS, spans_the_step
+from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTIONS, spans_the_step
+from grpo.objective.loss_types import LOSS_TYPE_TABLE, LOSS_TYPES
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 # The largest learning_rate taken without `allow_large_learning_rate`. Fine-tuning uses 1e-6 to 1e-4 (TRL's default
@@ -422,9 +423,13 @@ class GRPOConfig(TrainingArguments):
     loss_type: str = option(
         default="dapo",
         section=Section.LOSS,
-        help="How per-token losses become one number: 'grpo' (mean per sequence, then over sequences), 'bnpo' "
-        "(token mean per micro-batch), 'dr_grpo' (sum / (rows x max_completion_length)), 'dapo' (token mean over "
-        "the whole accumulated global batch; no length bias). See docs/method.md.",
+        help="The objective and how its per-token losses become one number. PPO's clipped term with: 'grpo' (mean "
+        "per sequence, then over sequences), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (rows x "
+        "max_completion_length)), 'dapo' (token mean over the whole accumulated global batch; no length bias), "
+        "'luspo' (sum per sequence, then mean over sequences; with importance_sampling_level='sequence'). Terms "
+        "of their own: 'cispo' (MiniMax-M1: the ratio clipped as a detached weight at epsilon_high, dapo's mean), "
+        "'sapo' (a smooth sigmoid gate instead of the clip, grpo's mean), 'vespo' (a Gamma-shaped weight of the "
+        "sequence's ratio, dapo's mean). See docs/method.md.",
     )
     beta: float = option(
         default=0.0,
@@ -471,7 +476,8 @@ class GRPOConfig(TrainingArguments):
         default=None,
         section=Section.LOSS,
         range=Interval(0, open_low=True, why="None uses epsilon"),
-        help="Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28.",
+        help="Upper clipping range (1 + epsilon_high). None uses `epsilon`; DAPO's clip-higher uses 0.28. With "
+        "loss_type='cispo' it is the cap of the importance weight itself (ScaleRL's eps_max, e.g. 5.0), as in TRL.",
     )
     delta: float | None = option(
         default=None,
@@ -479,6 +485,46 @@ class GRPOConfig(TrainingArguments):
         range=Interval(1, open_low=True, why="it must also exceed 1 + epsilon_high; None turns it off"),
         help="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta, which bounds the update of a "
         "token with negative advantage whose ratio has grown large. Must exceed 1 + epsilon_high; None = off.",
+    )
+    sapo_temperature_pos: float = option(
+        default=1.0,
+        section=Section.LOSS,
+        range=Interval(0, open_low=True, why="the steepness of the gate"),
+        help="loss_type='sapo': the gate's temperature tau for tokens with a positive advantage; the term is "
+        "(4 / tau) * sigmoid(tau * (ratio - 1)) * A (SAPO, arXiv:2511.20347).",
+    )
+    sapo_temperature_neg: float = option(
+        default=1.05,
+        section=Section.LOSS,
+        range=Interval(0, open_low=True, why="the steepness of the gate"),
+        help="loss_type='sapo': the gate's temperature for tokens with a zero or negative advantage (the paper "
+        "makes it the larger, so those tokens' gate falls off faster as the ratio moves).",
+    )
+    vespo_k_pos: float = option(
+        default=2.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the power of the sequence ratio w in the weight"),
+        help="loss_type='vespo', advantage >= 0: k of the weight phi(w) = exp(lambda + k log w - lambda w) of "
+        "the sequence ratio w; a larger k weighs sequences with w < 1 down harder (VESPO, arXiv:2602.10693).",
+    )
+    vespo_lambda_pos: float = option(
+        default=3.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the decay of the weight for w > 1"),
+        help="loss_type='vespo', advantage >= 0: lambda of phi(w); a larger lambda weighs sequences with w > 1 "
+        "down harder.",
+    )
+    vespo_k_neg: float = option(
+        default=3.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the power of the sequence ratio w in the weight"),
+        help="loss_type='vespo', advantage < 0: k of phi(w).",
+    )
+    vespo_lambda_neg: float = option(
+        default=2.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the decay of the weight for w > 1"),
+        help="loss_type='vespo', advantage < 0: lambda of phi(w).",
     )
     use_bias_correction_kl: bool = option(
         default=True,
@@ -813,6 +859,7 @@ class GRPOConfig(TrainingArguments):
                 "sync_ref_model=True (soft updates) and ref_model_reset_steps (hard resets) both move the reference; "
                 "pick one."
             )
+        self._check_loss_type()
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ValueError(
                 f"delta={self.delta} must be > 1 + epsilon_high = {1 + self.epsilon_high}: it caps ratios above the "
@@ -889,6 +936,39 @@ class GRPOConfig(TrainingArguments):
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
                 "a long prompt (and its system message), 'right' keeps its start."
             )
+
+    def _check_loss_type(self):
+        """What each loss type's own term needs (objective/loss_types.py)."""
+        name, term = self.loss_type, LOSS_TYPE_TABLE[self.loss_type].term
+        if term != "clipped" and self.delta is not None:
+            raise ValueError(
+                f"delta={self.delta} caps the ratio of PPO's clipped term, which loss_type={name!r} does not use. Set "
+                "delta=None, or pick a loss_type with the clipped term (grpo, bnpo, dr_grpo, dapo, luspo)."
+            )
+        if name == "cispo" and self.epsilon_high < 1:
+            raise ValueError(
+                f"loss_type='cispo' caps its importance weight at epsilon_high={self.epsilon_high}, below the ratio 1 "
+                "of every on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, "
+                "e.g. epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
+            )
+        if name == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError(
+                "loss_type='luspo' is GSPO with each sequence's loss scaled by its length: it is defined on the "
+                "sequence ratio. Set importance_sampling_level='sequence'."
+            )
+        if name == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError(
+                "loss_type='vespo' builds its own sequence weight from the token ratios; importance_sampling_level="
+                "'sequence' would change only the KL term's ratio. Leave importance_sampling_level='token'."
+            )
+        sampler = self.use_vllm or self.async_generation
+        if name == "vespo" and sampler and self.vllm_importance_sampling_correction:
+            if self.vllm_importance_sampling_mode.startswith("sequence"):
+                raise ValueError(
+                    f"loss_type='vespo' folds the sampler's per-token correction weights into its sequence weight; "
+                    f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} gives one per sequence. "
+                    "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
+                )
 
     def _check_async(self):
         """What asynchronous generation cannot combine with."""
@@ -974,10 +1054,10 @@ class GRPOConfig(TrainingArguments):
             )
         if spans_the_step(self.loss_type) and self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
-                f"loss_type='dapo' with steps_per_generation={self.steps_per_generation} and "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: dapo divides by the number of loss "
-                "tokens of the whole optimizer step, which must be known at its first micro-step, so one generation "
-                "round must cover whole optimizer steps. Make steps_per_generation a multiple of "
+                f"loss_type={self.loss_type!r} with steps_per_generation={self.steps_per_generation} and "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: {self.loss_type} divides by the "
+                "number of loss tokens of the whole optimizer step, which must be known at its first micro-step, so "
+                "one generation round must cover whole optimizer steps. Make steps_per_generation a multiple of "
                 "gradient_accumulation_steps (the default sets them equal)."
             )
         if self.eval_strategy != "no":

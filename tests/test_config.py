@@ -77,6 +77,40 @@ def test_invalid_settings_raise_with_the_fix(kwargs, message):
         make(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "cispo"}, r"epsilon_high=0.2, below the ratio 1 .* e.g. epsilon_high=5.0"),
+        ({"loss_type": "sapo", "delta": 2.0}, "delta=2.0 caps the ratio of PPO's clipped term"),
+        ({"loss_type": "luspo"}, "Set importance_sampling_level='sequence'"),
+        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "Leave importance_sampling_level='token'"),
+        (
+            {"loss_type": "vespo", "use_vllm": True, "vllm_importance_sampling_mode": "sequence_mask"},
+            "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'",
+        ),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0 must be > 0"),
+        ({"loss_type": "vespo", "vespo_lambda_pos": -1.0}, "vespo_lambda_pos=-1.0 must be >= 0"),
+        (
+            {"loss_type": "cispo", "epsilon_high": 5.0, "gradient_accumulation_steps": 2, "steps_per_generation": 3},
+            "loss_type='cispo' with steps_per_generation=3",
+        ),
+    ],
+)
+def test_loss_types_refuse_what_their_term_cannot_use(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(per_device_train_batch_size=8, **kwargs)
+
+
+def test_each_loss_type_builds_with_its_settings():
+    for kwargs in (
+        {"loss_type": "cispo", "epsilon_high": 5.0},
+        {"loss_type": "sapo"},
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "delta": 1.5},
+        {"loss_type": "vespo", "use_vllm": True},  # the default correction mode is per token
+    ):
+        assert make(per_device_train_batch_size=8, **kwargs).loss_type == kwargs["loss_type"]
+
+
 def test_dapo_misalignment_is_fine_for_other_loss_types():
     args = make(
         per_device_train_batch_size=4,

@@ -23,9 +23,12 @@ def test_the_trainer_stays_short():
 
 
 def test_the_trainer_never_names_a_loss_type():
-    """What a loss_type decides (aggregation, normaliser, accumulation scaling) is chosen in grpo/objective/loss.py."""
+    """What a loss_type decides (its term, aggregation, normaliser, accumulation scaling) is chosen in
+    grpo/objective/loss_types.py's table and read by grpo/objective/loss.py."""
+    from grpo.objective.loss_types import LOSS_TYPES
+
     source = (PACKAGE / "training" / "trainer.py").read_text()
-    named = re.findall(r"[\"'](grpo|bnpo|dr_grpo|dapo)[\"']", source)
+    named = re.findall(rf"[\"']({'|'.join(LOSS_TYPES)})[\"']", source)
     assert not named, f"grpo/training/trainer.py names loss types {named}: ask grpo/objective/loss.py instead"
 
 

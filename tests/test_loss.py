@@ -19,6 +19,8 @@ from grpo.objective.loss import (
     spans_the_step,
     window_token_totals,
 )
+from grpo.objective.loss_types import LOSS_TYPES as ALL_LOSS_TYPES
+from grpo.objective.loss_types import TERM_DEFAULTS, vespo_weights
 from tests.helpers.naive import (
     naive_group_advantages,
     naive_mixed_advantages,
@@ -27,6 +29,7 @@ from tests.helpers.naive import (
 )
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+NEW_LOSS_TYPES = ["cispo", "sapo", "luspo", "vespo"]  # beyond PPO's clip with its four aggregations
 
 
 # ---- Advantages ----
@@ -469,7 +472,7 @@ def test_masked_tokens_get_zero_gradient_even_with_extreme_values():
     ref = ref.clone()
     old[mask == 0] = -1e4  # exp(logp - old) would overflow if masked positions reached exp
     ref[mask == 0] = 1e4
-    for loss_type in LOSS_TYPES:
+    for loss_type in LOSS_TYPES + NEW_LOSS_TYPES:
         loss, _ = policy_loss(
             logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, max_completion_length=7
         )
@@ -497,6 +500,171 @@ def test_beta_zero_on_policy_grpo_loss_is_minus_mean_advantage_with_nonzero_grad
     assert abs(bnpo.item()) > 1e-3
 
 
+# ---- cispo, sapo, luspo, vespo ----
+
+VESPO_DEFAULTS = {name[len("vespo_") :]: value for name, value in TERM_DEFAULTS.items() if name.startswith("vespo_")}
+
+
+def test_every_loss_type_is_tested_here():
+    assert sorted(ALL_LOSS_TYPES) == sorted(LOSS_TYPES + NEW_LOSS_TYPES)
+
+
+@pytest.mark.parametrize(
+    "loss_type, kwargs, expected",
+    [
+        # _hand_case: row 0 (A = +1) ratios exp(0.1) = 1.105171 and 1, logps -1, -2; row 1 (A = -1) ratio
+        # exp(-0.3) = 0.740818, logp -0.5; 3 loss tokens.
+        # cispo, cap 1.05: weights min(r, 1.05) = 1.05, 1, 0.740818 (detached); l = -w A logp
+        #   = -1.05, -2 ... negated: 1.05 x 1 x 1 = 1.05, 1 x 1 x 2 = 2, -(0.740818 x -1 x -0.5) = -0.370409
+        #   dapo's mean: (1.05 + 2 - 0.370409) / 3 = 0.893197
+        ("cispo", {"epsilon_high": 1.05}, 0.893197),
+        # sapo, tau 1 (A > 0) and 1.05 (A <= 0): gate (4 / tau) sigmoid(tau (r - 1))
+        #   row 0: 4 sigmoid(0.105171) = 2.105074, 4 sigmoid(0) = 2 -> l = -2.105074, -2, row mean -2.052537
+        #   row 1: (4 / 1.05) sigmoid(1.05 x -0.259182) = 1.647168, A = -1 -> l = 1.647168
+        #   grpo's mean over rows: (-2.052537 + 1.647168) / 2 = -0.202685
+        ("sapo", {}, -0.202685),
+        # luspo, sequence ratios exp(0.05) = 1.051271 (row 0, inside the clip range) and 0.740818 (row 1, clipped
+        #   at 0.8): row sums -2 x 1.051271 = -2.102542 and 0.8; mean over rows (-2.102542 + 0.8) / 2 = -0.651271
+        ("luspo", {"importance_sampling_level": "sequence"}, -0.651271),
+        # vespo, phi = exp(lambda + k log w - lambda w), w the product of a row's token ratios:
+        #   row 0: w = exp(0.1), A >= 0 so k = 2, lambda = 3: exp(3 + 0.2 - 3 x 1.105171) = 0.890909
+        #   row 1: w = exp(-0.3), A < 0 so k = 3, lambda = 2: exp(2 - 0.9 - 2 x 0.740818) = 0.682743
+        #   l = -phi A logp: 0.890909 x 1, 0.890909 x 2, -(0.682743 x 0.5); dapo's mean 2.331356 / 3 = 0.777119
+        ("vespo", {}, 0.777119),
+    ],
+)
+def test_new_loss_types_hand_worked(loss_type, kwargs, expected):
+    logps, old, advantages, mask = _hand_case()
+    loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type=loss_type, **kwargs)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert ("clip_ratio/low_mean" in stats) == (loss_type == "luspo")  # PPO's clip counts only for its own term
+    if loss_type == "cispo":
+        # Only row 0's first token has A > 0 and a weight above the cap; each token's gradient is -w A / 3.
+        assert stats["cispo_clip_ratio"].item() == pytest.approx(1 / 3)
+        (grad,) = torch.autograd.grad(loss, logps)
+        assert grad.tolist() == [pytest.approx([-0.35, -1 / 3]), pytest.approx([0.740818 / 3, 0.0], abs=1e-6)]
+    if loss_type == "vespo":  # the mean of phi over the loss tokens: (2 x 0.890909 + 0.682743) / 3
+        assert stats["vespo/phi_seq_mean"].item() == pytest.approx(0.821521, abs=1e-6)
+
+
+def _sampling_weights(mask, seed):
+    """Correction weights as `sampling_correction` gives them: positive, one 0 (a masked ratio), 1 where masked."""
+    g = torch.Generator().manual_seed(seed)
+    weights = (0.5 + 1.5 * torch.rand(mask.shape, generator=g, dtype=torch.float64)).masked_fill(mask == 0, 1.0)
+    weights[0, 0] = 0.0
+    return weights
+
+
+@pytest.mark.parametrize("loss_type", NEW_LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta, bias_correction_kl", [(0.0, False), (0.04, True)])
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("corrected", [False, True])
+def test_new_loss_types_match_naive_loop(loss_type, level, beta, bias_correction_kl, on_policy, corrected):
+    # Knobs away from their defaults, so a swapped pair (pos for neg) or a default read in place of the knob fails;
+    # none is a float32 number, so a knob rounded to float32 on the way fails too.
+    knobs = dict(sapo_temperature_pos=2.1, sapo_temperature_neg=4.3, vespo_k_pos=1.3, vespo_lambda_pos=2.7)
+    knobs.update(vespo_k_neg=3.3, vespo_lambda_neg=1.7)
+    for seed in range(3):
+        logps, old, ref, advantages, mask = _random_case(seed, token_advantages=seed == 2)
+        old = None if on_policy else old
+        weights = _sampling_weights(mask, seed) if corrected else None
+        expected = naive_policy_loss(
+            logps, old, ref, advantages, mask, loss_type, beta, 0.2, 1.2, normalizer=17.0, level=level,
+            bias_correction_kl=bias_correction_kl, sampling_weights=weights, sapo=(2.1, 4.3),
+            vespo=(1.3, 2.7, 3.3, 1.7),
+        )  # fmt: skip
+        (expected_grad,) = torch.autograd.grad(expected, logps)
+        loss, _ = policy_loss(
+            logps,
+            old,
+            ref,
+            advantages,
+            mask,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon_high=1.2,  # cispo's cap: some of the random ratios exceed it
+            importance_sampling_level=level,
+            normalizer=17.0,
+            sampling_weights=weights,
+            bias_correction_kl=bias_correction_kl,
+            **knobs,
+        )
+        (grad,) = torch.autograd.grad(loss, logps)
+        torch.testing.assert_close(loss, expected, **F64)
+        torch.testing.assert_close(grad, expected_grad, **F64)
+
+
+def test_new_loss_types_with_a_policy_mask_match_naive_loop():
+    logps, old, ref, advantages, mask = _random_case(1)
+    keep = torch.rand(mask.shape, generator=torch.Generator().manual_seed(9)) < 0.6
+    for loss_type in NEW_LOSS_TYPES:
+        level = "sequence" if loss_type == "luspo" else "token"
+        expected = naive_policy_loss(
+            logps, old, ref, advantages, mask, loss_type, 0.04, 0.2, 1.2, level=level, policy_mask=keep
+        )
+        loss, _ = policy_loss(
+            logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, epsilon_high=1.2,
+            importance_sampling_level=level, policy_mask=keep,
+        )  # fmt: skip
+        torch.testing.assert_close(loss, expected, **F64)
+        torch.testing.assert_close(torch.autograd.grad(loss, logps)[0], torch.autograd.grad(expected, logps)[0], **F64)
+
+
+@pytest.mark.parametrize("loss_type, same_as", [("cispo", "dapo"), ("sapo", "grpo"), ("vespo", "dapo")])
+def test_on_policy_each_term_has_the_plain_policy_gradient(loss_type, same_as):
+    # On-policy the ratio is 1: cispo's weight min(1, cap) = 1 (cap >= 1), sapo's gate has slope 4 sigmoid'(0) = 1,
+    # vespo's phi(1) = exp(lambda + 0 - lambda) = 1. Each then has the gradient -A d logp of its aggregation's
+    # clipped loss (whose ratio is 1 too), though cispo's and vespo's values (A logp) differ from it.
+    logps, _, _, advantages, mask = _random_case(5)
+    loss, _ = policy_loss(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0, normalizer=17.0)
+    plain, _ = policy_loss(logps, None, None, advantages, mask, loss_type=same_as, normalizer=17.0)
+    (expected,) = torch.autograd.grad(plain, logps)
+    torch.testing.assert_close(torch.autograd.grad(loss, logps)[0], expected, **F64)
+    assert expected.abs().sum() > 0.1
+
+
+def test_off_policy_each_term_departs_from_the_clipped_gradient():
+    # Off-policy the terms differ from PPO's clip: cispo keeps a gradient on clipped tokens, sapo's gate is smooth.
+    logps, old, _, advantages, mask = _random_case(6)
+    grads = {}
+    for loss_type in ("dapo", "cispo", "grpo", "sapo"):
+        loss, _ = policy_loss(logps, old, None, advantages, mask, loss_type=loss_type, epsilon_high=0.2)
+        grads[loss_type] = torch.autograd.grad(loss, logps)[0]
+    cut = (grads["dapo"] == 0) & mask.bool()  # tokens PPO's clip gives no gradient
+    assert cut.any() and (grads["cispo"][cut] != 0).all()
+    assert (grads["sapo"] - grads["grpo"]).abs().max() > 1e-3
+
+
+def test_luspo_is_dr_grpo_times_the_length_budget():
+    # luspo: mean_i sum_t l m; dr_grpo: sum l m / (B L). Same clipped term, so luspo = L x dr_grpo, value and gradient.
+    logps, old, ref, advantages, mask = _random_case(8)
+    settings = dict(beta=0.04, importance_sampling_level="sequence", max_completion_length=7)
+    luspo, _ = policy_loss(logps, old, ref, advantages, mask, loss_type="luspo", **settings)
+    dr_grpo, _ = policy_loss(logps, old, ref, advantages, mask, loss_type="dr_grpo", **settings)
+    torch.testing.assert_close(luspo, 7 * dr_grpo, **F64)
+    torch.testing.assert_close(torch.autograd.grad(luspo, logps)[0], 7 * torch.autograd.grad(dr_grpo, logps)[0], **F64)
+
+
+def test_vespo_weight_peaks_at_ratio_one_and_folds_in_the_sampler_weights():
+    # phi(w) = e^lambda w^k e^(-lambda w) has its maximum at w = k / lambda (2/3 for the positive defaults) and
+    # phi(1) = 1; a sampler weight c on a token multiplies w by c, exactly as a ratio exp(log c) of its own would.
+    mask = torch.ones(1, 2)
+    advantages = torch.ones(1, 1)
+    zeros = torch.zeros(1, 2, dtype=torch.float64)
+
+    def phi(log_ratio, weights=None):
+        return vespo_weights(zeros + log_ratio, zeros, mask, advantages, weights, **VESPO_DEFAULTS).item()
+
+    assert phi(torch.tensor([[0.0, 0.0]])) == pytest.approx(1.0)
+    peak = math.log(2 / 3) / 2  # two tokens
+    assert phi(torch.tensor([[peak, peak]])) > phi(torch.tensor([[peak + 0.05, peak]]))
+    assert phi(torch.tensor([[peak, peak]])) > phi(torch.tensor([[peak - 0.05, peak]]))
+    c = torch.tensor([[0.8, 1.3]], dtype=torch.float64)
+    assert phi(zeros, c) == pytest.approx(phi(torch.log(c)), rel=1e-12)
+    assert phi(torch.tensor([[60.0, 0.0]])) == 0.0  # w = e^20 after the clamp: phi underflows to 0, not NaN
+
+
 def _accumulated(loss_type, logps, old, ref, advantages, mask, num_micro):
     """Loss and gradient as the trainer accumulates them over `num_micro` micro-batches of one optimizer step."""
     rows = logps.shape[0] // num_micro
@@ -512,15 +680,17 @@ def _accumulated(loss_type, logps, old, ref, advantages, mask, num_micro):
             mask[s],
             loss_type=loss_type,
             beta=0.04,
+            epsilon_high=1.2 if loss_type == "cispo" else None,
+            importance_sampling_level="sequence" if loss_type == "luspo" else "token",
             max_completion_length=7,
             normalizer=total_tokens,
         )
-        total = total + (loss if loss_type == "dapo" else loss / num_micro)
+        total = total + (loss if spans_the_step(loss_type) else loss / num_micro)
     (grad,) = torch.autograd.grad(total, logps)
     return total.detach(), grad
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", *NEW_LOSS_TYPES])
 def test_accumulation_invariance(loss_type):
     logps, old, ref, advantages, mask = _random_case(3, B=8)
     one_loss, one_grad = _accumulated(loss_type, logps, old, ref, advantages, mask, 1)
@@ -611,4 +781,4 @@ def test_accumulation_by_where_the_normaliser_is_taken():
         assert normalizer is None and factor == pytest.approx(1 / 3)
     normalizer, factor = accumulation("dapo", 3, torch.tensor(12.0), 2)
     assert normalizer.item() == 6.0 and factor == 1.0
-    assert [t for t in LOSS_TYPES if spans_the_step(t)] == ["dapo"]  # LOSS_TYPES: this file's, the four of them
+    assert [t for t in LOSS_TYPES + NEW_LOSS_TYPES if spans_the_step(t)] == ["dapo", "cispo", "vespo"]

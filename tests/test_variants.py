@@ -119,6 +119,51 @@ def test_each_variant_gives_the_loss_of_the_naive_objective_with_its_knobs(tmp_p
         assert key in logs, key
 
 
+# Each loss type beyond PPO's clip with the four aggregations, as GRPOConfig settings and the naive objective's
+# arguments; the knobs are off their defaults so that a knob the trainer does not pass on fails the check.
+LOSS_TYPES = {
+    "cispo": (dict(epsilon_high=1.5), dict(eps_high=1.5)),
+    "sapo": (dict(sapo_temperature_pos=1.3, sapo_temperature_neg=2.1), dict(sapo=(1.3, 2.1))),
+    "luspo": (dict(importance_sampling_level="sequence"), dict(level="sequence")),
+    "vespo": (
+        dict(vespo_k_pos=1.3, vespo_lambda_pos=2.7, vespo_k_neg=3.3, vespo_lambda_neg=1.7),
+        dict(vespo=(1.3, 2.7, 3.3, 1.7)),
+    ),
+}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_each_loss_type_gives_the_loss_of_the_naive_objective(tmp_path, loss_type):
+    config, knobs = LOSS_TYPES[loss_type]
+    record, trainer = loss_taken(tmp_path, loss_type=loss_type, **config)
+    logps, old, ref, advantages = (record[k].double() for k in ("logps", "old", "ref", "advantages"))
+    mask = record["mask"]
+
+    def naive(name, **kwargs):
+        settings = dict(bias_correction_kl=True, max_len=TINY["max_completion_length"], **kwargs)
+        return naive_policy_loss(logps, old, ref, advantages, mask, name, BETA, 0.2, **settings).item()
+
+    want = naive(loss_type, **{"eps_high": 0.2, **knobs})
+    # At most 32 token terms, each at most max|A| x max ratio in size, times (1 + max|logp|) for cispo and vespo,
+    # which weigh logp itself, and 8 for luspo's sum over a row (the KL term is 0 at step 1); each float32
+    # operation rounds by eps, and 32 eps per term bounds the error.
+    ratio = torch.exp(log_ratios(*logps.shape))[mask].max().item()
+    logp_factor = 1 + logps[mask].abs().max().item() if loss_type in ("cispo", "vespo") else 1
+    scale = advantages.abs().max().item() * ratio * logp_factor * (8 if loss_type == "luspo" else 1)
+    bound = 32 * torch.finfo(torch.float32).eps * scale
+    assert record["loss"] == pytest.approx(want, abs=bound)
+    # The same tensors under PPO's clip with the same aggregation, and under this loss type with default knobs, give
+    # other losses: the check above fails when the loss type or its knobs do not reach the trainer's loss.
+    clipped = {"cispo": "dapo", "sapo": "grpo", "luspo": "grpo", "vespo": "dapo"}[loss_type]
+    assert abs(naive(clipped, eps_high=0.2, level=knobs.get("level", "token")) - want) > 10 * bound
+    if loss_type != "luspo":  # luspo has no knob of its own
+        default = naive(loss_type, eps_high=1.2 if loss_type == "cispo" else 0.2)
+        assert abs(default - want) > 10 * bound
+    logs = trainer.state.log_history[0]
+    own = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(loss_type, "loss")
+    assert own in logs and "entropy" in logs
+
+
 def test_bias_corrected_kl_changes_the_gradient_once_the_policy_has_left_the_reference(tmp_path):
     """use_bias_correction_kl reaches the loss. At step 1 the policy is the reference (k3 = 0, and on-policy the
     ratio is 1), so both settings make the same update, bit for bit; from step 2 on, k3 > 0 and the corrected

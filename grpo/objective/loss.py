@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 
-# Each loss_type, by where its normaliser is taken: over its micro-batch (the loss is a mean over the micro-batch) or
-# over the whole optimizer step, every micro-batch on every process (DAPO's token mean). `accumulation` reads it.
-NORMALISED_OVER = {"grpo": "micro_batch", "bnpo": "micro_batch", "dr_grpo": "micro_batch", "dapo": "step"}
-LOSS_TYPES = tuple(NORMALISED_OVER)
+from grpo.objective.loss_types import TERM_DEFAULTS, loss_type_of, policy_term
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -58,38 +56,41 @@ def aggregate(
     max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses l (B, T) under the mask m (B, T) to one number (docs/method.md, "Per-token loss and aggregation").
+    """Reduce per-token losses l (B, T) under the mask m (B, T) to one number (docs/method.md, "Per-token loss and
+    aggregation"), by the `reduction` of `loss_type` (loss_types.py):
 
-        grpo     mean_i ( sum_t l_it m_it / |o_i| )        per-sequence mean, then mean over rows
-        bnpo     sum l m / sum m                           token mean over this micro-batch
-        dr_grpo  sum l m / (B * max_completion_length)     constant normaliser (Dr. GRPO)
-        dapo     sum l m / normalizer                      token mean over the whole optimizer step (DAPO);
-                                                           `normalizer` defaults to sum m (then equal to bnpo)
+        sequence_mean  mean_i ( sum_t l_it m_it / |o_i| )   grpo, sapo: per-sequence mean, then mean over rows
+        token_mean     sum l m / sum m                      bnpo: token mean over this micro-batch
+                       sum l m / normalizer                 dapo, cispo, vespo: token mean over the whole optimizer
+                                                            step; `normalizer` defaults to sum m (then as bnpo)
+        constant       sum l m / (B * max_completion_length)    dr_grpo (Dr. GRPO)
+        sequence_sum   mean_i ( sum_t l_it m_it )           luspo: each row's loss scaled by its length
 
-    A row with no loss tokens contributes 0 to grpo but still counts in its mean over rows.
+    A row with no loss tokens contributes 0 to the per-row reductions but still counts in their mean over rows.
     """
+    kind = loss_type_of(loss_type)
     mask = mask.to(per_token_loss.dtype)
-    total = (per_token_loss * mask).sum()
-    if loss_type == "grpo":
-        per_row = (per_token_loss * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)  # (B,)
+    masked = per_token_loss * mask
+    total = masked.sum()
+    per_row = masked.sum(dim=-1)  # (B,)
+    if kind.reduction == "sequence_mean":
+        return (per_row / mask.sum(dim=-1).clamp(min=1.0)).mean()
+    if kind.reduction == "sequence_sum":
         return per_row.mean()
-    if loss_type == "bnpo":
-        return total / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
+    if kind.reduction == "constant":
         if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+            raise ValueError(f"loss_type={loss_type!r} needs max_completion_length")
         return total / (per_token_loss.shape[0] * max_completion_length)
-    if loss_type == "dapo":
-        if normalizer is None:
-            normalizer = mask.sum()
-        return total / torch.as_tensor(normalizer, dtype=total.dtype).clamp(min=1.0)
-    raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+    if normalizer is None or kind.normalised_over == "micro_batch":
+        normalizer = mask.sum()
+    return total / torch.as_tensor(normalizer, dtype=total.dtype).clamp(min=1.0)
 
 
 def spans_the_step(loss_type: str) -> bool:
-    """Whether `loss_type`'s normaliser counts the loss tokens of the whole optimizer step (`NORMALISED_OVER`): its
-    micro-batches then need those counts (`window_token_totals`) before the step's first one trains."""
-    return NORMALISED_OVER[loss_type] == "step"
+    """Whether `loss_type`'s normaliser counts the loss tokens of the whole optimizer step (its `normalised_over` in
+    loss_types.py): its micro-batches then need those counts (`window_token_totals`) before the step's first one
+    trains."""
+    return loss_type_of(loss_type).normalised_over == "step"
 
 
 def accumulation(
@@ -100,8 +101,8 @@ def accumulation(
     process (1 outside training); `step_tokens`: the loss tokens of those micro-batches on every process
     (`window_token_totals`, for a loss whose normaliser spans the step).
 
-        normalised over the micro-batch (grpo, bnpo, dr_grpo):  normalizer None,               factor 1 / micro_steps
-        normalised over the step (dapo):                       normalizer step_tokens / P,     factor 1
+        normalised over the micro-batch (grpo, bnpo, dr_grpo, sapo, luspo):  normalizer None,            factor 1 / micro_steps
+        normalised over the step (dapo, cispo, vespo):                      normalizer step_tokens / P,  factor 1
 
     The step's loss is then the mean of the micro-batch means, or the step's token mean; the division by P undoes
     data parallelism's averaging of the P processes' gradients, so the sum over processes is the step's token mean.
@@ -199,6 +200,7 @@ def loss_settings(args) -> dict[str, Any]:
         "importance_sampling_level": args.importance_sampling_level,
         "max_completion_length": args.max_completion_length,
         "bias_correction_kl": args.use_bias_correction_kl,
+        **{name: getattr(args, name) for name in TERM_DEFAULTS},
     }
 
 
@@ -220,12 +222,13 @@ def policy_loss(
     normalizer: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
     bias_correction_kl: bool = False,
+    **term_knobs: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
+    """The GRPO objective of `loss_type` with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
 
         ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
-        s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )
+        s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )   (PPO)
         k_it     = kl_k3(logp_it, ref_it)            times ratio (not detached) with `bias_correction_kl`
         l_it     = -(s_it * h_it - beta * k_it) * w_it
         loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
@@ -237,22 +240,23 @@ def policy_loss(
     a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
     term only where it is 1 (e.g. the highest-entropy tokens); the KL term and the normaliser still cover every
     loss token. None means h = 1. `sampling_weights` w (B, T) reweights each token's whole loss, for samples drawn by
-    another engine (`sampling_correction`); None means w = 1.
+    another engine (`sampling_correction`); None means w = 1. cispo, sapo and vespo replace s with terms of their own
+    (loss_types.py `policy_term`, whose knobs `term_knobs` are: `TERM_DEFAULTS`); vespo folds w into its weight.
 
     Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
     on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp (at sequence level, the
     mean of d logp over the row). `ref_logps` is needed only when beta != 0. Masked positions may hold any value
     (they are neutralised before exp, so no inf or NaN leaks into the gradient).
 
-    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0), and the fraction of
-    tokens where the min() picked a clipped term, so that the token's gradient is cut: `clip_ratio/low_mean`
-    (ratio < 1 - eps_low with A < 0), `clip_ratio/high_mean` (ratio > 1 + eps_high with A > 0) and
-    `clip_ratio/region_mean` (either, or ratio > delta with A < 0).
+    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0); for PPO's clip the
+    fraction of tokens where the min() picked a clipped term, so that the token's gradient is cut:
+    `clip_ratio/low_mean` (ratio < 1 - eps_low with A < 0), `clip_ratio/high_mean` (ratio > 1 + eps_high with
+    A > 0) and `clip_ratio/region_mean` (either, or ratio > delta with A < 0); the other terms' own (`policy_term`).
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     if beta != 0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
-    if delta is not None and delta <= 1 + epsilon_high:
+    if (clipped := loss_type_of(loss_type).term == "clipped") and delta is not None and delta <= 1 + epsilon_high:
         raise ValueError(f"delta={delta} must be > 1 + epsilon_high = {1 + epsilon_high}, or None")
     mask = mask.bool()
     old_logps = logps.detach() if old_logps is None else old_logps
@@ -260,27 +264,25 @@ def policy_loss(
         advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
 
     ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    surrogate = torch.min(capped * advantages, clipped * advantages)  # (B, T)
+    surrogate, stats = policy_term(
+        loss_type, ratio, logps, old_logps, advantages, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        delta=delta, sampling_weights=sampling_weights, **term_knobs,
+    )  # (B, T), times w  # fmt: skip
     if policy_mask is not None:
         surrogate = surrogate * policy_mask.to(surrogate.dtype)
     per_token_loss = -surrogate
-    stats = {}
     if beta != 0:
         # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
         kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
         kl = kl * ratio if bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
-        per_token_loss = per_token_loss + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask)
-    if sampling_weights is not None:
-        per_token_loss = per_token_loss * sampling_weights
+        per_token_loss = per_token_loss + beta * (kl if sampling_weights is None else kl * sampling_weights)
 
     loss = aggregate(
         per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer
     )
-
-    stats.update(clip_fractions(ratio.detach(), advantages, mask, epsilon_low, epsilon_high, delta, policy_mask))
+    if clipped:
+        stats.update(clip_fractions(ratio.detach(), advantages, mask, epsilon_low, epsilon_high, delta, policy_mask))
     return loss, stats
 
 

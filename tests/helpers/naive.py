@@ -61,14 +61,40 @@ def naive_policy_loss(
     bias_correction_kl=False,
     sampling_logps=None,
     off_policy_threshold=None,
+    sampling_weights=None,
+    sapo=(1.0, 1.05),
+    vespo=(2.0, 3.0, 3.0, 2.0),
 ):
     """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too).
     `bias_correction_kl`: each token's k3 times its (token or sequence) ratio. `off_policy_threshold`: a row whose
     advantage is negative and whose mean of sampling - logp over its tokens (NaN as 0) exceeds it trains no policy
-    term (the sampler's log-probs `sampling_logps`, else old, else logp itself)."""
+    term (the sampler's log-probs `sampling_logps`, else old, else logp itself). `sampling_weights` c (B, T): each
+    token's whole loss times c, except vespo's policy term, whose sequence ratio takes the product of c instead.
+    `sapo`: (tau_pos, tau_neg); `vespo`: (k_pos, lambda_pos, k_neg, lambda_neg). The loss types beyond PPO's clip:
+    cispo  -sg(min(ratio, eps_high)) * A * logp, dapo's token mean;
+    sapo   -(4 / tau) * sigmoid(tau * (ratio - 1)) * A, grpo's per-sequence mean;
+    luspo  the clipped term, summed over each row's tokens, then the mean over rows;
+    vespo  -sg(phi(w)) * A * logp with w the product of the row's token ratios, dapo's token mean."""
     B, T = logps.shape
     token_loss = [[None] * T for _ in range(B)]
     for i in range(B):
+        phi = None
+        if loss_type == "vespo":
+            log_w = 0.0
+            for t in range(T):
+                if mask[i][t]:
+                    old = float(logps[i][t]) if old_logps is None else float(old_logps[i][t])
+                    log_w += min(max(float(logps[i][t]) - old, -20.0), 20.0)
+                    if sampling_weights is not None:
+                        c = float(sampling_weights[i][t])
+                        log_w += min(max(math.log(c) if c > 0 else -math.inf, math.log(1e-8)), 20.0)
+            log_w = min(max(log_w, math.log(1e-8)), 20.0)
+            phi = []
+            for t in range(T):
+                a = float(advantages[i]) if advantages.dim() == 1 else float(advantages[i][t])
+                k, lam = (vespo[0], vespo[1]) if a >= 0 else (vespo[2], vespo[3])
+                value = math.exp(lam + k * log_w - lam * math.exp(log_w))  # phi(w) = e^lam w^k e^(-lam w)
+                phi.append(value if math.isfinite(value) else 0.0)
         dropped = False
         if off_policy_threshold is not None:
             drift, n = 0.0, 0
@@ -99,19 +125,31 @@ def naive_policy_loss(
             a = advantages[i] if advantages.dim() == 1 else advantages[i][t]
             old = logps[i][t].detach() if old_logps is None else old_logps[i][t]
             ratio = torch.exp(logps[i][t] - old) if level == "token" else torch.exp(seq_log_ratio)
-            clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-            capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-            surrogate = torch.min(capped * a, clipped * a)
+            c = 1.0 if sampling_weights is None else float(sampling_weights[i][t])
+            if loss_type == "cispo":
+                surrogate = min(float(ratio), eps_high) * a * logps[i][t] * c
+            elif loss_type == "sapo":
+                tau = sapo[0] if a > 0 else sapo[1]
+                surrogate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a * c
+            elif loss_type == "vespo":
+                surrogate = phi[t] * a * logps[i][t]  # c is inside phi
+            else:
+                clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+                capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+                surrogate = torch.min(capped * a, clipped * a) * c
             if (policy_mask is not None and not policy_mask[i][t]) or dropped:
                 surrogate = surrogate * 0
             loss = -surrogate
             if beta != 0:
                 d = ref_logps[i][t] - logps[i][t]
                 k3 = torch.exp(d) - d - 1
-                loss = loss + beta * (k3 * ratio if bias_correction_kl else k3)
+                loss = loss + beta * (k3 * ratio if bias_correction_kl else k3) * c
             token_loss[i][t] = loss
     zero = logps.sum() * 0
-    if loss_type == "grpo":
+    if loss_type == "luspo":
+        rows = [sum((token_loss[i][t] for t in range(T) if mask[i][t]), zero) for i in range(B)]
+        return sum(rows, zero) / B
+    if loss_type in ("grpo", "sapo"):
         total = zero
         for i in range(B):
             n = sum(int(mask[i][t]) for t in range(T))
@@ -124,7 +162,7 @@ def naive_policy_loss(
         return total / max(len(all_tokens), 1)
     if loss_type == "dr_grpo":
         return total / (B * max_len)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return total / (normalizer if normalizer is not None else max(len(all_tokens), 1))
     raise ValueError(loss_type)
 
