@@ -68,6 +68,7 @@ class Section:
     AGENTS = "Tools and environments (multi-turn episodes)"
     OFFLINE = "Training from scored rollouts (offline)"
     LOGGING = "Logging"
+    STOPS = "Stopping and resuming"
 
 
 class Option(NamedTuple):
@@ -776,6 +777,17 @@ class GRPOConfig(TrainingArguments):
         section=Section.LOGGING,
         range=Interval(0, why="None prints every row"),
         help="Rows of that table (None = all rows of the generation batch).",
+    )
+
+    # ---- Stopping and resuming ----
+    preemption_timeout: float = option(
+        default=60.0,
+        section=Section.STOPS,
+        range=Interval(0, open_low=True, why="seconds"),
+        help="Seconds a run may take, after a SIGTERM (a scheduler's or a spot instance's notice), to finish its "
+        "optimizer step and write a checkpoint there before it stops at once without one; a second SIGTERM also "
+        "stops it at once. Set it below the time your scheduler allows between SIGTERM and SIGKILL "
+        "(docs/reliability.md#preemption).",
     )
 
     @property

@@ -7,6 +7,7 @@ milliseconds for the rows that fail before the model; the rows that need a proce
 or a training step (a reward function's bug) are below the table.
 """
 
+import errno
 import os
 import resource
 import subprocess
@@ -404,3 +405,39 @@ def test_reward_function_bug_is_one_line(workdir, capsys, tiny_model_path, kind)
         ]
     )
     assert_one_line(code, capsys.readouterr().err, expected, "train")
+
+
+@pytest.mark.parametrize(
+    ("code", "cause", "remedy"),
+    [
+        (
+            errno.EACCES,
+            "the directory is not writable",
+            "Make the output directory writable (or use another output_dir)",
+        ),
+        (
+            errno.EROFS,
+            "the directory is not writable",
+            "Make the output directory writable (or use another output_dir)",
+        ),
+        (
+            errno.EFBIG,
+            "the file-size limit (ulimit -f), not a full disk",
+            "Raise the file-size limit (ulimit -f unlimited)",
+        ),
+        (errno.ENOSPC, "the disk is full", "Free space (or lower save_total_limit)"),
+    ],
+)
+def test_a_failed_write_names_its_own_remedy(tmp_path, code, cause, remedy):
+    """A checkpoint or final save that cannot be written says why and what helps; only a full disk says free space."""
+    from grpo.training.checkpoints import describe_write_failure, write_failure_cause, write_failure_remedy
+    from grpo.training.output_dir import final_save_message
+
+    error = OSError(code, os.strerror(code))
+    message = describe_write_failure(error, 3, str(tmp_path))
+    assert cause in message and f"{remedy}, then resume" in message
+    assert ("Free space" in message) == (code == errno.ENOSPC)
+    final = final_save_message(
+        str(tmp_path), write_failure_cause(error, str(tmp_path)), None, write_failure_remedy(error)
+    )
+    assert f"still in memory: {remedy[0].lower()}{remedy[1:]}, then call" in final

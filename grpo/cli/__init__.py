@@ -30,6 +30,8 @@ from grpo.cli.recipe import RecipeError
 from grpo.data import InputError, completion_text
 from grpo.training.checkpoints import CheckpointError
 from grpo.training.nonfinite import NonFiniteError
+from grpo.training.preemption import EXIT_STATUS as PREEMPTED_STATUS
+from grpo.training.preemption import Preempted
 
 
 def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
@@ -401,10 +403,58 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()
         print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        # SIGTERM (a scheduler's notice): the step's checkpoint is written; one line says how to go on.
+        _close_progress_bars()
+        if e.main:
+            print(
+                f"grpo {cli.command}: stopped on SIGTERM after step {e.step}; checkpoint written: {e.checkpoint}. "
+                f"Resume with: {_resume_command(cli)}",
+                file=sys.stderr,
+            )
+        return PREEMPTED_STATUS
+    except KeyboardInterrupt:
+        # Ctrl-C: one line with the way back, not the traceback of wherever it landed.
+        if debug:
+            raise
+        _close_progress_bars()
+        print(f"grpo {cli.command}: interrupted (Ctrl-C).{_after_interrupt(cli)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
     except BrokenPipeError:  # `grpo train --help | head`: the reader has all it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's flush at exit is quiet too
         return 0
     return 0
+
+
+def _resume_command(cli) -> str:
+    """`grpo train RECIPE [the same overrides] --resume_from_checkpoint true`, ready to paste."""
+    import shlex
+
+    overrides, skip = [], False
+    for arg in cli.overrides:
+        if skip:
+            skip = False
+        elif arg.replace("-", "_") == "__resume_from_checkpoint":
+            skip = True  # its value follows
+        elif not arg.replace("-", "_").startswith("__resume_from_checkpoint="):
+            overrides.append(arg)
+    return shlex.join(["grpo", "train", cli.recipe, *overrides, "--resume_from_checkpoint", "true"])
+
+
+def _after_interrupt(cli) -> str:
+    """For `grpo train`: where the run can be resumed from, or that it starts again; empty for other commands."""
+    if cli.command != "train" or cli.recipe is None:
+        return ""
+    from grpo.cli.recipe import load_recipe
+    from grpo.training.checkpoints import newest_checkpoint
+
+    try:
+        newest = newest_checkpoint(os.path.abspath(load_recipe(cli.recipe, cli.overrides).config["output_dir"]))
+    except Exception:  # noqa: BLE001 - interrupted before the recipe was valid: nothing to resume
+        return ""
+    if newest is None:
+        return " No checkpoint was written: run the same command to start again."
+    return f" The newest checkpoint is {newest}: resume with: {_resume_command(cli)}"
 
 
 if __name__ == "__main__":

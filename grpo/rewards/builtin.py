@@ -327,14 +327,14 @@ def code_execution(
     [1.0, 0.5, 0.0]
     """
     # Imported here, not at the top: the sandbox (and ctypes, for its seccomp filters) loads only when asked for.
-    from grpo.rewards.sandbox import Limits, check_isolation, run_cases, run_python
+    from grpo.rewards.sandbox import Limits, check_isolation, run_cases, run_python, stop_running, stops
 
     check_isolation(isolation)  # fail when the reward is built, not at the first training step
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)
     warned = []
 
-    def score(completion, row):
-        if row is None:
+    def score(completion, row, stops_before):
+        if row is None or stops() != stops_before:  # no row, or Ctrl-C came since the call began: run nothing more
             return None
         code = extract_code(completion_text(completion))
         if row[0] == "cases":
@@ -354,7 +354,13 @@ def code_execution(
         if not warned and any(row is not None and row[0] == "tests" for row in rows):
             warned.append(True)
             warnings.warn(_TESTS_WARNING, UserWarning, stacklevel=2)
-        with ThreadPoolExecutor(max_workers=max(1, max_parallel)) as pool:
-            return list(pool.map(score, completions, rows))
+        pool = ThreadPoolExecutor(max_workers=max(1, max_parallel))
+        try:
+            return list(pool.map(score, completions, rows, [stops()] * len(rows)))
+        except KeyboardInterrupt:  # Ctrl-C: end the runs in progress and start none, so the threads return now
+            stop_running()
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
     return code_execution

@@ -180,13 +180,29 @@ def write_failure_cause(error: BaseException, output_dir: str) -> str:
         space = f"{free_mb:.0f} MiB free on that disk"
     except OSError:
         space = "free space unknown"
-    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or "No space left" in str(error):
         cause = "the disk is full"
+    elif code == errno.EFBIG:  # the process's file-size limit, not the disk
+        cause = f"a file reached the file-size limit (ulimit -f), not a full disk ({error})"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause = f"the directory is not writable ({error})"
     elif "basic_ios" in str(error):  # how torch.save reports a write that failed, most often for lack of space
         cause = "a write error, most likely a full disk (torch says 'basic_ios::clear')"
     else:
         cause = f"{type(error).__name__}: {error}"
     return f"{cause} ({space})"
+
+
+def write_failure_remedy(error: BaseException | None) -> str:
+    """What to do about a failed write (`write_failure_cause`): free space, unless the directory is not writable or
+    the process's file-size limit stopped it, where free space would not help."""
+    code = getattr(error, "errno", None)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make the output directory writable (or use another output_dir)"
+    if code == errno.EFBIG:
+        return "raise the file-size limit (ulimit -f unlimited)"
+    return "free space (or lower save_total_limit)"
 
 
 def describe_write_failure(error: BaseException, step: int, output_dir: str) -> str:
@@ -197,7 +213,7 @@ def describe_write_failure(error: BaseException, step: int, output_dir: str) -> 
     intact = f"The newest complete checkpoint, {newest}, is intact" if newest else "No earlier checkpoint exists"
     return (
         f"Writing checkpoint-{step} in {output_dir} failed: {cause}. Nothing of it was kept. {intact}. "
-        "Free space (or lower save_total_limit), then resume with resume_from_checkpoint=True."
+        f"{write_failure_remedy(error).capitalize()}, then resume with resume_from_checkpoint=True."
     )
 
 
@@ -365,7 +381,8 @@ class ResumableTrainer(Trainer):
                 shutil.rmtree(staged, ignore_errors=True)
             cause = write_failure_cause(failure or OSError("another process failed"), output_dir)
             newest = newest_checkpoint(output_dir)
-            raise CheckpointError(final_save_message(output_dir, cause, newest)) from failure
+            remedy = write_failure_remedy(failure)
+            raise CheckpointError(final_save_message(output_dir, cause, newest, remedy)) from failure
         if self.args.should_save:
             publish_files(staged, output_dir)
         self.accelerator.wait_for_everyone()

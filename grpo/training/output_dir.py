@@ -125,8 +125,9 @@ def publish_files(staged: str, output_dir: str) -> None:
     os.rmdir(staged)
 
 
-def final_save_message(output_dir: str, cause: str, newest: str | None) -> str:
-    """The message of a final save that failed: nothing written, the weights still in memory, how to retry."""
+def final_save_message(output_dir: str, cause: str, newest: str | None, remedy: str = "free space") -> str:
+    """The message of a final save that failed: nothing written, the weights still in memory, how to retry (after
+    `remedy`, what the cause calls for)."""
     later = (
         f"the newest checkpoint, {newest}, can be resumed (--resume_from_checkpoint true), which saves its model"
         if newest
@@ -134,6 +135,6 @@ def final_save_message(output_dir: str, cause: str, newest: str | None) -> str:
     )
     return (
         f"Saving the trained model to {output_dir} failed: {cause}. Nothing was written there (its earlier files are "
-        f"unchanged). The trained weights are still in memory: free space, then call trainer.save_model("
+        f"unchanged). The trained weights are still in memory: {remedy}, then call trainer.save_model("
         f"{output_dir!r}) again, or save to another disk. If the process ends instead, {later}."
     )

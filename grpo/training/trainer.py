@@ -274,10 +274,6 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             )
         return rollout.to(self.accelerator.device), columns
 
-    def _any_process(self, flag: bool) -> bool:
-        flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
-        return bool(flags.item())
-
     def local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None):
         """Every reward function on this process's rows (`RewardSet.score`); no collective call, so the async
         producer thread calls it too."""

@@ -1,12 +1,16 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
     python tests/helpers/resume_run.py SETTINGS_JSON OUTPUT_DIR
-        [--kill-after-micro-step K | --kill-in-save STEP] [--resume] [--lora] [--agent] [--prompts N]
+        [--kill-after-micro-step K | --kill-in-save STEP | --sigterm-after-micro-step K [--sigterm-again]
+         [--sleep-after-sigterm S]] [--resume] [--lora] [--agent] [--prompts N]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
 micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
-being written: every file is written, the rename that publishes it has not happened. `--lora` trains a LoRA adapter
+being written: every file is written, the rename that publishes it has not happened. `--sigterm-after-micro-step K`
+sends the process a SIGTERM (a scheduler's notice) right after its K-th micro-step; `--sigterm-again` sends a
+second one after the next micro-step, `--sleep-after-sigterm S` sleeps S seconds there instead (a step that will
+not end in time). SETTINGS_JSON may override any setting below. `--lora` trains a LoRA adapter
 (rank 4 on every linear layer) instead of every weight. `--prompts N` trains on N prompts (default 24).
 `--agent` makes each row a multi-turn episode with real sampling (`agent_trainer`): chat prompts, an `add` tool,
 and turns that each end at the first sampled letter, so an episode's turns and tool calls depend on what was drawn.
@@ -17,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,13 +80,20 @@ def agent_trainer(args, prompts):
 
 
 class KillAfter(TrainerCallback):
-    def __init__(self, micro_steps):
-        self.remaining = micro_steps
+    """Sends `signum` to this process right after micro-step `micro_steps`; then, at the next micro-step, sends it
+    again (`again`) or sleeps `sleep` seconds."""
+
+    def __init__(self, micro_steps, signum=signal.SIGKILL, again=False, sleep=0.0):
+        self.remaining, self.signum, self.again, self.sleep = micro_steps, signum, again, sleep
 
     def _count(self):
         self.remaining -= 1
         if self.remaining == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
+        elif self.remaining == -1 and self.again:
+            os.kill(os.getpid(), self.signum)
+        elif self.remaining == -1 and self.sleep:
+            time.sleep(self.sleep)
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._count()
@@ -96,6 +108,9 @@ def main():
     parser.add_argument("output_dir")
     parser.add_argument("--kill-after-micro-step", type=int)
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--sigterm-after-micro-step", type=int)
+    parser.add_argument("--sigterm-again", action="store_true")
+    parser.add_argument("--sleep-after-sigterm", type=float, default=0.0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--agent", action="store_true")
@@ -114,7 +129,7 @@ def main():
 
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})
-    args = GRPOConfig(
+    settings = dict(
         output_dir=cli.output_dir,
         use_cpu=True,  # bit-identical weights are the CPU float32 run's (on a GPU machine, GRPOConfig picks CUDA, bf16)
         bf16=False,
@@ -127,9 +142,9 @@ def main():
         temperature=1.0,
         learning_rate=1e-2,  # large enough that every step visibly moves the weights
         seed=7,
-        # short completions keep each run to a few seconds (an episode's budget is the scenario's)
-        **{"max_completion_length": 8, **json.loads(cli.settings)},
+        max_completion_length=8,  # short completions keep each run to a few seconds (an episode's is the scenario's)
     )
+    args = GRPOConfig(**{**settings, **json.loads(cli.settings)})
     if cli.agent:
         trainer = agent_trainer(args, cli.prompts)
     else:
@@ -143,6 +158,9 @@ def main():
         )
     if cli.kill_after_micro_step is not None:
         trainer.add_callback(KillAfter(cli.kill_after_micro_step))
+    if cli.sigterm_after_micro_step is not None:
+        stop = KillAfter(cli.sigterm_after_micro_step, signal.SIGTERM, cli.sigterm_again, cli.sleep_after_sigterm)
+        trainer.add_callback(stop)
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save({"log_history": trainer.state.log_history, "params": params}, Path(cli.output_dir) / "result.pt")

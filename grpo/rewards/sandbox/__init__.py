@@ -60,6 +60,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,12 @@ from grpo.rewards.sandbox.harness import well_formed_results
 from grpo.rewards.sandbox.seccomp import seccomp_programs
 
 ISOLATIONS = ("bwrap", "process")
+
+# The sandboxed runs in progress in this process, so that `stop_running` (Ctrl-C) can end them at once: the threads
+# a reward runs them in would otherwise wait out each run's wall-clock limit before the process could exit.
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+_stops = 0  # how often stop_running was called
 
 # The program run inside the sandbox (harness.py: a supervisor, then the worker it forks), passed as the source text
 # of `python -c`, so that it needs no path inside the sandbox's file system.
@@ -209,6 +216,8 @@ def _run(
             pass_fds=fds,
             start_new_session=True,  # its own process group, killed as a whole below
         )
+        with _running_lock:
+            _running.add(proc)
         os.close(report_w)
         report_w = None
         report_bytes = RESULT_BYTES + 64 * total + 4096  # the results, a few bytes of each entry, the rest
@@ -218,6 +227,8 @@ def _run(
             return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
         finally:
             _kill_group(proc)
+            with _running_lock:
+                _running.discard(proc)
         parsed = _parse_report(report, token, total, cases is not None)
         if parsed is not None:
             passed, _, error, output_bytes, results = parsed
@@ -331,6 +342,25 @@ def _parse_report(
         return None
     results = results if cases and error is None else None
     return min(max(passed, 0), total), total, error if error is None else error[:500], max(printed, 0), results
+
+
+def stop_running() -> None:
+    """Kill every sandboxed run in progress in this process (the trainer calls it on Ctrl-C): each returns at once
+    with an error ("killed by signal 9"). `stops()` counts the calls, so a caller can skip the runs it has not
+    started yet."""
+    global _stops
+    with _running_lock:
+        _stops += 1
+        for proc in _running:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def stops() -> int:
+    """How often `stop_running` was called in this process."""
+    return _stops
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
