@@ -523,6 +523,11 @@ def test_cases_score_calls_and_programs_and_say_why_a_case_failed():
     result = run_cases(program, cases, Limits(**LIMITS))
     assert result.passed == 2 and len(result.failures) == 1 and "raised ValueError" in result.failures[0]
     assert run_cases("print(int(input()) * 2)", '[{"stdin": "21", "stdout": "42"}]', Limits(**LIMITS)).passed == 1
+    # The input is descriptor 0 as well, for programs that read it with open(0) or os.read; each case has its own
+    # (open(0) closes descriptor 0 when its file object goes).
+    cases = [{"stdin": "1 2 3", "stdout": "6"}, {"stdin": "4 5", "stdout": "9"}]
+    assert run_cases("print(sum(map(int, open(0).read().split())))", cases, Limits(**LIMITS)).passed == 2
+    assert run_cases("import os\nprint(sum(map(int, os.read(0, 99).split())))", cases, Limits(**LIMITS)).passed == 2
 
 
 @needs_bwrap

@@ -172,7 +172,7 @@ def work(job, out, printed):
         error = f"the code raised {type(e).__name__}: {e}"[:500]
     if error is None and cases is not None:
         if cases and "stdin" in cases[0]:
-            results = run_programs(program, cases, job["result_bytes"])
+            results = run_programs(program, cases, job["result_bytes"], job["file_size_mb"] * 1024 * 1024)
         else:
             results = evaluate_calls(namespace, cases, job["result_bytes"])
     elif error is None:
@@ -264,7 +264,24 @@ def evaluate_calls(namespace, cases, result_bytes):
     return results
 
 
-def run_programs(program, cases, result_bytes):
+def stdin_of(text, file_size):
+    # The case's input as sys.stdin, and as descriptor 0 too (a memory file), so that open(0) and os.read(0, ...)
+    # read it as well; an input past RLIMIT_FSIZE (`file_size`), which a memory file cannot hold, is sys.stdin only.
+    import io
+
+    data = text.encode()
+    if len(data) < file_size and hasattr(os, "memfd_create"):
+        fd = os.memfd_create("stdin")  # 0 itself when the last case's program closed it (open(0) does)
+        write_all(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+        if fd != 0:
+            os.dup2(fd, 0)
+            os.close(fd)
+        return io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+
+
+def run_programs(program, cases, result_bytes, file_size):
     # The code as a program, once per case: stdin is the case's text, and what it prints to sys.stdout is sent back.
     import io
 
@@ -284,10 +301,10 @@ def run_programs(program, cases, result_bytes):
     results, budget, saved = [], [result_bytes], (sys.stdin, sys.stdout)
     for case in cases:
         captured = Capture(budget[0])
-        sys.stdin = io.TextIOWrapper(io.BytesIO(case["stdin"].encode()), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(captured), encoding="utf-8", errors="replace")
         why = None
-        try:
+        try:  # the last case's program may have closed or replaced descriptor 0: that fails this case, no more
+            sys.stdin = stdin_of(case["stdin"], file_size)
             exec(program, {"__name__": "__main__"})
         except SystemExit as e:  # exit() and exit(0) end a program normally
             if e.code not in (None, 0):
