@@ -139,8 +139,8 @@ def run_cases(
     the process that ran the code. `cases` (a list, one dict, or JSON text of either; `check_cases`) are all
     `{"call": "add(1, 2)", "expected": 3}`: the code runs once, then each call is evaluated in its namespace and must
     return a value equal to `expected` as JSON data (`same`); or all `{"stdin": "1 2\n", "stdout": "3\n"}`: the
-    code runs as a program once per case, reading `stdin` from `sys.stdin`, and what it prints to `sys.stdout` must
-    be `stdout` up to trailing whitespace (`same_output`). A call or program that raises, returns anything but plain
+    code runs as a program once per case, reading `stdin` from `sys.stdin` (and descriptor 0), and what it prints
+    to `sys.stdout` must be `stdout` up to trailing whitespace (`same_output`). A call or program that raises, returns anything but plain
     data, or exits with a status other than 0 fails its case; a failed run (timeout, a limit, a syntax error, an
     exception in the code before the calls) sets `error` and passes none. `failures` says why each case failed.
     Raises ValueError for malformed cases, `SandboxUnavailable` when the isolation cannot run here."""
