@@ -23,6 +23,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -41,6 +43,7 @@ from grpo.training.checkpoint_checks import (
     warn_without_rng_state,
 )
 from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, fsync, publish_files
+from grpo.training.preemption import Preempted, PreemptionCallback, StopOnSignal, resume_message
 
 STATE_FILE = "grpo_state_{}.pt"
 REFERENCE_FILE = "reference_model.safetensors"  # only when the reference moves (sync_ref_model, ref_model_reset_steps)
@@ -309,6 +312,14 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
     return state
 
 
+def stop_sandboxes() -> None:
+    """End the sandboxed code (grpo/rewards/sandbox) still running in this process, if the sandbox was ever used: a
+    reward's worker threads would otherwise wait for each run's wall-clock limit before the process can exit."""
+    sandbox = sys.modules.get("grpo.rewards.sandbox")  # never imported here: a run without code rewards loads none
+    if sandbox is not None:
+        sandbox.stop_running()
+
+
 class ResumableTrainer(Trainer):
     """`transformers.Trainer` whose checkpoints are complete or absent (`atomic_checkpoint`), resumable from the
     newest complete one (`resume_from_checkpoint=True`) once every file of it was checked (`check_checkpoint`, and a
@@ -342,12 +353,35 @@ class ResumableTrainer(Trainer):
                 if changed and self.args.should_save:
                     warnings.warn(changed, stacklevel=2)
                 self._restore_state(checkpoint)
+            # SIGTERM stops at the end of the optimizer step with a checkpoint, only while this runs (preemption.py).
+            stop = StopOnSignal(self.args.preemption_timeout, main=self.args.should_save)
+            preemption = PreemptionCallback(stop, self._any_process)
+            self.add_callback(preemption)
             try:
-                return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+                with stop:
+                    output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            except KeyboardInterrupt:
+                stop_sandboxes()  # Ctrl-C: code still running in a sandbox (in a reward's threads) ends now
+                raise
             finally:
+                self.remove_callback(preemption)
                 self._end_training()
+            if preemption.stopped_at is not None:
+                newest = newest_checkpoint(self.args.output_dir)
+                message = resume_message(preemption.stopped_at, newest, self.args.output_dir)
+                raise Preempted(message, preemption.stopped_at, newest, main=self.args.should_save)
+            if stop.requested:  # it came after the last step's end: the handler before ours decides what it does
+                signal.raise_signal(signal.SIGTERM)
+            return output
         finally:
             lock.release()
+
+    def _any_process(self, flag: bool) -> bool:
+        """`flag` of any process, on every process (one small all-reduce; none with one process)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
+        return bool(flags.item())
 
     def _on_main_process(self, check) -> None:
         """Run `check` on the process that saves; if it raises, raise on every process (the others with a pointer
