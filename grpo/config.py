@@ -270,6 +270,14 @@ class GRPOConfig(TrainingArguments):
         ),
         help="G, completions sampled per prompt (a group). At least 2: the baseline is the group mean.",
     )
+    num_generations_eval: int | None = option(
+        default=None,
+        section=Section.DATA,
+        range=Interval(1, why="completions per prompt in evaluation, or None for num_generations"),
+        help="Completions sampled per prompt in evaluation (None = num_generations). Fewer save time; with 1, "
+        "eval_reward is the mean reward of one sample per prompt (the eval loss is then 0: a group of one has no "
+        "advantage). per_device_eval_batch_size x processes must be a multiple of it.",
+    )
     max_prompt_length: int | None = option(
         default=512,
         section=Section.DATA,
@@ -796,6 +804,20 @@ class GRPOConfig(TrainingArguments):
         times. The sampler repeats each round this often, the trainer makes a round at every multiple of it."""
         return self.steps_per_generation * self.num_iterations
 
+    @property
+    def eval_generations(self) -> int:
+        """Completions per prompt in evaluation: `num_generations_eval`, or `num_generations` when it is None."""
+        return self.num_generations_eval or self.num_generations
+
+    def generations(self, mode: str) -> int:
+        """G of a round: `num_generations` in training ("train"), `eval_generations` in evaluation ("eval")."""
+        return self.eval_generations if mode == "eval" else self.num_generations
+
+    @property
+    def eval_name(self) -> str:
+        """The field `eval_generations` comes from, for error messages."""
+        return "num_generations" if self.num_generations_eval is None else "num_generations_eval"
+
     @classmethod
     def for_model(cls, model) -> GRPOConfig:
         """The default config for `model` (a path, hub id or loaded model): every default, output in
@@ -1074,9 +1096,9 @@ class GRPOConfig(TrainingArguments):
             )
         if self.eval_strategy != "no":
             eval_rows = self.per_device_eval_batch_size * self.world_size
-            if eval_rows % self.num_generations != 0:
+            if eval_rows % self.eval_generations != 0:
                 raise ValueError(
-                    f"per_device_eval_batch_size x processes = {eval_rows} is not a multiple of num_generations="
-                    f"{self.num_generations}: each evaluation batch must hold whole groups. Change "
-                    "per_device_eval_batch_size."
+                    f"per_device_eval_batch_size x processes = {eval_rows} is not a multiple of {self.eval_name}="
+                    f"{self.eval_generations}: each evaluation batch must hold whole groups. Change "
+                    f"per_device_eval_batch_size or {self.eval_name}."
                 )

@@ -27,14 +27,20 @@ from tests.helpers.scripted import TINY, reward_len
 PROMPTS = {"prompt": [f"Question {i}: count to three." for i in range(16)]}
 
 
-def make_trainer(output_dir, **kwargs):
+def prompts_data():
     from datasets import Dataset
+
+    return Dataset.from_dict(PROMPTS)
+
+
+def make_trainer(output_dir, **kwargs):
 
     tokenizer = tiny_tokenizer()
     settings = {**TINY, "max_steps": 2, "learning_rate": 1e-2, "save_strategy": "steps", "save_steps": 1, **kwargs}
     args = GRPOConfig(output_dir=str(output_dir), **settings)
-    data = Dataset.from_dict(PROMPTS)
-    return GRPOTrainer(tiny_model(tokenizer), reward_len, args=args, train_dataset=data, processing_class=tokenizer)
+    return GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=prompts_data(), processing_class=tokenizer
+    )
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +229,154 @@ def test_fsdp_and_deepspeed_weights_are_not_taken_for_missing_ones(tmp_path, sha
     assert checkpoint_problem(str(tmp_path)) is None
     (tmp_path / sharded).rmdir()
     assert checkpoint_problem(str(tmp_path)).startswith("has no weights file")
+
+
+# ---- Where a run writes, and resuming at or past the end (issue 38) ----
+
+
+def test_an_output_dir_in_the_models_own_folder_is_refused_before_any_weight_loads(tiny_model_path, monkeypatch):
+    import grpo.training.trainer as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before output_dir was checked")
+
+    monkeypatch.setattr(trainer_module, "load_policy", no_load)
+    files = {name: (tiny_model_path / name).read_bytes() for name in os.listdir(tiny_model_path)}
+    for output_dir, where in [(tiny_model_path, "is the folder"), (tiny_model_path / "out", "is inside the folder")]:
+        args = GRPOConfig(output_dir=str(output_dir), **TINY)
+        with pytest.raises(InputError) as caught:
+            GRPOTrainer(str(tiny_model_path), reward_len, args=args, train_dataset=prompts_data())
+        message = str(caught.value)
+        assert f"output_dir '{output_dir}' {where} of the model being trained ({tiny_model_path})" in message
+        assert f"Use an output_dir outside it, e.g. '{tiny_model_path}-GRPO'" in message
+    monkeypatch.undo()
+    # A model loaded from that folder is known by its path too.
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    args = GRPOConfig(output_dir=str(tiny_model_path), **TINY)
+    with pytest.raises(InputError, match=r"is the folder of the model being trained"):
+        GRPOTrainer(loaded, reward_len, args=args, train_dataset=prompts_data(), processing_class=tiny_tokenizer())
+    assert {name: (tiny_model_path / name).read_bytes() for name in os.listdir(tiny_model_path)} == files
+
+
+def test_a_reward_that_changes_the_working_directory_cannot_move_the_run(tmp_path, monkeypatch):
+    # A reward that works in a scratch folder of its own (and never changes back), with a relative output_dir: every
+    # checkpoint, the completions log and the final model stay in the folder output_dir named when the run began.
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def wandering(completions, **kwargs):
+        scratch = tmp_path / "scratch" / str(len(calls))
+        scratch.mkdir(parents=True)
+        os.chdir(scratch)
+        calls.append(scratch)
+        return [float(len(c)) for c in completions]
+
+    tokenizer = tiny_tokenizer()
+    settings = {**TINY, "max_steps": 3, "save_strategy": "steps", "save_steps": 1, "log_completions": True}
+    args = GRPOConfig(output_dir="out", **settings)
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), wandering, args=args, train_dataset=prompts_data(), processing_class=tokenizer
+    )
+    assert trainer.args.output_dir == str(tmp_path / "out")
+    trainer.train()
+    trainer.save_model()
+    assert len(calls) == 3 and os.getcwd() == str(calls[-1])  # the reward did move the process
+    out = set(os.listdir(tmp_path / "out"))
+    assert {"checkpoint-1", "checkpoint-2", "checkpoint-3", "completions.jsonl", "model.safetensors"} <= out
+    assert [p for p in (tmp_path / "scratch").rglob("*") if p.is_file()] == []
+
+
+class LearningRates(TrainerCallback):
+    """The learning rate of each optimizer step, read from the optimizer as it steps."""
+
+    def __init__(self):
+        self.rates = {}
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.rates[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+
+def test_a_finished_run_resumed_again_trains_nothing_and_writes_nothing(run_copy):
+    # A re-queued job: the same settings (max_steps=2) and resume_from_checkpoint=True on a finished run.
+    listing = sorted(os.listdir(run_copy))
+    trainer = make_trainer(run_copy)
+    rates = LearningRates()
+    trainer.add_callback(rates)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = trainer.train(resume_from_checkpoint=True)
+    messages = [str(w.message) for w in caught if "Nothing to train" in str(w.message)]
+    assert messages == [
+        f"Nothing to train: {run_copy / 'checkpoint-2'} is at step 2, the last step of this run (max_steps=2), so "
+        "the run is finished; its model and checkpoints are left as they are. Raise max_steps to train further."
+    ]
+    assert rates.rates == {} and result.global_step == 2 and trainer.state.global_step == 2
+    assert sorted(os.listdir(run_copy)) == listing  # no checkpoint-3, no lock left behind
+    # The trainer holds the finished weights, so a save_model() after it writes them, not the base model's.
+    saved = load_file(run_copy / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(saved[n], p.detach()) for n, p in trainer.model.named_parameters() if n in saved)
+
+
+def test_resuming_with_a_max_steps_below_the_checkpoints_step_is_an_error(run_copy):
+    with pytest.raises(InputError) as caught:
+        make_trainer(run_copy, max_steps=1).train(resume_from_checkpoint=True)
+    assert str(caught.value) == (
+        f"Cannot resume from {run_copy / 'checkpoint-2'}: it is at step 2, past this run's last step (max_steps=1). "
+        "Set max_steps above 2 to train further, or resume from the checkpoint of an earlier step "
+        "(resume_from_checkpoint='.../checkpoint-N')."
+    )
+    assert sorted(os.listdir(run_copy)) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_extending_a_finished_linear_run_continues_the_schedule_of_the_new_max_steps(run_copy):
+    # The 2-step run decayed linearly from 1e-2 to 0 at step 2. Extended to 4 steps, steps 3 and 4 train at the
+    # rates of a 4-step linear schedule, 1e-2 x (4 - 2) / 4 and 1e-2 x (4 - 3) / 4 (they used to be 0, then 2.5e-3).
+    trainer = make_trainer(run_copy, max_steps=4)
+    rates = LearningRates()
+    trainer.add_callback(rates)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)
+    assert rates.rates == {3: pytest.approx(5e-3, rel=1e-12), 4: pytest.approx(2.5e-3, rel=1e-12)}
+    said = [str(w.message) for w in caught if "the learning rate follows" in str(w.message)]
+    assert said == [
+        f"Resuming {run_copy / 'checkpoint-2'} at step 2 (its run was 2 steps long): the learning rate follows this "
+        "run's schedule (linear, 4 steps) from step 2 on, as a run started with these settings would, so step 3 "
+        "trains at 0.005 instead of the checkpoint's 0."
+    ]
+
+
+def test_a_plain_resume_leaves_the_learning_rate_alone(run_copy):
+    # Unchanged settings: the restored optimizer already holds the schedule's rate, and nothing is said.
+    shutil.rmtree(run_copy / "checkpoint-2")
+    trainer = make_trainer(run_copy)
+    rates = LearningRates()
+    trainer.add_callback(rates)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)
+    assert rates.rates == {2: pytest.approx(5e-3, rel=1e-12)}
+    assert not [w for w in caught if "learning rate" in str(w.message) or "not match" in str(w.message)]
+
+
+def test_a_checkpoint_saved_without_optimizer_state_says_the_resume_is_not_exact(tmp_path):
+    out = tmp_path / "out"
+    make_trainer(out, save_only_model=True).train()
+    assert not [n for n in os.listdir(out / "checkpoint-2") if n.startswith(("optimizer", "scheduler", "rng"))]
+    trainer = make_trainer(out, max_steps=3, save_only_model=True)
+    rates = LearningRates()
+    trainer.add_callback(rates)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)
+    inexact = [str(w.message) for w in caught if "not match" in str(w.message)]
+    assert inexact == [
+        f"{out / 'checkpoint-2'} holds no optimizer state (it was written with save_only_model=True, which saves the "
+        "weights alone): the resumed run starts Adam's moments from zero and draws other random numbers, so it will "
+        "not match a run that was never stopped (the learning rate does continue its schedule). Keep "
+        "save_only_model=False for checkpoints that resume exactly."
+    ]
+    # Step 3 of a 3-step linear schedule from 1e-2 (a fresh scheduler would have started again at 1e-2).
+    assert rates.rates == {3: pytest.approx(1e-2 / 3, rel=1e-12)}

@@ -510,3 +510,57 @@ def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer
     assert "were cut on the left" in str(cut[0].message) and "truncation_side" in str(cut[0].message)
     logged = [e["prompts/truncated"] for e in trainer.state.log_history if "prompts/truncated" in e]
     assert logged == [1.0, 1.0]  # every prompt of both rounds, though warned about only in the first
+
+
+# ---- Evaluation sets (issue 38) ----
+
+
+def test_an_evaluation_set_too_small_for_one_batch_is_refused_before_the_model_loads(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch
+):
+    # It used to fail after two training steps, at the first evaluation, with a message about the training setting.
+    import grpo.training.trainer as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the evaluation set was checked")
+
+    monkeypatch.setattr(trainer_module, "load_policy", no_load)
+    three = Dataset.from_dict({"prompt": ["a", "b", "c"]})
+    cases = [
+        ({"per_device_eval_batch_size": 16}, "num_generations = 16 / 4", 4),
+        ({"per_device_eval_batch_size": 8, "num_generations_eval": 2}, "num_generations_eval = 8 / 2", 4),
+    ]
+    for settings, ratio, prompts in cases:
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, eval_strategy="steps", eval_steps=2, **settings)
+        with pytest.raises(InputError) as caught:
+            GRPOTrainer("unused", [reward_len], args=args, train_dataset=prompt_dataset, eval_dataset=three)
+        message = str(caught.value)
+        assert f"The evaluation set has 3 prompts, but one evaluation batch takes {prompts}" in message
+        assert f"(per_device_eval_batch_size x processes / {ratio})" in message
+        assert "Use at least 4 evaluation prompts, or lower per_device_eval_batch_size" in message
+
+
+def test_num_generations_eval_samples_that_many_completions_per_evaluation_prompt(tmp_path, tokenizer, prompt_dataset):
+    seen = []
+
+    def recorded(prompts, completions, **kwargs):
+        seen.append(list(prompts))
+        return [float(len(c)) for c in completions]
+
+    held_out = Dataset.from_dict({"prompt": [f"Held out {i}" for i in range(4)]})
+    # G = 4 in training; 2 per prompt in evaluation, 4 rows a batch: 2 prompts a batch, 2 batches.
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, num_generations_eval=2, per_device_eval_batch_size=4)
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer),
+        recorded,
+        args=args,
+        train_dataset=prompt_dataset,
+        eval_dataset=held_out,
+        processing_class=tokenizer,
+    )
+    metrics = trainer.evaluate()
+    assert [[p.split()[-1] for p in batch] for batch in seen] == [["0", "0", "1", "1"], ["2", "2", "3", "3"]]
+    assert math.isfinite(metrics["eval_reward"]) and "eval_reward_std" in metrics
+    # An evaluation batch that cannot hold whole groups of num_generations_eval is refused with the config.
+    with pytest.raises(ValueError, match=r"is not a multiple of num_generations_eval=3: .*Change "):
+        GRPOConfig(output_dir=str(tmp_path / "o"), **TINY, num_generations_eval=3, eval_strategy="steps")

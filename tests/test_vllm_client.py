@@ -401,3 +401,14 @@ def test_adapter_refusal():
     status, detail = _adapter_refusal({"peft_type": "LORA"}, lora_enabled=False)
     assert status == 409 and "--enable-lora" in detail
     assert _adapter_refusal({"peft_type": "IA3"}, lora_enabled=True)[0] == 422
+
+
+def test_an_evaluation_batch_is_sent_with_n_equal_to_num_generations_eval():
+    client = _RecordingClient()
+    backend = _backend(client)  # G = 3 in training
+    backend.num_generations_eval = 2
+    backend.generate(None, [[1]] * 3 + [[2]] * 3)  # a training round
+    backend.generate(None, [[1]] * 2 + [[2]] * 2)  # an evaluation batch
+    assert [(prompts, n) for prompts, n, _ in client.calls] == [([[1], [2]], 3), ([[1], [2]], 2)]
+    with pytest.raises(ValueError, match="groups of 3 or 2 equal consecutive rows"):
+        backend.generate(None, [[1], [2]])

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
+from grpo.data import InputError
+
 
 class RepeatSampler(Sampler[int]):
     def __init__(
@@ -100,19 +102,37 @@ def train_batch_size(args, num_processes: int, groups: bool = False) -> int:
 
 
 def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
-    """The evaluation order: every prompt once, in order, G times; a batch of all processes holds whole groups."""
-    rows = args.per_device_eval_batch_size * num_processes
-    if rows % args.num_generations != 0:
-        raise ValueError(
-            f"per_device_eval_batch_size x processes = {rows} is not a multiple of num_generations="
-            f"{args.num_generations}: each evaluation batch must hold whole groups."
+    """The evaluation order: every prompt once, in order, `args.eval_generations` times (`num_generations_eval`, or
+    G); a batch of all processes holds whole groups. `GRPOTrainer` builds it at construction, so an evaluation set
+    too small for one batch stops the run before training, not at its first evaluation."""
+    rows, generations, name = args.per_device_eval_batch_size * num_processes, args.eval_generations, args.eval_name
+    if rows % generations != 0:
+        raise InputError(
+            f"per_device_eval_batch_size x processes = {rows} is not a multiple of {name}={generations}: each "
+            f"evaluation batch must hold whole groups. Change per_device_eval_batch_size or {name}."
+        )
+    prompts = rows // generations
+    if num_samples < prompts:
+        raise InputError(
+            f"The evaluation set has {num_samples} prompts, but one evaluation batch takes {prompts} "
+            f"(per_device_eval_batch_size x processes / {name} = {rows} / {generations}). Use at least {prompts} "
+            f"evaluation prompts, or lower per_device_eval_batch_size (or {name}) so that a batch holds at most "
+            f"{num_samples}."
         )
     return RepeatSampler(
-        num_samples=num_samples,
-        num_generations=args.num_generations,
-        prompts_per_round=rows // args.num_generations,
-        shuffle=False,
+        num_samples=num_samples, num_generations=generations, prompts_per_round=prompts, shuffle=False
     )
+
+
+def check_dataset_sizes(args, train_dataset, eval_dataset, groups: bool = False) -> None:
+    """Enough prompts (or, with `groups`, stored groups) in `train_dataset` for one training round, and in
+    `eval_dataset` (a data set or a dict of them) for one evaluation batch of whole groups: checked when the trainer
+    is built, not at `train()` or at the first evaluation, hours later. Data sets without a length are not checked."""
+    if hasattr(train_dataset, "__len__"):
+        train_sampler(args, len(train_dataset), groups=groups)
+    for held_out in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
+        if hasattr(held_out, "__len__"):
+            eval_sampler(args, len(held_out), args.world_size)
 
 
 @dataclass(frozen=True)

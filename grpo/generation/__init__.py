@@ -87,6 +87,7 @@ def make_generation_backend(
         accelerator,
         client=client,
         num_generations=args.num_generations,
+        num_generations_eval=args.num_generations_eval,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
         **sampling,
     )

@@ -9,13 +9,18 @@ without reading the tensors, and its small records (the pickle, the version) are
 
 The settings a restored state overrides are saved beside it (`RUN_SETTINGS_FILE`, JSON) and compared on resume:
 `changed_settings` lists what differs, with what the resumed run will do about each.
+
+Where a resume cannot be exact or cannot train, it says so: a checkpoint without optimizer state (`save_only_model`)
+or random state warns (`inexact_resume_message`); a checkpoint already at the run's last step is a finished run,
+which resuming leaves as it is, and one past it an error (`finished_run_message`); and a learning-rate schedule that
+the new settings change (a longer `max_steps`, another scheduler type) is put at the restored step of the new
+schedule, with a warning (`continue_schedule`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 import zipfile
 
 from grpo.data import InputError
@@ -25,7 +30,7 @@ WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "model.safeten
 # Settings a resumed run takes from the checkpoint's state instead of its arguments, and what that means for the run.
 OVERRIDDEN = {
     "learning_rate": "the restored optimizer and scheduler keep the checkpoint's learning rate",
-    "lr_scheduler_type": "the new schedule continues from the restored step and learning rate",
+    "lr_scheduler_type": "the new schedule applies from the restored step (the next step trains at its rate there)",
     "weight_decay": "the restored optimizer keeps the checkpoint's weight decay",
     "seed": "the data order of the epoch in progress changes, and the restored random state is the old run's",
     "data_seed": "the data order of the epoch in progress changes",
@@ -135,14 +140,90 @@ def check_checkpoint(checkpoint: str, others: list[tuple[int, str]]) -> None:
         raise CheckpointFileError(f"Cannot resume from {checkpoint}: {problem}. {fix}")
 
 
-def warn_without_rng_state(checkpoint: str) -> None:
-    """Warn when `checkpoint` has no RNG state: the resume will not be exact."""
-    if not any(name.startswith("rng_state") for name in os.listdir(checkpoint)):
-        warnings.warn(
-            f"{checkpoint} has no rng_state.pth (the random state of sampling and dropout): the resumed run draws "
-            "other random numbers and will not match a run that was never stopped.",
-            stacklevel=3,
+def inexact_resume_message(checkpoint: str) -> str | None:
+    """Why a resume from `checkpoint` cannot match a run never stopped: no optimizer state (`save_only_model=True`
+    saves the weights alone), or no RNG state; None when both are there."""
+    names = os.listdir(checkpoint)
+    # DeepSpeed keeps the optimizer in global_stepN/, FSDP in optimizer_0/ or optimizer*.bin.
+    optimizer = any(name.startswith(("optimizer", "global_step")) for name in names)
+    if not optimizer:
+        return (
+            f"{checkpoint} holds no optimizer state (it was written with save_only_model=True, which saves the "
+            "weights alone): the resumed run starts Adam's moments from zero and draws other random numbers, so it "
+            "will not match a run that was never stopped (the learning rate does continue its schedule). Keep "
+            "save_only_model=False for checkpoints that resume exactly."
         )
+    if not any(name.startswith("rng_state") for name in names):
+        return (
+            f"{checkpoint} has no rng_state.pth (the random state of sampling and dropout): the resumed run draws "
+            "other random numbers and will not match a run that was never stopped."
+        )
+    return None
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer steps `checkpoint` was written after (its trainer_state.json's `global_step`)."""
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        return int(json.load(f).get("global_step", 0))
+
+
+def finished_run_message(checkpoint: str, total_steps: int, args) -> str | None:
+    """None when `checkpoint` is before the run's last step, `total_steps`. At it, the run is finished: the line
+    that says resuming trains nothing. Past it (a smaller max_steps than the checkpoint's step), an `InputError`:
+    Trainer would train one step anyway before it looks at max_steps."""
+    step = checkpoint_step(checkpoint)
+    if step < total_steps:
+        return None
+    end = f"max_steps={args.max_steps}" if args.max_steps > 0 else f"{total_steps} steps of num_train_epochs"
+    if step > total_steps:
+        raise InputError(
+            f"Cannot resume from {checkpoint}: it is at step {step}, past this run's last step ({end}). Set "
+            f"max_steps above {step} to train further, or resume from the checkpoint of an earlier step "
+            "(resume_from_checkpoint='.../checkpoint-N')."
+        )
+    return (
+        f"Nothing to train: {checkpoint} is at step {step}, the last step of this run ({end}), so the run is "
+        "finished; its model and checkpoints are left as they are. Raise max_steps to train further."
+    )
+
+
+def continue_schedule(optimizer, scheduler, step: int) -> tuple[float, float] | None:
+    """Put a `LambdaLR` `scheduler` (every schedule of transformers' `get_scheduler` but reduce_lr_on_plateau) at
+    optimizer step `step` of the current run's schedule, and the optimizer's learning rates at that schedule's value
+    there: lr = base_lr x lambda(step), where lambda is this run's (its max_steps, warmup and type) and base_lr the
+    restored one. Without it, the first step after a resume trains at the learning rate the checkpoint's optimizer
+    holds, which is the old schedule's (0 at the end of a linear decay), and a checkpoint without a scheduler state
+    starts the schedule again from step 0. Returns (the restored rate, the rate now) of the first parameter group
+    when they differ; None when they agree (a resume with unchanged settings: nothing is touched, so it stays exact)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, if any
+    if not isinstance(scheduler, LambdaLR):
+        return None
+    rates = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    restored = [group["lr"] for group in optimizer.param_groups]
+    scheduler.last_epoch = step
+    if restored == rates:
+        return None
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)  # what get_last_lr() (and Trainer's logged learning_rate) reads
+    return float(restored[0]), float(rates[0])
+
+
+def schedule_message(checkpoint: str, args, step: int, total_steps: int, rates: tuple[float, float]) -> str:
+    """The warning of a schedule that `continue_schedule` moved: what the next step trains at, and why."""
+    restored, now = rates
+    path = os.path.join(checkpoint, "trainer_state.json")
+    with open(path) as f:
+        old_total = json.load(f).get("max_steps")
+    before = f" (its run was {old_total} steps long)" if old_total and old_total != total_steps else ""
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum once TrainingArguments parsed it
+    return (
+        f"Resuming {checkpoint} at step {step}{before}: the learning rate follows this run's schedule "
+        f"({kind}, {total_steps} steps) from step {step} on, as a run started with these settings "
+        f"would, so step {step + 1} trains at {now:.4g} instead of the checkpoint's {restored:.4g}."
+    )
 
 
 def run_settings(args) -> dict:

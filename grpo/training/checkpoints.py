@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -30,8 +31,8 @@ from collections.abc import Iterator
 
 import torch
 from accelerate.utils import gather_object
-from transformers import Trainer
-from transformers.trainer_utils import rotate_checkpoints
+from transformers import Trainer, TrainerState
+from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from grpo.data import InputError
 from grpo.training.checkpoint_checks import (
@@ -39,8 +40,11 @@ from grpo.training.checkpoint_checks import (
     WEIGHT_FILES,
     changed_settings,
     check_checkpoint,
+    continue_schedule,
+    finished_run_message,
+    inexact_resume_message,
     run_settings,
-    warn_without_rng_state,
+    schedule_message,
 )
 from grpo.training.output_dir import FINAL_STAGING, RunLock, final_save_message, fsync, publish_files
 from grpo.training.preemption import Preempted, PreemptionCallback, StopOnSignal, resume_message
@@ -345,10 +349,15 @@ class ResumableTrainer(Trainer):
             if checkpoint is None:
                 check_fresh_output_dir(self.args.output_dir)
             else:
-                others = checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
+                checkpoint = os.path.abspath(checkpoint)  # read again at the first step, whatever the folder then
+                others = checkpoints(os.path.dirname(checkpoint))
                 self._on_main_process(lambda: check_checkpoint(checkpoint, others))  # read once, not per process
-                if self.args.should_save:
-                    warn_without_rng_state(checkpoint)
+                finished = self.finished_run(checkpoint)
+                if finished is not None:
+                    return self._leave_finished_run(checkpoint, finished)
+                inexact = inexact_resume_message(checkpoint)
+                if inexact and self.args.should_save:
+                    warnings.warn(inexact, stacklevel=2)
                 changed = changed_settings(checkpoint, self.args)
                 if changed and self.args.should_save:
                     warnings.warn(changed, stacklevel=2)
@@ -382,6 +391,40 @@ class ResumableTrainer(Trainer):
             return flag
         flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
         return bool(flags.item())
+
+    def planned_steps(self) -> int | None:
+        """The optimizer steps this run trains in all (what Trainer will take as `max_steps`); None where that is
+        known only once training starts."""
+        return self.args.max_steps if self.args.max_steps > 0 else None
+
+    def finished_run(self, checkpoint: str) -> str | None:
+        """The line saying that resuming from `checkpoint` trains nothing (it is at this run's last step), or None;
+        an `InputError` when it is past the last step (`finished_run_message`)."""
+        total = self.planned_steps()
+        return None if total is None else finished_run_message(checkpoint, total, self.args)
+
+    def _leave_finished_run(self, checkpoint: str, message: str) -> TrainOutput:
+        """Resuming a run already at its last step (a re-queued job): no step trained, nothing written. The trainer
+        takes the checkpoint's weights and state, so that a `save_model()` after it writes the finished weights, not
+        the base model's (under DeepSpeed or FSDP the weights load only when training starts, so they are not)."""
+        if self.args.should_save:
+            warnings.warn(message, stacklevel=3)
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        self._end_training()
+        return TrainOutput(self.state.global_step, math.nan, {})
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's, then the learning rate put on this run's schedule at the restored step (`continue_schedule`):
+        a longer max_steps continues the new schedule instead of training a step at the old one's last rate."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.lr_scheduler is None:
+            return
+        step = self.state.global_step
+        moved = continue_schedule(self.optimizer, self.lr_scheduler, step)
+        if moved is not None and self.args.should_save:
+            warnings.warn(schedule_message(checkpoint, self.args, step, self.state.max_steps, moved), stacklevel=2)
 
     def _on_main_process(self, check) -> None:
         """Run `check` on the process that saves; if it raises, raise on every process (the others with a pointer

@@ -3,6 +3,8 @@ round (grpo/data/sampler.py): G copies of each prompt, or with offline data whol
 
 from __future__ import annotations
 
+import math
+
 from transformers import Trainer
 
 from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
@@ -30,6 +32,15 @@ class RoundLoaders(Trainer):
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
         return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
+
+    def planned_steps(self) -> int | None:
+        """The optimizer steps of the run, as Trainer counts them: `max_steps`, or `num_train_epochs` epochs of
+        `step_schedule.steps_per_epoch` each (rounded up); None for a data set without a length."""
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        if not hasattr(self.train_dataset, "__len__"):
+            return None
+        return math.ceil(self.args.num_train_epochs * max(self.step_schedule.steps_per_epoch, 1))
 
     @property
     def step_schedule(self) -> StepSchedule:

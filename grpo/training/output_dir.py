@@ -9,6 +9,11 @@ is checked only on the same host, so a lock from another machine sharing the fil
 folder, every file fsynced, then each file renamed into place, the weights before `config.json`. A disk that fills
 leaves `output_dir` as it was (never a `config.json` without weights), and the trained weights are still in memory to
 save again.
+
+`own_output_dir` makes `output_dir` absolute once, when the trainer is built (`resolve_run_paths`): checkpoints, the final model, the
+run lock, the completions and rollout logs and TensorBoard's folder are all under it, so a reward function that
+calls `os.chdir` cannot move them. `check_outside_model` refuses an `output_dir` that is the folder of the model to
+train, or inside it, before any weight loads.
 """
 
 from __future__ import annotations
@@ -34,6 +39,55 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # it exists, under another user
         return True
     return True
+
+
+def resolve_run_paths(args) -> None:
+    """Make every path the run writes to absolute, once (in place on `args`): `output_dir`, under which Trainer puts
+    the checkpoints, the final model, the run lock, `completions.jsonl`, `rollouts.jsonl` and TensorBoard's folder,
+    and `logging_dir` where this version of TrainingArguments still has it. A relative path would otherwise be
+    looked up afresh at each save, in whatever folder the process is in then."""
+    for name in ("output_dir", "logging_dir"):
+        value = getattr(args, name, None)
+        if value:
+            setattr(args, name, os.path.abspath(os.path.expanduser(os.fspath(value))))
+
+
+def model_folder(model) -> str | None:
+    """The local folder `model` (a path, hub id or loaded model) was loaded from; None for a hub id or an object
+    made in memory."""
+    path = (
+        model
+        if isinstance(model, (str, os.PathLike))
+        else getattr(getattr(model, "config", None), "_name_or_path", "")
+    )
+    if not path or not os.path.isdir(os.path.expanduser(os.fspath(path))):
+        return None
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def check_outside_model(output_dir: str, model) -> None:
+    """Refuse an `output_dir` that is the local folder of the model to train, or a folder inside it: the final model
+    would be written over the base weights (or checkpoints would fill the model's folder)."""
+    folder = model_folder(model)
+    if folder is None:
+        return
+    out = os.path.realpath(os.path.expanduser(os.fspath(output_dir)))
+    if out != folder and not out.startswith(folder.rstrip(os.sep) + os.sep):
+        return
+    where = "is the folder" if out == folder else "is inside the folder"
+    suggestion = os.path.join(os.path.dirname(folder), f"{os.path.basename(folder)}-GRPO")
+    raise InputError(
+        f"output_dir {output_dir!r} {where} of the model being trained ({folder}): the run would write its "
+        f"checkpoints and final model over the base model's files. Use an output_dir outside it, e.g. "
+        f"{suggestion!r}."
+    )
+
+
+def own_output_dir(args, model) -> None:
+    """What `GRPOTrainer` does with `output_dir` first, before any weight loads: `resolve_run_paths`, then
+    `check_outside_model`."""
+    resolve_run_paths(args)
+    check_outside_model(args.output_dir, model)
 
 
 class RunLock:

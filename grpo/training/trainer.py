@@ -21,7 +21,7 @@ from transformers import (
 
 from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, offline
-from grpo.data.sampler import train_sampler
+from grpo.data.sampler import check_dataset_sizes
 from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.episodes import make_agent
 from grpo.generation.policy_weights import zero3_gathered_for_generation
@@ -51,6 +51,7 @@ from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.loaders import RoundLoaders
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
+from grpo.training.output_dir import own_output_dir
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -120,14 +121,14 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         args = GRPOConfig.for_model(model) if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}")
+        own_output_dir(args, model)  # absolute from now on (a reward's os.chdir cannot move it), outside the model
 
         # Checks needing no weights come first. self.offline_data: stored, scored completions as groups (data/offline.py).
         self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
         train_dataset = self.offline_data if self.offline_data is not None else train_dataset
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
-        if hasattr(train_dataset, "__len__"):  # too few prompts (or groups) for one round: here, not at train()
-            train_sampler(args, len(train_dataset), groups=self.offline_data is not None)
+        check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
@@ -315,10 +316,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             self.metric_windows["train"].add_sum("nonfinite/reward_rows", count)
         return rewards
 
-    def _advantages(self, rollout: Rollout) -> torch.Tensor:
+    def _advantages(self, rollout: Rollout, mode: str = "train") -> torch.Tensor:
         """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
-        groups = rollout.groups(self.args.num_generations)  # G, or each group's size (offline)
+        groups = rollout.groups(self.args.generations(mode))  # G, or each group's size (offline)
         check_reward_spread(rewards, groups, self.state.global_step)
         weights, scale = self.rewards.process_weights.to(rewards.device), self.args.scale_rewards
         return mixed_advantages(
@@ -347,7 +348,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         """Steps 5 and 7 on a generated (and maybe resampled) rollout: this process's advantages, then the reference
         log-probs, recorded once, before any update."""
         args = self.args
-        advantages = self._advantages(rollout)
+        advantages = self._advantages(rollout, mode)
         local = advantages[rollout.local_slice(self.accelerator.process_index)]
         rollout = replace(
             rollout,
@@ -371,7 +372,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         lengths = gather_rows(self.accelerator, rollout.sampled_mask.sum(dim=1))  # (B_global,) policy tokens
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
-        window, groups = self.metric_windows[mode], rollout.groups(self.args.num_generations)
+        window, groups = self.metric_windows[mode], rollout.groups(self.args.generations(mode))
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
         if rollout.prompt_truncated is not None:  # prompts cut to max_prompt_length: counted, and warned of once
             cut = gather_rows(self.accelerator, rollout.prompt_truncated)

@@ -30,6 +30,11 @@ def _mode_note(mode: str, is_peft: bool, info: dict) -> str:
     return "the full weights (the policy is not a PEFT model)"
 
 
+def _whole_groups(rows: list, size: int) -> bool:
+    """Whether `rows` are groups of `size` equal consecutive rows."""
+    return len(rows) % size == 0 and all(rows[i] == rows[i - i % size] for i in range(len(rows)))
+
+
 class VLLMGeneration:
     """`GenerationBackend` on a `grpo vllm-serve` server (`use_vllm=True`).
 
@@ -51,10 +56,12 @@ class VLLMGeneration:
         min_p: float | None,
         repetition_penalty: float,
         bucket_bytes: int,
+        num_generations_eval: int | None = None,
     ):
         self.accelerator = accelerator
         self.client = client
         self.num_generations = num_generations
+        self.num_generations_eval = num_generations_eval or num_generations  # G of an evaluation batch
         self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
         self.bucket_bytes = bucket_bytes
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
@@ -116,11 +123,17 @@ class VLLMGeneration:
         from accelerate.utils import broadcast_object_list, gather_object
 
         rows = gather_object(prompt_ids)  # every process's rows, in process order
-        G, answer = self.num_generations, [None]
+        answer = [None]
         if self.accelerator.is_main_process:
+            # A training round comes in groups of num_generations, an evaluation batch of num_generations_eval. Any
+            # cut of the rows into equal-prompt groups samples the same way (each completion is its own draw).
+            sizes = dict.fromkeys([self.num_generations, self.num_generations_eval])
+            G = next((g for g in sizes if _whole_groups(rows, g)), None)
+            if G is None:
+                raise ValueError(
+                    f"prompt rows do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows"
+                )
             groups = [rows[i : i + G] for i in range(0, len(rows), G)]
-            if len(rows) % G or any(row != group[0] for group in groups for row in group):
-                raise ValueError(f"prompt rows do not come as groups of {G} equal consecutive rows")
             # A fresh seed per call from torch's generator, seeded by `args.seed` and saved in checkpoints: runs are
             # reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share samples.
             seed = int(torch.randint(2**31 - 1, ()))
