@@ -194,26 +194,18 @@ def _tokenizer(model, tools: list):
     return tokenizer
 
 
-def train(recipe_path: str, overrides: list[str]) -> dict:
-    """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
-    prompts)."""
-    # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
-    # bad recipe fails in a second.
-    from grpo.cli.preflight import plan_run, run_summary
-
-    _quiet_deepspeed_on_cpu()
-    plan = plan_run(recipe_path, overrides)
-    recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
+def _build_trainer(plan):
+    """The `GRPOTrainer` of a checked run (`plan_run`); a model that cannot be fetched is one line."""
     from grpo.training.trainer import GRPOTrainer
 
-    # 2. The trainer; the weights load here.
+    recipe = plan.recipe
     try:
-        trainer = GRPOTrainer(
+        return GRPOTrainer(
             model=recipe.model.name_or_path,
             reward_funcs=plan.reward_funcs,
-            args=args,
+            args=plan.args,
             train_dataset=plan.train_data,
-            eval_dataset=held_out,
+            eval_dataset=plan.held_out,
             processing_class=_tokenizer(recipe.model, plan.tools),
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
@@ -226,6 +218,21 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
             f"model {recipe.model.name_or_path!r} could not be loaded: {type(e).__name__}: {e} Check the id and "
             "the network, or give the model's local folder."
         ) from e
+
+
+def train(recipe_path: str, overrides: list[str]) -> dict:
+    """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
+    prompts)."""
+    # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
+    # bad recipe fails in a second.
+    from grpo.cli.preflight import plan_run, run_summary
+
+    _quiet_deepspeed_on_cpu()
+    plan = plan_run(recipe_path, overrides)
+    recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
+
+    # 2. The trainer; the weights load here.
+    trainer = _build_trainer(plan)
     main = trainer.accelerator.is_main_process
     run = recipe.run
     if main:
