@@ -206,6 +206,14 @@ class GRPOConfig(TrainingArguments):
         help="Set every dropout probability of the policy (and reference) to 0. Dropout makes the log-probs of "
         "the same tokens differ between passes, so the ratio pi/pi_old would not be 1 on-policy.",
     )
+    cast_lm_head_to_fp32: bool = option(
+        default=False,
+        section=Section.MODEL,
+        help="Run the output head's product h W^T in float32 for the policy's and the reference's log-probs, "
+        "whatever the mixed-precision setting or the weights' dtype (ScaleRL, arXiv:2510.13786): in a bf16 run "
+        "the logits otherwise carry bf16's rounding. The weights keep their dtype. An error with a PEFT adapter "
+        "on the head, or under DeepSpeed ZeRO-3.",
+    )
     logprobs_chunk_size: int | None = option(
         default=None,
         section=Section.MODEL,

@@ -147,6 +147,70 @@ def test_chunked_logprobs_under_autocast_compute_like_the_models_own_head():
     assert (plain - logps).abs().max() > 1e-3  # bf16 inputs really changed the numbers: the check above can fail
 
 
+def test_head_fp32_projects_in_float32_under_autocast_and_from_half_precision_weights():
+    """`cast_lm_head_to_fp32`: the product h W^T in float32 whatever autocast and the inputs' dtypes say, so the
+    log-probs equal float64 ones to float32 rounding, where the bf16 product of the default is off by 1e-3 or more;
+    gradients come back in each input's own dtype."""
+    torch.manual_seed(3)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(97, 16, requires_grad=True)
+    targets = torch.randint(0, 97, (23,))
+    exact = torch.log_softmax(hidden.double() @ weight.double().T / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32, _ = chunked_logprobs(hidden, weight, targets, chunk_size=5, temperature=0.7, head_fp32=True)
+        bf16, _ = chunked_logprobs(hidden, weight, targets, chunk_size=5, temperature=0.7)
+    assert fp32.dtype == torch.float32
+    assert (fp32.double() - exact).abs().max() < 1e-5  # float32 rounding of logits of size ~10
+    assert (bf16.double() - exact).abs().max() > 1e-3  # the check above fails if the flag is ignored
+    grads = torch.autograd.grad(fp32.sum(), [hidden, weight])
+    expected_grads = torch.autograd.grad(exact.sum(), [hidden, weight])
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == torch.float32
+        assert_close_to_scale(got, want.float())
+    # Weights stored in bf16 (a model loaded in bf16): the product of their values in float32, gradients in bf16.
+    half_hidden = hidden.detach().bfloat16().requires_grad_(True)
+    half_weight = weight.detach().bfloat16().requires_grad_(True)
+    logps, _ = chunked_logprobs(half_hidden, half_weight, targets, chunk_size=5, temperature=0.7, head_fp32=True)
+    widened = half_hidden.double() @ half_weight.double().T / 0.7
+    exact = torch.log_softmax(widened, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (logps.double() - exact.detach()).abs().max() < 1e-5
+    grad_hidden, grad_weight = torch.autograd.grad(logps.sum(), [half_hidden, half_weight])
+    assert grad_hidden.dtype == grad_weight.dtype == torch.bfloat16
+
+
+def test_head_fp32_reaches_the_models_own_head(tokenizer):
+    """Through `completion_logprobs` under bf16 autocast: the log-probs with `head_fp32` are the backbone's final
+    hidden states (captured from its last norm) projected in float64, to float32 rounding; those without it carry
+    bf16's."""
+    torch.manual_seed(0)
+    model = tiny_model(tokenizer).eval()
+    _, _, (prompt_ids, prompt_mask, completion_ids, completion_mask) = _batch()
+    captured = []
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: captured.append(out))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32, _ = completion_logprobs(model, *_batch()[2], temperature=0.7, head_fp32=True)
+        bf16, _ = completion_logprobs(model, *_batch()[2], temperature=0.7)
+    hook.remove()
+    # Position j predicts token j + 1: the P - 1 .. P + T - 2 positions predict the T completion tokens.
+    hidden = captured[0][:, prompt_ids.shape[1] - 1 : -1].double()  # (B, T, H)
+    logits = hidden @ model.lm_head.weight.double().T / 0.7
+    exact = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    mask = completion_mask.bool()
+    errors = {
+        name: (logps.double() - exact)[mask].abs().max().item() for name, logps in (("fp32", fp32), ("bf16", bf16))
+    }
+    assert errors["fp32"] < 2e-6, errors  # float32 rounding of log-probs of size ~6
+    assert errors["bf16"] > 10 * errors["fp32"], errors  # bf16's: the check above fails if the flag is ignored
+
+
+def test_head_fp32_refuses_an_adapter_on_the_head(tokenizer):
+    peft = pytest.importorskip("peft", reason="the peft extra is not installed")
+    model = peft.get_peft_model(tiny_model(tokenizer), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    _, _, batch = _batch()
+    with pytest.raises(ValueError, match="Remove lm_head from the adapter's target_modules"):
+        completion_logprobs(model, *batch, head_fp32=True)
+
+
 def test_chunked_logprobs_chunk_size_does_not_change_results():
     torch.manual_seed(1)
     hidden, weight = torch.randn(10, 8), torch.randn(50, 8)

@@ -65,9 +65,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, fp32):
         num_rows = hidden.shape[0]
-        dtype = _compute_dtype(hidden, weight)
+        dtype = torch.float32 if fp32 else _compute_dtype(hidden, weight)
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         hidden, weight = hidden.to(dtype), weight.to(dtype)  # under autocast: cast once for every chunk
         logps = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
@@ -130,7 +130,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_bias += grad_u.float().sum(0)
         grad_weight = grad_weight.to(weight_dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -153,6 +153,7 @@ def chunked_logprobs(
     softcap: float | None = None,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    head_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(z_i)[targets_i] for z_i = softcap(scale * (hidden_i W^T + b)) / temperature, without the full
     logits.
@@ -161,14 +162,19 @@ def chunked_logprobs(
     entropy (N,) of softmax(z_i) (no gradient). Equals, in float32,
         torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
     with z the full (N, V) logits, but materialises only `chunk_size` rows of z at a time, in forward and backward.
-    Gradients flow to `hidden`, `weight` and `bias`. `chunk_size` defaults to `auto_chunk_size(V)`.
+    Gradients flow to `hidden`, `weight` and `bias`, in their own dtypes. `chunk_size` defaults to
+    `auto_chunk_size(V)`. The product h W^T runs in the dtype the model's own head would use (autocast's, else the
+    weight's), or with `head_fp32` in float32 whatever the inputs' dtypes and autocast (ScaleRL's fp32 head,
+    `cast_lm_head_to_fp32`); everything after it is float32 either way.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden (N, H) and targets (N,), got {tuple(hidden.shape)} and {tuple(targets.shape)}"
         )
     chunk_size = chunk_size or auto_chunk_size(weight.shape[0])
-    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy)
+    return _ChunkedLogProbs.apply(
+        hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, head_fp32
+    )
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -218,6 +224,31 @@ def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]
     if getattr(config, "logits_scaling", None) is not None:
         scale /= float(config.logits_scaling)
     return head, scale, getattr(config, "final_logit_softcapping", None)
+
+
+def logprob_settings(args) -> dict:
+    """The `completion_logprobs` settings a `GRPOConfig` fixes for a whole run (policy, old and reference alike)."""
+    return {
+        "temperature": args.temperature,
+        "chunk_size": args.logprobs_chunk_size,
+        "head_fp32": args.cast_lm_head_to_fp32,
+    }
+
+
+def _check_head_for_fp32(head: nn.Module) -> None:
+    """`cast_lm_head_to_fp32` projects with the head's own weight (and bias): an adapter on the head would not be in
+    it, and a ZeRO-3 partitioned weight is gathered only inside the model's forward, which runs the head as is."""
+    if hasattr(head, "base_layer"):  # a PEFT tuner layer (LoRA, ...) wraps the head
+        raise ValueError(
+            "cast_lm_head_to_fp32=True projects with the output head's own weight, but a PEFT adapter targets the "
+            "head (target_modules includes lm_head). Remove lm_head from the adapter's target_modules, or set "
+            "cast_lm_head_to_fp32=False."
+        )
+    if _is_sharded(head.weight) and not _is_dtensor(head.weight):
+        raise ValueError(
+            "cast_lm_head_to_fp32=True is not supported under DeepSpeed ZeRO-3: its partitioned output head runs only "
+            "inside the model's forward, in the model's dtype. Set cast_lm_head_to_fp32=False, or use ZeRO-2 or FSDP."
+        )
 
 
 def _is_sharded(weight: torch.Tensor) -> bool:
@@ -283,6 +314,7 @@ def completion_logprobs(
     batch_size: int | None = None,
     chunk_size: int | None = None,
     padding_free: bool = False,
+    head_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
@@ -296,24 +328,18 @@ def completion_logprobs(
     2. The final hidden states of the positions that predict completion tokens, and only those, go through
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
-    the projection (default: from the vocabulary size). Under FSDP2 the projection's weight is read after the
-    forward: whole if its module keeps it gathered for the backward (the root module of accelerate's wrapping), else
-    a DTensor, gathered once per call (`_whole`). Under DeepSpeed ZeRO-3 it can only be gathered inside the model's
-    forward, so the logits of the completion positions are built there instead.
+    the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`). Under
+    FSDP2 the projection's weight is read after the forward: whole if its module keeps it gathered for the backward
+    (the root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
+    ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
+    there instead.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
+        tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+        settings.update(padding_free=padding_free, head_fp32=head_fp32)
         chunks = [
-            completion_logprobs(
-                model,
-                prompt_ids[i : i + batch_size],
-                prompt_mask[i : i + batch_size],
-                completion_ids[i : i + batch_size],
-                completion_mask[i : i + batch_size],
-                temperature=temperature,
-                with_entropy=with_entropy,
-                chunk_size=chunk_size,
-                padding_free=padding_free,
-            )
+            completion_logprobs(model, *(x[i : i + batch_size] for x in tensors), **settings)
             for i in range(0, prompt_ids.shape[0], batch_size)
         ]
         logps = torch.cat([c[0] for c in chunks])
@@ -327,6 +353,8 @@ def completion_logprobs(
     completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
 
     head, scale, softcap = output_projection(model)
+    if head_fp32:
+        _check_head_for_fp32(head)
     if _is_sharded(head.weight) and not _is_dtensor(head.weight):
         logps, entropy = _logprobs_from_full_logits(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
@@ -347,6 +375,7 @@ def completion_logprobs(
             softcap=softcap,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
+            head_fp32=head_fp32,
         )
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
     widen = (0, num_completion - completion_width)

@@ -101,8 +101,8 @@ def accumulation(
     process (1 outside training); `step_tokens`: the loss tokens of those micro-batches on every process
     (`window_token_totals`, for a loss whose normaliser spans the step).
 
-        normalised over the micro-batch (grpo, bnpo, dr_grpo, sapo, luspo):  normalizer None,            factor 1 / micro_steps
-        normalised over the step (dapo, cispo, vespo):                      normalizer step_tokens / P,  factor 1
+        over the micro-batch (grpo, bnpo, dr_grpo, sapo, luspo):  normalizer None,              factor 1 / micro_steps
+        over the step (dapo, cispo, vespo):                      normalizer step_tokens / P,   factor 1
 
     The step's loss is then the mean of the micro-batch means, or the step's token mean; the division by P undoes
     data parallelism's averaging of the P processes' gradients, so the sum over processes is the step's token mean.

@@ -29,7 +29,7 @@ from grpo.generation.tools import Toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
 from grpo.objective.advantages import mixed_advantages
-from grpo.objective.logprobs import completion_logprobs
+from grpo.objective.logprobs import completion_logprobs, logprob_settings
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
@@ -422,7 +422,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
 
     def logprobs(self, model, batch: TokenBatch | MicroBatch | Rollout, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
-        autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call)."""
+        autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call,
+        unless `cast_lm_head_to_fp32`)."""
         with self.accelerator.autocast():
             return completion_logprobs(
                 model,
@@ -430,11 +431,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
                 batch.prompt_mask,
                 batch.completion_ids,
                 batch.completion_mask,
-                temperature=self.args.temperature,
                 with_entropy=with_entropy,
                 batch_size=batch_size,
-                chunk_size=self.args.logprobs_chunk_size,
                 padding_free=self.padding_free,
+                **logprob_settings(self.args),  # temperature, chunk size, head in float32
             )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
