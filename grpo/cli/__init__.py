@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()
         if e.main:
             print(
-                f"grpo {cli.command}: stopped on SIGTERM after step {e.step}; checkpoint written: {e.checkpoint}. "
+                f"grpo {cli.command}: stopped on SIGTERM after step {e.step}; checkpoint written: "
+                f"{os.path.abspath(e.checkpoint) if e.checkpoint else 'none'}. "
                 f"Resume with: {_resume_command(cli)}",
                 file=sys.stderr,
             )
