@@ -14,7 +14,9 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,6 +33,9 @@ from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 # is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
 # meant for one. It still admits the 0.5 of plain SGD on toy models, and refuses a lost minus sign (1e5) or 1e30.
 MAX_LEARNING_RATE = 1.0
+# Below this temperature sampling is close to greedy: at 0.1 a logit gap of 1 becomes one of 10 (odds of e^10), so the
+# G completions of a group come out the same, their rewards tie and every advantage is 0.
+MIN_USEFUL_TEMPERATURE = 0.1
 
 
 class Interval(NamedTuple):
@@ -329,7 +334,8 @@ class GRPOConfig(TrainingArguments):
         default=1.0,
         section=Section.DATA,
         range=Interval(0, open_low=True, why="GRPO samples several different completions per prompt"),
-        help="Sampling temperature. Log-probs for the loss use the same temperature.",
+        help="Sampling temperature. Log-probs for the loss use the same temperature. Below "
+        f"{MIN_USEFUL_TEMPERATURE:g} a warning: the completions of a group come out identical and nothing is learned.",
     )
     top_p: float = option(
         default=1.0,
@@ -851,6 +857,7 @@ class GRPOConfig(TrainingArguments):
         """Type, finiteness and range of every field in `_field_kinds()`: an int field takes only integers, a float
         field any finite real number, a bool field only True or False."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        self._check_launch()
         for name, (kind, optional) in _field_kinds().items():
             value = getattr(self, name)
             if value is None and optional:
@@ -961,7 +968,8 @@ class GRPOConfig(TrainingArguments):
                     )
 
     def _check_steps_and_prompts(self):
-        """A learning rate no fine-tuning run means, and the side long prompts are cut on."""
+        """A learning rate no fine-tuning run means, a temperature at which nothing is learned (a warning), and the
+        side long prompts are cut on."""
         if self.max_steps == 0:  # transformers reads 0 as "not set" and trains for num_train_epochs instead
             raise ValueError(
                 "max_steps=0 would train for num_train_epochs instead of not at all. Give a positive number of "
@@ -992,6 +1000,14 @@ class GRPOConfig(TrainingArguments):
                 f"loss_type='cispo' caps its importance weight at epsilon_high={self.epsilon_high}, below the ratio 1 "
                 "of every on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, "
                 "e.g. epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
+        if self.temperature < MIN_USEFUL_TEMPERATURE:
+            warnings.warn(
+                f"temperature={self.temperature!r} is below {MIN_USEFUL_TEMPERATURE:g}: sampling is then close to "
+                f"greedy, so the {self.num_generations} completions of a group come out identical, their rewards tie, "
+                "every advantage is 0 and nothing is learned (frac_reward_zero_std near 1). GRPO learns from the "
+                "differences within a group: use a temperature of 0.6 to 1.0 (the default is 1.0).",
+                stacklevel=4,
+            )
             )
         if name == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError(
@@ -1031,6 +1047,25 @@ class GRPOConfig(TrainingArguments):
             )
 
     def _check_generation_kwargs(self):
+    def _check_launch(self):
+        """A process that a launcher started as one of several (`WORLD_SIZE` > 1) but that would train alone: every
+        process of the launch would train its own copy of the run into one `output_dir`, each overwriting the
+        others' checkpoints. `accelerate launch` on a machine without GPUs does that unless CPU training is asked
+        for."""
+        try:
+            launched = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:  # not a count: the launcher's own error says more
+            return
+        if launched > 1 and self.world_size == 1:
+            raise ValueError(
+                f"This process is one of {launched} that a launcher started (WORLD_SIZE={launched}), but it would "
+                f"train alone: no GPU was found and CPU training across processes was not asked for, so each of the "
+                f"{launched} processes would train its own copy of the run into the same output_dir. On a machine "
+                f"without GPUs, launch with ACCELERATE_USE_CPU=1 (ACCELERATE_USE_CPU=1 accelerate launch "
+                f"--num_processes {launched} ...) or set use_cpu=True (recipes: use_cpu: true); to train in one "
+                "process, run without the launcher."
+            )
+
         """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""
         kwargs = self.generation_kwargs
         if kwargs is None:

@@ -43,8 +43,9 @@ def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None)
 def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_config=None, dropout: bool = True):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
     with `model_init_kwargs`) or a loaded model; the tokenizer loaded from the model's path when not given (its pad
-    token defaults to EOS); wrapped with `peft_config` when given; dropout off unless `dropout`. The arguments are
-    checked before any weight loads."""
+    token defaults to EOS; once the model is loaded, a tokenizer with more ids than its embedding rows is refused);
+    wrapped with `peft_config` when given; dropout off unless `dropout`. The arguments are checked before any weight
+    loads."""
     if model_init_kwargs is not None and not isinstance(model, str):
         raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
     if peft_config is not None:
@@ -60,12 +61,31 @@ def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_conf
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_vocabulary(model, tokenizer)
     eos_token_ids = eos_token_ids_of(model, tokenizer)
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     if not dropout:
         disable_dropout(model)
     return model, tokenizer, eos_token_ids
+
+
+def check_vocabulary(model: PreTrainedModel, tokenizer) -> None:
+    """Refuse a tokenizer with more ids than the model has embedding rows: a prompt holding one of the extra ids
+    would fail deep in the first forward pass with 'index out of range' (or a CUDA device-side assert)."""
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):  # no embedding module to ask: the configuration's count
+        rows = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    if rows is None or len(tokenizer) <= rows:
+        return
+    extra = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 3))))
+    raise InputError(
+        f"The tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows: ids {rows} to "
+        f"{len(tokenizer) - 1} ({', '.join(map(repr, extra))}{', ...' if len(tokenizer) > rows + 3 else ''}) would "
+        "fail with 'index out of range' at the first prompt holding one. Pass the model's own tokenizer, or give the "
+        "model rows for the added tokens: model.resize_token_embeddings(len(tokenizer)) before GRPOTrainer(...)."
+    )
 
 
 def eos_token_ids_of(model: PreTrainedModel, tokenizer) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 
 from grpo import GRPOConfig
 from grpo.generation import make_generation_backend
-from grpo.generation.base import equal_runs
+from grpo.generation.base import SamplingRNG, equal_runs
 from grpo.generation.vllm.colocate import VLLMColocateGeneration
 from grpo.testing import tiny_model
 
@@ -146,6 +146,20 @@ def test_each_run_of_equal_rows_is_one_request_with_its_own_seeds(fake_vllm):
     assert out.logprobs == [[-0.5]] * 5
     params = backend.llm.requests[0][1]
     assert params.stop_token_ids == [2] and params.max_tokens == 8 and params.logprobs == 0
+
+
+def test_request_seeds_come_from_the_trainers_sampling_stream(fake_vllm):
+    # They came from torch's default generator, which a reward calling torch.manual_seed(0) reset before every round,
+    # so every round sent the same seed and drew the same completions.
+    backend, model = _backend(rng=SamplingRNG(seed=5)), tiny_model()
+    backend.sync_weights(model, version=0)
+    seeds = []
+    for _ in range(2):
+        torch.manual_seed(0)  # what such a reward does between two rounds
+        backend.generate(model, [[1]])
+        seeds.append(backend.llm.requests[-1][1].seed)
+    expected = SamplingRNG(seed=5)
+    assert seeds == [expected.request_seed(), expected.request_seed()] and seeds[0] != seeds[1]
 
 
 def test_weights_load_once_per_version_and_sleep_wraps_generation(fake_vllm):

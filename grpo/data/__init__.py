@@ -9,7 +9,7 @@ the tokenizer's chat template. Completions come back in the same form: strings, 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -208,9 +208,8 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
     is the trainer's argument, "train_dataset" or "eval_dataset" (which may be a dict of data sets).
 
     Reads the prompt column once, `batch_size` rows at a time, without tokenizing (per million rows, about 0.1 s for
-    strings and 3 s for chat messages). Data sets without a length (an `IterableDataset`, streamed) are not read, as
-    that would consume the stream: only their column names are checked, when known; a bad row then fails when drawn.
-    Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
+    strings and 3 s for chat messages). A data set without a length (an `IterableDataset`, streamed) is refused
+    (`check_not_streamed`): the trainer draws prompts by index. Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
@@ -227,9 +226,10 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
         for key, value in dataset.items():  # several evaluation sets, as `Trainer` accepts
             check_prompt_dataset(value, f"{name}[{key!r}]", batch_size)
         return
+    check_not_streamed(dataset, name)
     columns = getattr(dataset, "column_names", None)
     if columns is None:
-        return  # columns unknown (a torch Dataset, a stream without features): rows are checked when drawn
+        return  # columns unknown (a torch Dataset): rows are checked when drawn
     reserved = [c for c in columns if c in RESERVED_COLUMNS]
     if reserved:
         raise InputError(
@@ -258,4 +258,87 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
         raise InputError(
             f"{name} row {i}: the prompt is {problem}{also}. {GOOD_PROMPT} Fix those rows, or drop them with "
             f"{name}.filter(lambda row: grpo.data.prompt_problem(row['prompt']) is None)."
+        )
+
+
+def _each_dataset(datasets: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(name, data set) for each of `datasets` (the trainer's arguments by name), a dict of evaluation sets entry by
+    entry, None left out."""
+    for name, dataset in datasets.items():
+        if isinstance(dataset, dict):
+            yield from ((f"{name}[{key!r}]", value) for key, value in dataset.items() if value is not None)
+        elif dataset is not None:
+            yield name, dataset
+
+
+def check_not_streamed(dataset: Any, name: str) -> None:
+    """Refuse a data set without a length (an `IterableDataset`, `load_dataset(..., streaming=True)`): the trainer
+    shuffles prompts into rounds, repeats each G times and counts epochs and resume points by index, which a stream
+    cannot give."""
+    if hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    raise InputError(
+        f"{name} is a stream ({type(dataset).__name__}, no length): GRPOTrainer draws prompts by index (shuffled "
+        "rounds of G copies, epochs, exact resume), so it needs a data set with a length. Load it without "
+        "streaming=True, or take a part of the stream: datasets.Dataset.from_list(list(stream.take(10_000)))."
+    )
+
+
+def _prompt_batches(dataset: Any, batch_size: int) -> Iterator[tuple[int, list]]:
+    """(first row, prompts) of a sized data set, `batch_size` rows at a time: a `datasets.Dataset` by slices of its
+    prompt column, another one row by row."""
+    column = dataset.select_columns(["prompt"]).with_format(None) if hasattr(dataset, "select_columns") else None
+    for start in range(0, len(dataset), batch_size):
+        if column is not None:
+            yield start, column[start : start + batch_size]["prompt"]
+        else:
+            yield start, [dataset[i]["prompt"] for i in range(start, min(start + batch_size, len(dataset)))]
+
+
+def check_prompt_lengths(
+    tokenizer, model_config, args, train_dataset: Any, eval_dataset: Any = None, batch_size: int = 1_000
+) -> None:
+    """Refuse prompts that leave no room in the model's context (`max_position_embeddings` of `model_config`) for
+    `args.max_completion_length` tokens: past it, positions the model was never trained on are sampled and trained
+    on without a word (or, with learned position embeddings, fail with 'index out of range'). Nothing is read when
+    `args.max_prompt_length` (which cuts every prompt) already leaves that room; otherwise (by default whole
+    prompts, `max_prompt_length=None`) every prompt of `train_dataset` and `eval_dataset` (which may be a dict of
+    evaluation sets; offline training's groups are items with a prompt) is rendered and tokenized once, as the
+    trainer would (without tool schemas). Raises `InputError` naming the first
+    prompt too long, how many there are, and the fixes."""
+    context = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if not isinstance(context, int):  # a model without positions (or that does not say): nothing to check
+        return
+    max_prompt_length, max_completion_length = args.max_prompt_length, args.max_completion_length
+    room = context - max_completion_length
+    if room < 1:
+        raise InputError(
+            f"max_completion_length={max_completion_length} leaves no room for a prompt in the model's context of "
+            f"{context} tokens (max_position_embeddings). Lower max_completion_length below {context}."
+        )
+    if max_prompt_length is not None and max_prompt_length <= room:
+        return
+    for name, dataset in _each_dataset({"train_dataset": train_dataset, "eval_dataset": eval_dataset}):
+        first, count = None, 0
+        for start, prompts in _prompt_batches(dataset, batch_size):
+            ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, max_prompt_length)
+            for i, seq in enumerate(ids, start):
+                if len(seq) > room:
+                    first = first or (i, len(seq))
+                    count += 1
+        if first is None:
+            continue
+        i, length = first
+        where = f"row {i}" if hasattr(dataset, "select_columns") else f"item {i}"
+        also = f" ({count} prompts in all)" if count > 1 else ""
+        if max_prompt_length is None:
+            setting = "max_prompt_length=None keeps every prompt whole"
+        else:
+            setting = f"max_prompt_length={max_prompt_length} cuts prompts only beyond that"
+        raise InputError(
+            f"{name} {where}: the prompt is {length} tokens{also}, which with max_completion_length="
+            f"{max_completion_length} does not fit the model's context of {context} tokens (max_position_embeddings); "
+            f"{setting}, so completions would run past the positions the model knows. Set max_prompt_length={room} "
+            "or less (longer prompts are then cut on truncation_side, and counted), lower max_completion_length, or "
+            f"drop those rows with {name}.filter(...)."
         )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from grpo.data import decode_completions, encode_prompts
-from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cut_at_eos
 from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
 from grpo.generation.stored import StoredCompletions
@@ -28,6 +28,7 @@ __all__ = [
     "Completions",
     "AgentLoop",
     "GenerationBackend",
+    "SamplingRNG",
     "StoredCompletions",
     "TransformersGeneration",
     "cut_at_eos",
@@ -37,11 +38,12 @@ __all__ = [
 
 
 def make_generation_backend(
-    args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int], stored=None
+    args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int], stored=None, rng: SamplingRNG | None = None
 ) -> GenerationBackend:
     """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or with `use_vllm` a vLLM server
     (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
-    (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them."""
+    (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them. `rng`: the trainer's
+    sampling stream, which every sampler draws from (base.py)."""
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     sampling = dict(
@@ -59,6 +61,7 @@ def make_generation_backend(
             generation_kwargs=args.generation_kwargs,
             cpu_decode_kernel=args.cpu_decode_kernel,
             cpu_inverse_cdf_sampling=args.cpu_inverse_cdf_sampling,
+            rng=rng,
             **sampling,
         )
     if args.vllm_mode == "colocate":
@@ -70,6 +73,7 @@ def make_generation_backend(
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
+            rng=rng,
             **sampling,
         )
     from grpo.generation.vllm.client import VLLMClient
@@ -89,6 +93,7 @@ def make_generation_backend(
         num_generations=args.num_generations,
         num_generations_eval=args.num_generations_eval,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+        rng=rng,
         **sampling,
     )
 

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad
-from grpo.generation.base import Completions, cut_at_eos, equal_runs
+from grpo.generation.base import Completions, SamplingRNG, cut_at_eos, equal_runs
 
 
 class TransformersGeneration:
@@ -45,8 +45,12 @@ class TransformersGeneration:
         greedy: bool = False,
         cpu_decode_kernel: bool = False,
         cpu_inverse_cdf_sampling: bool = False,
+        rng: SamplingRNG | None = None,
     ):
         self.pad_token_id = pad_token_id
+        # The trainer's sampling stream (base.py): `generate` draws from it, not from what user code can reseed.
+        # None (a sampler used on its own): torch's default generators.
+        self.rng = rng
         # Opt-in CPU tuning (GRPOConfig's fields of the same names; grpo/contrib/cpu/).
         self.cpu_decode_kernel = cpu_decode_kernel
         self.cpu_inverse_cdf_sampling = cpu_inverse_cdf_sampling
@@ -103,8 +107,9 @@ class TransformersGeneration:
         device = input_ids.device
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
+        drawing = self.rng.as_default() if self.rng is not None else contextlib.nullcontext()
         try:
-            with self._cpu_decoding(model, device):
+            with self._cpu_decoding(model, device), drawing:
                 if cache is None and prompt_ids is not None:
                     counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (groups)
                     firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row

@@ -7,7 +7,8 @@ import or download.
 
 `check_reward_funcs` runs every check that needs no weights (names, signatures, one tokenizer and one weight per
 reward), so that a mistake fails before any model loads; `load_reward_funcs` then loads the reward models named by
-path or hub id, and their tokenizers. `reward_name` is the name a reward has in metrics and error messages.
+path or hub id, and their tokenizers. `reward_name` is the name a reward has in metrics and error messages;
+`distinct_names` tells apart rewards that share one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,6 +47,32 @@ def reward_name(func: Callable | PreTrainedModel | str) -> str:
     if isinstance(func, PreTrainedModel):
         return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+def distinct_names(names: Sequence[str]) -> list[str]:
+    """`names` (one per reward, in order) made distinct, for metrics: a name given again becomes `<name>_2`,
+    `<name>_3`, ... (skipping any another reward has), with one warning, so that two functions of one name (two
+    lambdas, two rewards built by one factory) log `rewards/<name>/mean` apart rather than merged into one."""
+    taken, distinct, renamed = set(names), [], {}
+    for name in names:
+        if name not in distinct:
+            distinct.append(name)
+            continue
+        suffix = 2
+        while f"{name}_{suffix}" in taken:
+            suffix += 1
+        taken.add(f"{name}_{suffix}")
+        distinct.append(f"{name}_{suffix}")
+        renamed.setdefault(name, [name]).append(f"{name}_{suffix}")
+    if renamed:
+        listed = "; ".join(f"{len(new)} named {name!r}, logged as {', '.join(new)}" for name, new in renamed.items())
+        warnings.warn(
+            f"Reward functions share a name ({listed}, in the order given): their metrics (rewards/<name>/mean, "
+            "...) are told apart by those suffixes. To choose the names, give each function its own: a def of its "
+            "own, or set its __name__.",
+            stacklevel=3,
+        )
+    return distinct
 
 
 def reward_kind(name: str, search_dirs: Sequence[Path] = ()) -> str:

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from grpo.data import is_conversational
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
-from grpo.rewards.names import load_reward_funcs, reward_name
+from grpo.rewards.names import distinct_names, load_reward_funcs, reward_name
 from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps, step_reward_sums
 from grpo.rewards.runner import check_rewards, run_reward_functions
 
@@ -185,7 +185,8 @@ class RewardSet:
         self.outcome_weights = torch.tensor([w for w, p in zip(weights, is_process) if not p], dtype=torch.float32)
         self.process_funcs = [f for f, p in zip(funcs, is_process) if p]
         self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
-        self.names = [reward_name(f) for f in self.outcome_funcs] + [reward_name(f) for f in self.process_funcs]
+        # Two functions of one name get `<name>` and `<name>_2`: their metrics would otherwise merge.
+        self.names = distinct_names([reward_name(f) for f in [*self.outcome_funcs, *self.process_funcs]])
 
     def score(self, **keywords) -> RewardScores:
         """Every function of the set on one batch, in one pass: `score_rewards` with this set's functions and the

@@ -20,9 +20,9 @@ from transformers import (
 )
 
 from grpo.config import GRPOConfig
-from grpo.data import check_prompt_dataset, offline
+from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
-from grpo.generation import TransformersGeneration, make_generation_backend, sample_rollout
+from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.episodes import make_agent
 from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.generation.tools import Toolbox
@@ -139,6 +139,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         model, processing_class, self.eos_token_ids = load_policy(
             model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
         )
+        check_prompt_lengths(processing_class, model.config, args, train_dataset, eval_dataset)  # room to complete
         self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
@@ -152,7 +153,6 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self._num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self._samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self._refill = RefillPrompts(args)  # extra prompts for dynamic sampling
-        self._staging_run_dir: str | None = None  # set while a checkpoint is written (see _save_checkpoint)
 
         super().__init__(
             model=model,
@@ -174,14 +174,14 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
         self._prepare_frozen_models()
-        # The sampler; offline, the stored completions replayed (grpo/generation/stored.py).
+        # The sampler (offline: stored completions replayed), with a random stream of its own (generation/base.py).
+        rng = self.sampling_rng = SamplingRNG(args.seed + self.accelerator.process_index, self.accelerator.device)
         self.generation = make_generation_backend(
-            args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids, stored=self.offline_data
+            args, self.accelerator, processing_class.pad_token_id, self.eos_token_ids, self.offline_data, rng
         )
         # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
         self._async = AsyncRounds(self) if args.async_generation else None
-        # Each process samples with its own seed: rows of one group on two processes must not share random draws.
-        set_seed(args.seed, device_specific=True)
+        set_seed(args.seed, device_specific=True)  # each process's own seed for torch's generators too
 
     def _prepare_frozen_models(self) -> None:
         """The reference and the reward models on the accelerator's device (ZeRO-3: as DeepSpeed engines)."""
@@ -460,6 +460,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             "num_tokens": self._num_tokens,
             "refill_position": self._refill.position,
             "samples": self._samples,
+            "sampling_rng": self.sampling_rng.state_dict(),
             "metrics": {mode: window.state_dict() for mode, window in self.metric_windows.items()},
         }
         save_state(os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), state)
@@ -476,6 +477,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             self._step, self._num_tokens = state["step"], state["num_tokens"]
             self._refill.position, self._samples = state["refill_position"], state["samples"]
             for mode, window in state["metrics"].items():
+            self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
                 self.metric_windows[mode].load_state_dict(window)
 
     # ---- Logging ----

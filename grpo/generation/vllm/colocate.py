@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from grpo.generation.base import Completions, equal_runs, vllm_sampling
+from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import checkpoint_tensors
 
 INSTALL_HINT = (
@@ -76,10 +76,12 @@ class VLLMColocateGeneration:
         max_model_length: int | None = None,
         enable_sleep_mode: bool = False,
         engine_kwargs: dict | None = None,
+        rng: SamplingRNG | None = None,
     ):
         if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
             raise ImportError(INSTALL_HINT)
         self.accelerator = accelerator
+        self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
         self.sampling = {
             **vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty),
             # vLLM has no tokenizer here (prompts are ids), so it knows no EOS of its own: stop at the trainer's.
@@ -191,10 +193,10 @@ class VLLMColocateGeneration:
             raise RuntimeError("call sync_weights before generate: the engine holds no weights of the policy yet")
         llm = self.engine(model)
         self._wake()
-        # A fresh seed per call from torch's generator (seeded by `args.seed`, per process, and saved in
+        # A fresh seed per call from the trainer's sampling stream (seeded by `args.seed`, per process, and saved in
         # checkpoints): runs are reproducible and no two calls, or processes, share samples. Row r draws with seed
         # + r (vLLM gives the i-th of n samples seed + i).
-        seed, start = int(torch.randint(2**31 - 1, ())), 0
+        seed, start = request_seed(self.rng), 0
         requests, params = [], []
         for prompt, count in equal_runs(prompt_ids):
             requests.append({"prompt_token_ids": prompt})

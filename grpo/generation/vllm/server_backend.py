@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
-from grpo.generation.base import Completions, equal_runs, vllm_sampling
+from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
 from grpo.generation.vllm import lora_sync
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError
@@ -57,8 +56,10 @@ class VLLMGeneration:
         repetition_penalty: float,
         bucket_bytes: int,
         num_generations_eval: int | None = None,
+        rng: SamplingRNG | None = None,
     ):
         self.accelerator = accelerator
+        self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
         self.client = client
         self.num_generations = num_generations
         self.num_generations_eval = num_generations_eval or num_generations  # G of an evaluation batch
@@ -134,9 +135,10 @@ class VLLMGeneration:
                     f"prompt rows do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows"
                 )
             groups = [rows[i : i + G] for i in range(0, len(rows), G)]
-            # A fresh seed per call from torch's generator, seeded by `args.seed` and saved in checkpoints: runs are
-            # reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share samples.
-            seed = int(torch.randint(2**31 - 1, ()))
+            # A fresh seed per call from the trainer's sampling stream, seeded by `args.seed` and saved in checkpoints:
+            # runs are reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share
+            # samples, and a reward that reseeds torch cannot make every call send the same seed.
+            seed = request_seed(self.rng)
             reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
             self._check_version(reply)
             answer = [(reply["completion_ids"], reply["logprobs"])]
@@ -153,7 +155,7 @@ class VLLMGeneration:
         by_count: dict[int, list[int]] = {}
         for i, (_, count) in enumerate(runs):
             by_count.setdefault(count, []).append(i)
-        seed = int(torch.randint(2**31 - 1, ()))
+        seed = request_seed(self.rng)
         samples: list = [None] * len(runs)  # per run: (its completion ids, their log-probs)
         for k, (count, members) in enumerate(by_count.items()):
             reply = self.client.generate([runs[i][0] for i in members], n=count, seed=seed + k, **self.sampling)
