@@ -346,8 +346,8 @@ def test_read_only_output_dir(workdir, capsys):
     assert_one_line(code, capsys.readouterr().err, "output_dir '/sys/grpo-test-run' cannot be written", "train")
 
 
-def run_grpo(args, cwd, limit_bytes=None):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def run_grpo(args, cwd, limit_bytes=None, **extra_env):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra_env}
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
@@ -441,3 +441,41 @@ def test_a_failed_write_names_its_own_remedy(tmp_path, code, cause, remedy):
         str(tmp_path), write_failure_cause(error, str(tmp_path)), None, write_failure_remedy(error)
     )
     assert f"still in memory: {remedy[0].lower()}{remedy[1:]}, then call" in final
+
+
+def test_hub_data_set_offline_is_one_line(workdir):
+    """A hub data set that is not cached, with HF_HUB_OFFLINE=1 (set before datasets is imported: a subprocess):
+    one line naming it, and nothing tries the network."""
+    write_files(workdir, BASE)
+    result = run_grpo(["check", "r.yaml", "--dataset.path", "grpo-tests/not-cached"], workdir, HF_HUB_OFFLINE="1")
+    assert_one_line(
+        result.returncode,
+        result.stderr,
+        "dataset.path 'grpo-tests/not-cached' names a hub data set that could not be fetched",
+        "check",
+    )
+
+
+def test_unreachable_vllm_server_is_one_line(workdir, capsys, tiny_model_path):
+    """use_vllm with no server at the address: one line naming the server, not a traceback."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: bound, then closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    write_files(workdir, BASE)
+    code = main(
+        [
+            "train",
+            "r.yaml",
+            "--model",
+            str(tiny_model_path),
+            "--use_vllm",
+            "true",
+            "--vllm_server_port",
+            str(port),
+            "--vllm_server_timeout",
+            "1",
+        ]
+    )
+    assert_one_line(code, capsys.readouterr().err, f"127.0.0.1:{port}", "train")

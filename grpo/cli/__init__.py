@@ -28,6 +28,7 @@ import sys
 
 from grpo.cli.recipe import RecipeError
 from grpo.data import InputError, completion_text
+from grpo.generation.vllm.client import VLLMServerError
 from grpo.training.checkpoints import CheckpointError
 from grpo.training.nonfinite import NonFiniteError
 from grpo.training.preemption import EXIT_STATUS as PREEMPTED_STATUS
@@ -403,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
+    except VLLMServerError as e:
+        # No server at the address (not started, another port), or one that refused: the message names it.
+        if debug:
+            raise
+        _close_progress_bars()
+        print(f"grpo {cli.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     except (NonFiniteError, CheckpointError) as e:
         # Training stopped to protect the weights or a checkpoint: the message says what is intact and what to do.
         if debug:
@@ -415,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()
         if e.main:
             print(
-                f"grpo {cli.command}: stopped on SIGTERM after step {e.step}; checkpoint written: "
-                f"{os.path.abspath(e.checkpoint) if e.checkpoint else 'none'}. "
+                f"grpo {cli.command}: stopped on SIGTERM after step {e.step}; checkpoint written: {e.checkpoint}. "
                 f"Resume with: {_resume_command(cli)}",
                 file=sys.stderr,
             )

@@ -244,7 +244,13 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
 
     from grpo.cli.datasets import load_prompt_datasets
 
-    train_data, held_out = load_prompt_datasets(recipe.dataset)
+    try:
+        train_data, held_out = load_prompt_datasets(recipe.dataset)
+    except ConnectionError as e:  # a hub data set, not cached, with no network or HF_HUB_OFFLINE=1
+        raise RecipeError(
+            f"dataset.path {recipe.dataset.path!r} names a hub data set that could not be fetched ({e}). Download it "
+            "where there is network (it is then cached), or give a local .jsonl/.json/.csv/.parquet file."
+        ) from e
     search = [recipe.source.parent.resolve()] if recipe.source else []
     reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
     for spec in recipe.rewards:
