@@ -479,3 +479,34 @@ def test_unreachable_vllm_server_is_one_line(workdir, capsys, tiny_model_path):
         ]
     )
     assert_one_line(code, capsys.readouterr().err, f"127.0.0.1:{port}", "train")
+
+
+@pytest.mark.slow
+def test_resume_into_a_model_of_another_width_is_one_line(workdir, capsys, tiny_model_path):
+    """A checkpoint resumed with a model of another shape: one line before any weight loads, not a page of size
+    mismatches from load_state_dict."""
+    from grpo.testing import save_tiny_model
+
+    write_files(workdir, BASE)
+    # One step with a checkpoint (the smallest run that leaves one), then the same run resumed with a wider model.
+    first = [
+        "train",
+        "r.yaml",
+        "--model",
+        str(tiny_model_path),
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--run.plot",
+        "false",
+        "--run.save_model",
+        "false",
+    ]
+    assert main(first) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    wider = save_tiny_model(workdir / "wider", hidden_size=128, intermediate_size=256)
+    code = main(["train", "r.yaml", "--model", str(wider), "--max_steps", "2", "--resume_from_checkpoint", "true"])
+    assert_one_line(code, capsys.readouterr().err, "holds a model of another shape than", "train")

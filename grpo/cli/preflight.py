@@ -19,6 +19,7 @@ weight, each raised as a `RecipeError` (one line, exit status 2), and what the r
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -132,6 +133,36 @@ def _deepest_existing(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
+# The config keys that decide the weights' shapes: a checkpoint of a model that differs in one cannot be loaded.
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def check_resume_matches_model(checkpoint: str, model: str) -> None:
+    """3. A checkpoint resumed into a model of another shape would fail deep in `load_state_dict` with a page of
+    size mismatches; compared here from the two `config.json` files (a local model folder; an adapter checkpoint
+    has none and is not compared)."""
+    saved, own = Path(checkpoint) / "config.json", Path(model).expanduser() / "config.json"
+    if not (saved.is_file() and own.is_file()):
+        return
+    before, now = json.loads(saved.read_text()), json.loads(own.read_text())
+    differ = [
+        f"{key} {before.get(key)} there, {now.get(key)} here" for key in SHAPE_KEYS if before.get(key) != now.get(key)
+    ]
+    if differ:
+        raise RecipeError(
+            f"resume_from_checkpoint: {checkpoint} holds a model of another shape than {model!r} ({'; '.join(differ)}). "
+            "Resume with the model the run started from, or start a new run in a new output_dir."
+        )
+
+
 def check_file_size_limit(model: str) -> None:
     """The file-size limit (`ulimit -f`) must admit the weights every checkpoint and the final save write; known
     for a local model folder only (the size of its weight files)."""
@@ -238,6 +269,8 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume is None:
         check_fresh_output_dir(args.output_dir)
+    else:
+        check_resume_matches_model(resume, recipe.model.name_or_path)
     check_model_source(recipe.model.name_or_path)
     check_file_size_limit(recipe.model.name_or_path)
     check_report_to(args.report_to or [])
