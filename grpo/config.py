@@ -849,6 +849,7 @@ class GRPOConfig(TrainingArguments):
             self.dataloader_pin_memory = False  # pinned memory only speeds copies to a GPU; on CPU torch warns
         self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
+        self._check_launch()
         self._check_values()
         self._check_steps_and_prompts()
         self._resolve_generation_batch()
@@ -857,7 +858,6 @@ class GRPOConfig(TrainingArguments):
         """Type, finiteness and range of every field in `_field_kinds()`: an int field takes only integers, a float
         field any finite real number, a bool field only True or False."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        self._check_launch()
         for name, (kind, optional) in _field_kinds().items():
             value = getattr(self, name)
             if value is None and optional:
@@ -981,6 +981,14 @@ class GRPOConfig(TrainingArguments):
                 "and Adam moves each weight by about the learning rate per step. Fix its exponent (e.g. 1e-5), or set "
                 "allow_large_learning_rate=True if you mean it."
             )
+        if self.temperature < MIN_USEFUL_TEMPERATURE:
+            warnings.warn(
+                f"temperature={self.temperature!r} is below {MIN_USEFUL_TEMPERATURE:g}: sampling is then close to "
+                f"greedy, so the {self.num_generations} completions of a group come out identical, their rewards tie, "
+                "every advantage is 0 and nothing is learned (frac_reward_zero_std near 1). GRPO learns from the "
+                "differences within a group: use a temperature of 0.6 to 1.0 (the default is 1.0).",
+                stacklevel=4,
+            )
         if self.truncation_side not in TRUNCATION_SIDES:
             raise ValueError(
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
@@ -1000,14 +1008,6 @@ class GRPOConfig(TrainingArguments):
                 f"loss_type='cispo' caps its importance weight at epsilon_high={self.epsilon_high}, below the ratio 1 "
                 "of every on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, "
                 "e.g. epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
-        if self.temperature < MIN_USEFUL_TEMPERATURE:
-            warnings.warn(
-                f"temperature={self.temperature!r} is below {MIN_USEFUL_TEMPERATURE:g}: sampling is then close to "
-                f"greedy, so the {self.num_generations} completions of a group come out identical, their rewards tie, "
-                "every advantage is 0 and nothing is learned (frac_reward_zero_std near 1). GRPO learns from the "
-                "differences within a group: use a temperature of 0.6 to 1.0 (the default is 1.0).",
-                stacklevel=4,
-            )
             )
         if name == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError(
@@ -1028,25 +1028,6 @@ class GRPOConfig(TrainingArguments):
                     "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
                 )
 
-    def _check_async(self):
-        """What asynchronous generation cannot combine with."""
-        if not self.async_generation:
-            return
-        if self.dynamic_sampling:
-            raise ValueError(
-                "async_generation=True and dynamic_sampling=True: dynamic sampling decides which extra rounds to "
-                "generate from the rewards of the current one, which a producer running ahead has not seen. Turn one "
-                "of them off."
-            )
-        if self.max_staleness > 0 and not self.vllm_importance_sampling_correction:
-            raise ValueError(
-                f"async_generation=True with max_staleness={self.max_staleness} trains on rounds sampled by older "
-                "weights, which is correct only with the truncated importance-sampling correction (the sampler's "
-                "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
-                "max_staleness=0."
-            )
-
-    def _check_generation_kwargs(self):
     def _check_launch(self):
         """A process that a launcher started as one of several (`WORLD_SIZE` > 1) but that would train alone: every
         process of the launch would train its own copy of the run into one `output_dir`, each overwriting the
@@ -1066,6 +1047,25 @@ class GRPOConfig(TrainingArguments):
                 "process, run without the launcher."
             )
 
+    def _check_async(self):
+        """What asynchronous generation cannot combine with."""
+        if not self.async_generation:
+            return
+        if self.dynamic_sampling:
+            raise ValueError(
+                "async_generation=True and dynamic_sampling=True: dynamic sampling decides which extra rounds to "
+                "generate from the rewards of the current one, which a producer running ahead has not seen. Turn one "
+                "of them off."
+            )
+        if self.max_staleness > 0 and not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"async_generation=True with max_staleness={self.max_staleness} trains on rounds sampled by older "
+                "weights, which is correct only with the truncated importance-sampling correction (the sampler's "
+                "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
+                "max_staleness=0."
+            )
+
+    def _check_generation_kwargs(self):
         """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""
         kwargs = self.generation_kwargs
         if kwargs is None:

@@ -460,8 +460,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             "num_tokens": self._num_tokens,
             "refill_position": self._refill.position,
             "samples": self._samples,
-            "sampling_rng": self.sampling_rng.state_dict(),
             "metrics": {mode: window.state_dict() for mode, window in self.metric_windows.items()},
+            "sampling_rng": self.sampling_rng.state_dict(),
         }
         save_state(os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), state)
         if self._reference_moves and self.args.should_save:  # the same on every process
@@ -477,8 +477,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             self._step, self._num_tokens = state["step"], state["num_tokens"]
             self._refill.position, self._samples = state["refill_position"], state["samples"]
             for mode, window in state["metrics"].items():
-            self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
                 self.metric_windows[mode].load_state_dict(window)
+            self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
 
     # ---- Logging ----
 
