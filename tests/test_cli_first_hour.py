@@ -120,3 +120,17 @@ def test_plot_panels_for_loss_learning_rate_and_grad_norm_with_whole_steps(tmp_p
     plt.close(fig)
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     assert plot.plot_run(tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_are_labelled():
+    from types import SimpleNamespace
+
+    from grpo.cli.info import LabelledProgress
+
+    progress, state = LabelledProgress(), SimpleNamespace(is_world_process_zero=True, max_steps=3, global_step=0)
+    progress.on_train_begin(None, state, None)
+    progress.on_prediction_step(None, state, None, eval_dataloader=[1, 2])
+    assert progress.training_bar.desc.startswith("training")
+    assert progress.prediction_bar.desc.startswith("evaluating")
+    progress.prediction_bar.close()
+    progress.training_bar.close()

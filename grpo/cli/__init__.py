@@ -226,6 +226,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     prompts)."""
     # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
     # bad recipe fails in a second.
+    from grpo.cli.info import label_progress
     from grpo.cli.preflight import plan_run, run_summary
 
     _quiet_deepspeed_on_cpu()
@@ -236,6 +237,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     trainer = _build_trainer(plan)
     main = trainer.accelerator.is_main_process
     run = recipe.run
+    label_progress(trainer)
     if main:
         print(run_summary(trainer, plan), flush=True)
 
