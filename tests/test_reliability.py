@@ -6,6 +6,7 @@ tests/test_resume.py."""
 import json
 import math
 import os
+import shutil
 import warnings
 
 import pytest
@@ -417,6 +418,40 @@ def test_grpo_train_resumes_and_refuses_to_overwrite(tmp_path, tiny_model_path):
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]  # steps 1-2 from the first run
+
+    # The same job queued again: a finished run, left as it is (it used to train step 5 and replace the model).
+    files = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    again = run_grpo(
+        "train", "tiny.yaml", "--max_steps", "4", *saving, "--resume_from_checkpoint", "true", cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        again.stdout.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"grpo train: Nothing to train: {os.path.join('out', 'checkpoint-4')} is at step 4, the last step of this run"
+        )
+    )
+    assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == files
+    fewer = run_grpo(
+        "train", "tiny.yaml", "--max_steps", "3", *saving, "--resume_from_checkpoint", "true", cwd=tmp_path
+    )
+    assert fewer.returncode == 2 and "it is at step 4, past this run's last step (max_steps=3)" in fewer.stderr
+
+
+def test_grpo_train_refuses_the_models_own_folder_as_output_dir(tmp_path, tiny_model_path):
+    # A copy of the model: a regression would write over it.
+    model = tmp_path / "mymodel"
+    shutil.copytree(tiny_model_path, model)
+    write_tiny_recipe(tmp_path, model)
+    files = {p.name: p.read_bytes() for p in model.iterdir()}
+    for output_dir, where in [("mymodel", "is the folder"), (os.path.join("mymodel", "out"), "is inside the folder")]:
+        result = run_grpo("train", "tiny.yaml", "--output_dir", output_dir, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert f"grpo train: error: output_dir '{output_dir}' {where} of the model being trained ({model})" in (
+            result.stderr
+        )
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == files
 
 
 @pytest.mark.slow

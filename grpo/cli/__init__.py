@@ -29,6 +29,7 @@ import sys
 from grpo.cli.recipe import RecipeError
 from grpo.data import InputError, completion_text
 from grpo.generation.vllm.client import VLLMServerError
+from grpo.training.checkpoint_checks import finished_run_message
 from grpo.training.checkpoints import CheckpointError
 from grpo.training.nonfinite import NonFiniteError
 from grpo.training.preemption import EXIT_STATUS as PREEMPTED_STATUS
@@ -221,6 +222,13 @@ def _build_trainer(plan):
         ) from e
 
 
+def _finished(message: str | None) -> bool:
+    """Print the line of a finished run (`finished_run_message`), if there is one; whether there was."""
+    if message is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"grpo train: {message}")
+    return message is not None
+
+
 def train(recipe_path: str, overrides: list[str]) -> dict:
     """Run `grpo train`; returns the held-out metrics before and after training (empty dicts without held-out
     prompts)."""
@@ -232,9 +240,14 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     _quiet_deepspeed_on_cpu()
     plan = plan_run(recipe_path, overrides)
     recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
+    # A finished run resumed again (a re-queued job) has nothing to train: said in one line, before any weight loads.
+    if resume is not None and args.max_steps > 0 and _finished(finished_run_message(resume, args.max_steps, args)):
+        return {"before": {}, "after": {}}
 
     # 2. The trainer; the weights load here.
     trainer = _build_trainer(plan)
+    if resume is not None and _finished(trainer.finished_run(resume)):  # num_train_epochs: known with the trainer
+        return {"before": {}, "after": {}}
     main = trainer.accelerator.is_main_process
     run = recipe.run
     label_progress(trainer)

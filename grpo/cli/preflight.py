@@ -260,10 +260,13 @@ def check_trainer_inputs(plan: RunPlan) -> None:
 def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
     """Steps 1-5 of the module docstring: a run's inputs, validated and loaded short of any weight."""
     from grpo.training.checkpoints import check_fresh_output_dir, resolve_resume
+    from grpo.training.output_dir import check_outside_model
 
     check_environment()
     recipe = load_recipe(recipe_path, overrides)
     args = recipe.grpo_config()
+    # The model's own folder first: the checks below would take its weights for an earlier run's model.
+    check_outside_model(args.output_dir, recipe.model.name_or_path)
     check_output_dir(args.output_dir)
     # Resume (`--resume_from_checkpoint DIR|true`), or refuse to write over an earlier run's checkpoints.
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
