@@ -134,6 +134,30 @@ def test_prompts_longer_than_the_context_are_refused_before_training(tmp_path, t
     build(max_prompt_length=56)  # cut to fit: taken (and counted in prompts/truncated as it trains)
 
 
+def test_prompt_lengths_by_hand(tokenizer):
+    from types import SimpleNamespace
+
+    from grpo.data import check_prompt_lengths
+
+    config = tiny_model(tokenizer, max_position_embeddings=64).config  # room for 56-token prompts below
+    whole = SimpleNamespace(max_prompt_length=None, max_completion_length=8)
+    short, long = {"prompt": "q"}, {"prompt": "x" * 57}
+    evals = {"a": Dataset.from_list([short]), "b": Dataset.from_list([short, long])}
+    with pytest.raises(InputError, match=r"eval_dataset\['b'\] row 1: the prompt is 57 tokens"):
+        check_prompt_lengths(tokenizer, config, whole, Dataset.from_list([short]), evals)
+    # A sized data set that is not a `datasets.Dataset` (offline training's groups) is read item by item.
+    with pytest.raises(InputError, match=r"train_dataset item 1: the prompt is 57 tokens \(2 prompts in all\)"):
+        check_prompt_lengths(tokenizer, config, whole, [short, long, long])
+    check_prompt_lengths(tokenizer, config, whole, [short, {"prompt": "x" * 56}])  # exactly the room: fits
+
+    class Unreadable(list):
+        def __getitem__(self, index):
+            raise AssertionError("read although max_prompt_length leaves the room")
+
+    cut = SimpleNamespace(max_prompt_length=56, max_completion_length=8)
+    check_prompt_lengths(tokenizer, config, cut, Unreadable([long]))  # every prompt is cut to fit: nothing read
+
+
 # ---- A temperature at which nothing is learned ----
 
 
