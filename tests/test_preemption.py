@@ -156,15 +156,14 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_resume_is_exact(tmp_path
 @pytest.mark.parametrize("how", ["second_sigterm", "timeout"])
 def test_a_second_sigterm_or_the_timeout_stops_at_once_without_a_checkpoint(tmp_path, how):
     # The step after the signal never ends in time: a second SIGTERM (with a timeout too long to come first), or a
-    # sleep past preemption_timeout (1 s).
+    # sleep of an hour, past preemption_timeout (1 s).
     if how == "second_sigterm":
         settings, extra = {**SETTINGS, "preemption_timeout": 600.0}, ["--sigterm-again"]
     else:
-        settings, extra = {**SETTINGS, "preemption_timeout": 1.0}, ["--sleep-after-sigterm", "120"]
-    start = time.monotonic()
+        settings, extra = {**SETTINGS, "preemption_timeout": 1.0}, ["--sleep-after-sigterm", "3600"]
+    # _run's own timeout (300 s) is the bound against waiting out the sleep.
     stopped = _run(settings, tmp_path, "--sigterm-after-micro-step", "3", *extra)
     assert stopped.returncode == EXIT_STATUS, stopped.stderr[-3000:]
-    assert time.monotonic() - start < 110  # a bound against sleeping the whole 120 s
     assert newest_checkpoint(str(tmp_path)) is None
     said = "SIGTERM again: stopping now" if how == "second_sigterm" else "No checkpoint within 1 s of SIGTERM"
     assert said in stopped.stderr
