@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 
 from grpo.data import TRUNCATION_SIDES
-from grpo.objective.advantages import SCALE_REWARDS
+from grpo.objective.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTIONS, spans_the_step
 from grpo.objective.loss_types import LOSS_TYPE_TABLE, LOSS_TYPES
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
@@ -382,6 +382,14 @@ class GRPOConfig(TrainingArguments):
         default=None,
         section=Section.REWARDS,
         help="One weight per reward function for the weighted sum of rewards (default: all 1.0).",
+    )
+    multi_objective_aggregation: str = option(
+        default="sum_then_normalize",
+        section=Section.REWARDS,
+        help="How several reward functions make one advantage: 'sum_then_normalize' (the weighted sum of the "
+        "rewards, then the group normalisation of `scale_rewards`) or 'normalize_then_sum' (GDPO, arXiv:2601.05242: "
+        "each function's rewards normalised within their group, then weighted and summed, the sum normalised over "
+        "the batch; `scale_rewards` does not apply), as in TRL.",
     )
     reward_errors: str = option(
         default="raise",
@@ -893,6 +901,7 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
+        self._check_aggregation()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if (self.sync_ref_model or self.ref_model_reset_steps is not None) and self.beta == 0:
@@ -993,6 +1002,20 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
                 "a long prompt (and its system message), 'right' keeps its start."
+            )
+
+    def _check_aggregation(self):
+        """How several reward functions are combined (objective/advantages.py)."""
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
+                f"{MULTI_OBJECTIVE_AGGREGATIONS}: sum the rewards then normalise, or normalise each then sum (GDPO)."
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.offline_baseline is not None:
+            raise ValueError(
+                "offline_baseline gives a lone stored completion the advantage reward - baseline, but "
+                "multi_objective_aggregation='normalize_then_sum' normalises each reward function on its own, where a "
+                "lone row has no spread. Set offline_baseline=None (lone rows then get 0), or sum_then_normalize."
             )
 
     def _check_loss_type(self):

@@ -111,6 +111,15 @@ def test_each_loss_type_builds_with_its_settings():
         assert make(per_device_train_batch_size=8, **kwargs).loss_type == kwargs["loss_type"]
 
 
+def test_multi_objective_aggregation_takes_trls_values():
+    assert make().multi_objective_aggregation == "sum_then_normalize"
+    assert make(multi_objective_aggregation="normalize_then_sum").multi_objective_aggregation == "normalize_then_sum"
+    with pytest.raises(ValueError, match="multi_objective_aggregation='gdpo' is not one of"):
+        make(multi_objective_aggregation="gdpo")
+    with pytest.raises(ValueError, match="Set offline_baseline=None"):
+        make(multi_objective_aggregation="normalize_then_sum", offline_baseline=0.5)
+
+
 def test_dapo_misalignment_is_fine_for_other_loss_types():
     args = make(
         per_device_train_batch_size=4,

@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from grpo.objective.advantages import group_advantages, group_reward_stats, mixed_advantages, process_advantages
+from grpo.objective.advantages import (
+    decoupled_advantages,
+    group_advantages,
+    group_reward_stats,
+    mixed_advantages,
+    process_advantages,
+)
 from grpo.objective.loss import (
     accumulation,
     aggregate,
@@ -22,6 +28,7 @@ from grpo.objective.loss import (
 from grpo.objective.loss_types import LOSS_TYPES as ALL_LOSS_TYPES
 from grpo.objective.loss_types import TERM_DEFAULTS, vespo_weights
 from tests.helpers.naive import (
+    naive_decoupled_advantages,
     naive_group_advantages,
     naive_mixed_advantages,
     naive_policy_loss,
@@ -88,6 +95,47 @@ def test_group_reward_stats():
 def test_group_advantages_rejects_partial_groups():
     with pytest.raises(ValueError, match="multiple of num_generations"):
         group_advantages(torch.ones(5), 2)
+
+
+# ---- Several reward functions: GDPO ----
+
+
+def test_decoupled_advantages_hand_worked():
+    # One group of 4, two functions of weight 1: f1 = [1, 0, 0, 0] (a rare success), f2 = [0, 1, 1, 0].
+    # Summed first: [1, 1, 1, 0], mean 0.75, std 0.5 -> A = [0.4999, 0.4999, 0.4999, -1.4997]: rows 0-2 tie.
+    # GDPO: f1 mean 0.25, unbiased std sqrt((0.5625 + 3 x 0.0625) / 3) = 0.5 -> r~ = 0.75 / 0.5001 = 1.4997, else
+    #       -0.25 / 0.5001 = -0.4999; f2 mean 0.5, std sqrt(1 / 3) = 0.577350 -> r~ = +-0.5 / 0.577450 = +-0.865875
+    #       sums s = [0.633825, 0.365975, 0.365975, -1.365775]; batch mean 0, unbiased std 0.919230
+    #       A = s / 0.919330 = [0.689442, 0.398089, 0.398089, -1.485620]: the rare success ranks first.
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    weights = torch.ones(2)
+    gdpo = decoupled_advantages(rewards, weights, 4)
+    assert gdpo.tolist() == pytest.approx([0.689442, 0.398089, 0.398089, -1.485620], abs=1e-5)
+    summed = mixed_advantages(rewards.sum(1), torch.zeros(4, 0, 1), torch.zeros(0), 4)
+    assert summed.tolist() == pytest.approx([0.4999, 0.4999, 0.4999, -1.4997], abs=1e-4)
+    per_func = (rewards, weights)
+    settings = dict(aggregation="normalize_then_sum", per_func=per_func)
+    torch.testing.assert_close(
+        mixed_advantages(rewards.sum(1), torch.zeros(4, 0, 1), torch.zeros(0), 4, **settings), gdpo
+    )
+    with pytest.raises(ValueError, match="multi_objective_aggregation='sum' is not one of"):
+        mixed_advantages(rewards.sum(1), torch.zeros(4, 0, 1), torch.zeros(0), 4, aggregation="sum")
+
+
+@pytest.mark.parametrize("groups", [4, [4, 2, 1, 3, 2]])
+def test_decoupled_advantages_match_naive(groups):
+    generator = torch.Generator().manual_seed(11)
+    B, K = 12, 3
+    rewards = torch.randn(B, K, generator=generator, dtype=torch.float64)
+    rewards[0, 1] = math.nan  # one function did not score a row
+    rewards[5] = math.nan  # a row no function scored
+    rewards[8:12, 2] = 0.5  # a flat group for one function (the last one with G = 4)
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    sizes = [groups] * (B // groups) if isinstance(groups, int) else groups
+    expected = naive_decoupled_advantages(rewards.tolist(), weights.tolist(), sizes)
+    got = decoupled_advantages(rewards, weights, groups)
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+    assert got[5] == 0 and got.abs().sum() > 1
 
 
 # ---- Process (step) rewards ----

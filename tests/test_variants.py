@@ -11,7 +11,7 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
 from grpo.testing import tiny_model, tiny_tokenizer
 from tests.helpers.compare import assert_same_update
-from tests.helpers.naive import naive_mixed_advantages, naive_policy_loss
+from tests.helpers.naive import naive_decoupled_advantages, naive_mixed_advantages, naive_policy_loss
 from tests.helpers.scripted import (
     TINY,
     ScriptedGeneration,
@@ -181,6 +181,38 @@ def test_bias_corrected_kl_changes_the_gradient_once_the_policy_has_left_the_ref
 
 
 # ---- Process rewards and dynamic sampling: what reaches the loss ----
+
+
+def test_gdpo_normalises_each_reward_function_before_the_sum(tmp_path, tiny_model_path, prompt_dataset):
+    """multi_objective_aggregation='normalize_then_sum' reaches the advantages: each function's rewards normalised
+    in its group, weighted, summed and normalised over the batch (the naive GDPO loop), which the default sum of the
+    rewards does not give on the same rewards."""
+    scored = []  # (length, parity) rewards of each round
+
+    def length(completions):
+        scored.append([[float(len(c)), float(len(c) % 2)] for c in completions])
+        return [row[0] for row in scored[-1]]
+
+    def parity(completions):
+        return [float(len(c) % 2) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        **{**TINY, "max_steps": 2},
+        reward_weights=[1.0, 3.0],
+        multi_objective_aggregation="normalize_then_sum",
+    )
+    trainer = GRPOTrainer(tiny_model_path, [length, parity], args=args, train_dataset=prompt_dataset)
+    captured = capture_batches(trainer)
+    trainer.train()
+    assert len(captured) == len(scored) == 2
+    changed = 0.0
+    for batch, rewards in zip(captured, scored):
+        expected = naive_decoupled_advantages(rewards, [1.0, 3.0], [args.num_generations])
+        assert batch.advantages.tolist() == pytest.approx(expected, abs=1e-5)
+        summed = naive_mixed_advantages([r[0] + 3 * r[1] for r in rewards], [], [], 1, args.num_generations)
+        changed = max(changed, *(abs(a - b[0]) for a, b in zip(expected, summed)))
+    assert changed > 0.1  # the default aggregation gives other advantages: the check above fails if GDPO is ignored
 
 
 def test_process_reward_per_token_advantages_reach_the_loss(tmp_path, tiny_model_path, prompt_dataset):

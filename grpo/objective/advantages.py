@@ -1,5 +1,6 @@
 """Group-relative advantages as pure functions: each completion's reward against its group's (outcome rewards),
-each step's reward against its group's step rewards (process rewards), and the two mixed.
+each step's reward against its group's step rewards (process rewards), and the two mixed; with several reward
+functions, optionally each normalised on its own before they are summed (GDPO).
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4)          scale_rewards="group" (DeepSeekMath)
 
@@ -15,6 +16,18 @@ from collections.abc import Sequence
 import torch
 
 SCALE_REWARDS = ("group", "batch", "none")
+# TRL's `multi_objective_aggregation` values: sum the weighted rewards, then normalise (GRPO); or normalise each reward
+# function within its group, then sum (GDPO).
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def advantage_settings(args) -> dict:
+    """The `mixed_advantages` settings a `GRPOConfig` fixes for a whole run."""
+    return {
+        "scale_rewards": args.scale_rewards,
+        "baseline": args.offline_baseline,
+        "aggregation": args.multi_objective_aggregation,
+    }
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -158,6 +171,42 @@ def process_advantages(
     return normalised.flip(-1).cumsum(-1).flip(-1)  # (B, T): sum over t' >= t
 
 
+def decoupled_advantages(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int | Sequence[int], eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO's advantages (Group reward-Decoupled normalization Policy Optimization, arXiv:2601.05242), as TRL's
+    `multi_objective_aggregation="normalize_then_sum"` computes them: each reward function normalised within its
+    group on its own, the results weighted and summed, the sum normalised over the batch.
+
+        r~_ik = (r_ik - mean(r_k over the group)) / (std(r_k over the group) + eps)     for each function k
+        s_i   = sum_{k: r_ik not NaN} w_k * r~_ik                                       NaN if no function scored i
+        A_i   = (s_i - mean(s)) / (std(s) + eps)                                        mean and std over the batch
+
+    Summing raw rewards first lets the function with the widest spread dominate the ranking within a group, and
+    gives every combination of rewards with the same total the same advantage; normalised first, each function
+    counts by its own spread in the group (a success that is rare in the group counts more). `rewards_per_func` (B, K) with NaN where a function did not score a row, `weights` (K,);
+    r~ is `group_advantages` per function (unbiased std; a group where the function's rewards are all equal, or
+    scored at most once, gets r~ = 0 exactly; a NaN entry 0). `scale_rewards` does not apply, as in TRL. A row no
+    function scored gets A = 0. Returns (B,).
+    """
+    per_func = torch.stack(
+        [_outcome_advantages(rewards_per_func[:, k], num_generations, "group", eps) for k in range(weights.numel())],
+        dim=1,
+    )  # (B, K), 0 where NaN
+    scored = ~torch.isnan(rewards_per_func).all(dim=1)  # (B,)
+    summed = (per_func * weights.to(per_func)).sum(dim=1)
+    valid = summed[scored]
+    mean = valid.mean() if valid.numel() else summed.new_zeros(())
+    std = valid.std() if valid.numel() > 1 else summed.new_zeros(())
+    return torch.where(scored, (summed - mean) / (std + eps), 0.0)
+
+
+def _outcome_advantages(rewards, num_generations, scale_rewards, eps, baseline=None):
+    if isinstance(num_generations, int):
+        return group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    return grouped_advantages(rewards, num_generations, scale_rewards, eps, baseline)
+
+
 def mixed_advantages(
     rewards: torch.Tensor,
     step_rewards: torch.Tensor,
@@ -166,22 +215,27 @@ def mixed_advantages(
     scale_rewards: str = "group",
     eps: float = 1e-4,
     baseline: float | None = None,
+    aggregation: str = "sum_then_normalize",
+    per_func: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Advantages of outcome and process rewards together.
 
         A_{i,t} = A_i + sum_k w_k * A^(k)_{i,t}
 
     A_i is `group_advantages` of the combined outcome reward `rewards` (B,) (NaN where no outcome function scored the
-    row: A_i = 0). A^(k) is `process_advantages` of process function k's step rewards, `step_rewards[:, k]` of
-    (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the normalised advantage, not the raw step
-    rewards, since group normalisation would cancel a positive scale. Returns (B,) when K = 0, else (B, T).
-    `num_generations` is G, or each group's size when they differ (`grouped_advantages` and its `baseline` for
-    groups of one row, offline data).
+    row: A_i = 0), or with `aggregation="normalize_then_sum"` GDPO's `decoupled_advantages` of `per_func`, the
+    outcome functions' own rewards and weights ((B, K_o), (K_o,)). A^(k) is `process_advantages` of process function
+    k's step rewards, `step_rewards[:, k]` of (B, K, T), and w_k = `step_weights[k]` (K,). The weight multiplies the
+    normalised advantage, not the raw step rewards, since group normalisation would cancel a positive scale. Returns
+    (B,) when K = 0, else (B, T). `num_generations` is G, or each group's size when they differ
+    (`grouped_advantages` and its `baseline` for groups of one row, offline data).
     """
-    if isinstance(num_generations, int):
-        advantages = group_advantages(rewards, num_generations, scale_rewards, eps)  # (B,)
+    if aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={aggregation!r} is not one of {MULTI_OBJECTIVE_AGGREGATIONS}")
+    if aggregation == "normalize_then_sum":
+        advantages = decoupled_advantages(*per_func, num_generations, eps)
     else:
-        advantages = grouped_advantages(rewards, num_generations, scale_rewards, eps, baseline)
+        advantages = _outcome_advantages(rewards, num_generations, scale_rewards, eps, baseline)
     if step_rewards.shape[1] == 0:
         return advantages
     advantages = advantages.unsqueeze(1).expand(-1, step_rewards.shape[2])  # (B, T)

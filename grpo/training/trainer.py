@@ -28,7 +28,7 @@ from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.generation.tools import Toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
-from grpo.objective.advantages import mixed_advantages
+from grpo.objective.advantages import advantage_settings, mixed_advantages
 from grpo.objective.logprobs import completion_logprobs, logprob_settings
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
@@ -321,10 +321,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
         groups = rollout.groups(self.args.generations(mode))  # G, or each group's size (offline)
         check_reward_spread(rewards, groups, self.state.global_step)
-        weights, scale = self.rewards.process_weights.to(rewards.device), self.args.scale_rewards
-        return mixed_advantages(
-            rewards, rollout.step_rewards, weights, groups, scale, baseline=self.args.offline_baseline
-        )
+        weights = self.rewards.process_weights.to(rewards.device)
+        per_func = (rollout.rewards_per_func, self.rewards.outcome_weights.to(rewards.device))  # GDPO's inputs
+        settings = advantage_settings(self.args)  # scale_rewards, offline_baseline, multi_objective_aggregation
+        return mixed_advantages(rewards, rollout.step_rewards, weights, groups, per_func=per_func, **settings)
 
     def _dynamic_sampling(self, rollout: Rollout) -> Rollout:
         """Step 4b (DAPO dynamic sampling, grpo/training/dynamic_sampling.py): zero-advantage groups replaced by groups
@@ -422,8 +422,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
 
     def logprobs(self, model, batch: TokenBatch | MicroBatch | Rollout, with_entropy=False, batch_size=None):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
-        autocast region (mixed precision: the output projection in bf16 / fp16 too, each weight cast once per call,
-        unless `cast_lm_head_to_fp32`)."""
+        autocast region (mixed precision: the head in bf16 unless cast_lm_head_to_fp32; each weight cast once)."""
         with self.accelerator.autocast():
             return completion_logprobs(
                 model,

@@ -204,3 +204,32 @@ def naive_grouped_advantages(rewards, group_sizes, scale_rewards="group", eps=1e
         divisor = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale_rewards]
         out += [0.0 if math.isnan(r) else (r - mean) / divisor for r in group]
     return out
+
+
+def naive_decoupled_advantages(rewards_per_func, weights, group_sizes, eps=1e-4):
+    """GDPO (docs/method.md, "Several reward functions"), one function and one group at a time: each function's
+    rewards normalised within their group (a group whose valid rewards are all equal, or which has at most one, gives
+    0; a NaN entry 0), weighted and summed over the functions that scored the row, then the sums normalised over the
+    batch (mean and unbiased std of the rows some function scored; the others get 0). `rewards_per_func`: B lists of
+    K numbers (NaN: not scored); `group_sizes`: consecutive groups."""
+    B, K = len(rewards_per_func), len(weights)
+    normalised = [[0.0] * K for _ in range(B)]
+    for k in range(K):
+        start = 0
+        for size in group_sizes:
+            rows = range(start, start + size)
+            start += size
+            valid = [rewards_per_func[i][k] for i in rows if not math.isnan(rewards_per_func[i][k])]
+            if len(valid) <= 1 or max(valid) == min(valid):
+                continue
+            mean = sum(valid) / len(valid)
+            std = math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
+            for i in rows:
+                if not math.isnan(rewards_per_func[i][k]):
+                    normalised[i][k] = (rewards_per_func[i][k] - mean) / (std + eps)
+    scored = [any(not math.isnan(r) for r in row) for row in rewards_per_func]
+    sums = [sum(w * n for w, n in zip(weights, normalised[i])) for i in range(B)]
+    valid = [s for s, ok in zip(sums, scored) if ok]
+    mean = sum(valid) / len(valid) if valid else 0.0
+    std = math.sqrt(sum((s - mean) ** 2 for s in valid) / (len(valid) - 1)) if len(valid) > 1 else 0.0
+    return [(s - mean) / (std + eps) if ok else 0.0 for s, ok in zip(sums, scored)]
