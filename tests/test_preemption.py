@@ -19,6 +19,7 @@ from transformers import TrainerControl, TrainerState
 
 from grpo.training.checkpoints import newest_checkpoint
 from grpo.training.preemption import EXIT_STATUS, Preempted, PreemptionCallback, StopOnSignal
+from tests.helpers.net import launch_two_processes
 from tests.test_resume import SCRIPT, comparable, step_logs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,3 +222,32 @@ def test_ctrl_c_in_grpo_train_is_one_line_with_the_way_back(tmp_path, tiny_model
         "with: grpo train tiny.yaml --max_steps 4 --save_strategy steps --save_steps 1 --resume_from_checkpoint true"
     )
     assert "Traceback" not in stopped.stderr
+
+
+@pytest.mark.distributed
+def test_one_process_signalled_stops_both_at_the_same_step_and_the_resume_is_exact(tmp_path):
+    """Under `accelerate launch` (2 gloo processes), SIGTERM to rank 1 only: both processes stop after the same step
+    with their shares of the round in one checkpoint, and the resumed run ends as the uninterrupted one."""
+    settings = dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4, save_strategy="no")
+
+    def launch(output_dir, *extra, check=True):
+        return launch_two_processes(SCRIPT, json.dumps(settings), output_dir, *extra, check=check)
+
+    launch(tmp_path / "full")
+    full = torch.load(tmp_path / "full" / "result.pt", weights_only=True)
+    out = tmp_path / "stopped"
+    # Micro-step 1 ends step 1, in the middle of a round of two steps.
+    stopped = launch(out, "--sigterm-after-micro-step", "1", "--sigterm-rank", "1", check=False)
+    assert stopped.returncode != 0 and "Stopped on SIGTERM after step 1" in stopped.stderr, stopped.stderr[-3000:]
+    assert newest_checkpoint(str(out)) == str(out / "checkpoint-1")
+    assert sorted(p.name for p in (out / "checkpoint-1").glob("grpo_state_*.pt")) == [
+        "grpo_state_0.pt",
+        "grpo_state_1.pt",
+    ]
+    launch(out, "--resume")
+    resumed = torch.load(out / "result.pt", weights_only=True)
+    expected, got = step_logs(full["log_history"]), step_logs(resumed["log_history"])
+    for step in (2, 3, 4):
+        assert comparable(got[step]) == comparable(expected[step]), step
+    for param, value in full["params"].items():
+        assert torch.equal(resumed["params"][param], value), param

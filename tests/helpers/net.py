@@ -21,9 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_processes(*args, config=TWO_CPU_PROCESSES, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+def launch_two_processes(
+    *args, config=TWO_CPU_PROCESSES, cwd=ROOT, env=None, check=True
+) -> subprocess.CompletedProcess:
     """Run `args` (a script and its arguments, or "-m", a module and its arguments) under `accelerate launch` with
-    `config` (default: 2 CPU processes over gloo) and assert that it succeeded. `env` entries are added to the
+    `config` (default: 2 CPU processes over gloo) and assert that it succeeded (unless `check` is False). `env` entries are added to the
     environment (None removes a variable). ACCELERATE_USE_CPU=1 by default: the launcher does not export the config
     file's use_cpu, and without it each process trains alone."""
     command = [
@@ -40,7 +42,7 @@ def launch_two_processes(*args, config=TWO_CPU_PROCESSES, cwd=ROOT, env=None) ->
     }
     variables = {key: value for key, value in variables.items() if value is not None}
     result = subprocess.run(command, cwd=cwd, env=variables, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 or not check, result.stderr[-3000:]
     return result
 
 

@@ -10,7 +10,8 @@ micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKI
 being written: every file is written, the rename that publishes it has not happened. `--sigterm-after-micro-step K`
 sends the process a SIGTERM (a scheduler's notice) right after its K-th micro-step; `--sigterm-again` sends a
 second one after the next micro-step, `--sleep-after-sigterm S` sleeps S seconds there instead (a step that will
-not end in time). SETTINGS_JSON may override any setting below. `--lora` trains a LoRA adapter
+not end in time); `--sigterm-rank R` sends it to the process of rank R only (under accelerate launch).
+SETTINGS_JSON may override any setting below. `--lora` trains a LoRA adapter
 (rank 4 on every linear layer) instead of every weight. `--prompts N` trains on N prompts (default 24).
 `--agent` makes each row a multi-turn episode with real sampling (`agent_trainer`): chat prompts, an `add` tool,
 and turns that each end at the first sampled letter, so an episode's turns and tool calls depend on what was drawn.
@@ -111,6 +112,7 @@ def main():
     parser.add_argument("--sigterm-after-micro-step", type=int)
     parser.add_argument("--sigterm-again", action="store_true")
     parser.add_argument("--sleep-after-sigterm", type=float, default=0.0)
+    parser.add_argument("--sigterm-rank", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--agent", action="store_true")
@@ -158,7 +160,7 @@ def main():
         )
     if cli.kill_after_micro_step is not None:
         trainer.add_callback(KillAfter(cli.kill_after_micro_step))
-    if cli.sigterm_after_micro_step is not None:
+    if cli.sigterm_after_micro_step is not None and cli.sigterm_rank in (None, int(os.environ.get("RANK", "0"))):
         stop = KillAfter(cli.sigterm_after_micro_step, signal.SIGTERM, cli.sigterm_again, cli.sleep_after_sigterm)
         trainer.add_callback(stop)
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
