@@ -808,6 +808,13 @@ class GRPOConfig(TrainingArguments):
         range=Interval(0, why="None prints every row"),
         help="Rows of that table (None = all rows of the generation batch).",
     )
+    learning_signal_warnings: bool = option(
+        default=True,
+        section=Section.LOGGING,
+        help="Warn once, with the likely fix, when the logged metrics show for 3 logged steps in a row that nothing "
+        "can be learned: every completion truncated, nearly every group's rewards tied, nearly every token's ratio "
+        "clipped, or the entropy collapsed (docs/metrics.md#when-nothing-is-learned).",
+    )
 
     # ---- Stopping and resuming ----
     preemption_timeout: float = option(

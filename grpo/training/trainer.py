@@ -52,6 +52,7 @@ from grpo.training.loaders import RoundLoaders
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 from grpo.training.output_dir import own_output_dir
+from grpo.training.signal_watch import SignalWatch
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
 
@@ -171,6 +172,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             memory.keep_freed_memory()
         self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self.metric_windows["train"])
         self.add_callback(self.gradient_guard)
+        if args.learning_signal_warnings:  # one warning when the logged metrics show nothing can be learned
+            self.add_callback(SignalWatch())
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
         self._prepare_frozen_models()
