@@ -53,7 +53,9 @@ def config(tmp_path, **overrides):
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
-    save_tiny_model(path)
+    # A context of 4,096 positions: episode prompts with the byte-level tools' schemas run to 1,500 tokens, which a
+    # model of 1,024 positions is refused for (GRPOTrainer checks that prompts fit the model's context).
+    save_tiny_model(path, max_position_embeddings=4096)
     tool_tokenizer().save_pretrained(path)
     return str(path)
 

@@ -112,26 +112,31 @@ def test_distinct_names_by_hand():
 
 
 def test_prompts_longer_than_the_context_are_refused_before_training(tmp_path, tokenizer):
-    # A context of 64 positions and 8-token completions leave room for 56-token prompts; one prompt has 100 (byte
-    # tokens). With max_prompt_length=None it used to train past the positions the model knows, without a word.
-    data = Dataset.from_dict({"prompt": ["short question"] * 5 + ["x" * 100] + ["short question"] * 2})
+    # A context of 64 positions; one prompt has 100 (byte tokens). With max_prompt_length=None it used to train past
+    # the positions the model knows, without a word.
+    short = ["short question"] * 7
 
-    def build(**settings):
+    def build(prompts, **settings):
         args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**TINY, "max_steps": 1, **settings})
         model = tiny_model(tokenizer, max_position_embeddings=64)
+        data = Dataset.from_dict({"prompt": prompts})
         return GRPOTrainer(model, reward_len, args=args, train_dataset=data, processing_class=tokenizer)
 
     with pytest.raises(InputError) as raised:
-        build(max_prompt_length=None)
+        build(short[:5] + ["x" * 100] + short[:2], max_prompt_length=None)
     message = str(raised.value)
-    assert "train_dataset row 5: the prompt is 100 tokens" in message
-    assert "does not fit the model's context of 64 tokens (max_position_embeddings)" in message
+    assert "train_dataset row 5: the prompt is 100 tokens, which fills the model's context of 64 tokens" in message
     assert "max_prompt_length=None keeps every prompt whole" in message and "Set max_prompt_length=56" in message
     with pytest.raises(InputError, match=r"max_prompt_length=512 cuts prompts only beyond that"):
-        build(max_prompt_length=512)  # the default cuts, but not down to the room left
-    with pytest.raises(InputError, match=r"max_completion_length=64 leaves no room for a prompt"):
-        build(max_completion_length=64)
-    build(max_prompt_length=56)  # cut to fit: taken (and counted in prompts/truncated as it trains)
+        build(short + ["x" * 100], max_prompt_length=512)  # the default cuts, but not down to the context
+    # A prompt that fits, but not with a whole completion (60 + 8 > 64): one warning, and the run is built.
+    with pytest.warns(
+        UserWarning, match=r"train_dataset: 1, the first row 7 with 60 tokens.*Set max_prompt_length=56"
+    ):
+        build(short + ["x" * 60], max_prompt_length=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # cut to fit: taken without a word
+        build(short + ["x" * 100], max_prompt_length=56)
 
 
 def test_prompt_lengths_by_hand(tokenizer):
@@ -141,21 +146,29 @@ def test_prompt_lengths_by_hand(tokenizer):
 
     config = tiny_model(tokenizer, max_position_embeddings=64).config  # room for 56-token prompts below
     whole = SimpleNamespace(max_prompt_length=None, max_completion_length=8)
-    short, long = {"prompt": "q"}, {"prompt": "x" * 57}
-    evals = {"a": Dataset.from_list([short]), "b": Dataset.from_list([short, long])}
-    with pytest.raises(InputError, match=r"eval_dataset\['b'\] row 1: the prompt is 57 tokens"):
+    short, full, tight = {"prompt": "q"}, {"prompt": "x" * 64}, {"prompt": "x" * 57}
+    evals = {"a": Dataset.from_list([short]), "b": Dataset.from_list([short, full])}
+    with pytest.raises(InputError, match=r"eval_dataset\['b'\] row 1: the prompt is 64 tokens, which fills"):
         check_prompt_lengths(tokenizer, config, whole, Dataset.from_list([short]), evals)
     # A sized data set that is not a `datasets.Dataset` (offline training's groups) is read item by item.
-    with pytest.raises(InputError, match=r"train_dataset item 1: the prompt is 57 tokens \(2 prompts in all\)"):
-        check_prompt_lengths(tokenizer, config, whole, [short, long, long])
-    check_prompt_lengths(tokenizer, config, whole, [short, {"prompt": "x" * 56}])  # exactly the room: fits
+    with pytest.raises(InputError, match=r"train_dataset item 1: the prompt is 64 tokens \(2 prompts in all\)"):
+        check_prompt_lengths(tokenizer, config, whole, [short, full, full])
+    with pytest.warns(UserWarning, match=r"train_dataset: 2, the first item 1 with 57 tokens"):
+        check_prompt_lengths(tokenizer, config, whole, [short, tight, tight])
+    with pytest.warns(UserWarning, match=r"Lower max_completion_length below 64"):  # no room for 64 tokens
+        check_prompt_lengths(
+            tokenizer, config, SimpleNamespace(max_prompt_length=None, max_completion_length=64), [short]
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        check_prompt_lengths(tokenizer, config, whole, [short, {"prompt": "x" * 56}])  # exactly the room: fits
 
     class Unreadable(list):
         def __getitem__(self, index):
             raise AssertionError("read although max_prompt_length leaves the room")
 
     cut = SimpleNamespace(max_prompt_length=56, max_completion_length=8)
-    check_prompt_lengths(tokenizer, config, cut, Unreadable([long]))  # every prompt is cut to fit: nothing read
+    check_prompt_lengths(tokenizer, config, cut, Unreadable([full]))  # every prompt is cut to fit: nothing read
 
 
 # ---- A temperature at which nothing is learned ----

@@ -9,6 +9,7 @@ the tokenizer's chat template. Completions come back in the same form: strings, 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -298,47 +299,58 @@ def _prompt_batches(dataset: Any, batch_size: int) -> Iterator[tuple[int, list]]
 def check_prompt_lengths(
     tokenizer, model_config, args, train_dataset: Any, eval_dataset: Any = None, batch_size: int = 1_000
 ) -> None:
-    """Refuse prompts that leave no room in the model's context (`max_position_embeddings` of `model_config`) for
-    `args.max_completion_length` tokens: past it, positions the model was never trained on are sampled and trained
-    on without a word (or, with learned position embeddings, fail with 'index out of range'). Nothing is read when
-    `args.max_prompt_length` (which cuts every prompt) already leaves that room; otherwise (by default whole
-    prompts, `max_prompt_length=None`) every prompt of `train_dataset` and `eval_dataset` (which may be a dict of
-    evaluation sets; offline training's groups are items with a prompt) is rendered and tokenized once, as the
-    trainer would (without tool schemas). Raises `InputError` naming the first
-    prompt too long, how many there are, and the fixes."""
+    """Prompts against the model's context (`max_position_embeddings` of `model_config`): a prompt that fills it
+    (no position left for a completion) is an `InputError`, naming the first one, how many there are and the fixes;
+    prompts that leave fewer than `args.max_completion_length` positions get one warning, since a completion that
+    runs that long goes past the positions the model was trained on (or, with learned position embeddings, fails
+    with 'index out of range'). Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room
+    for a whole completion; otherwise (by default whole prompts, `max_prompt_length=None`) every prompt of
+    `train_dataset` and `eval_dataset` (which may be a dict of evaluation sets; offline training's groups are items
+    with a prompt) is rendered and tokenized once, as the trainer would (without tool schemas)."""
     context = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
     if not isinstance(context, int):  # a model without positions (or that does not say): nothing to check
         return
     max_prompt_length, max_completion_length = args.max_prompt_length, args.max_completion_length
-    room = context - max_completion_length
-    if room < 1:
-        raise InputError(
-            f"max_completion_length={max_completion_length} leaves no room for a prompt in the model's context of "
-            f"{context} tokens (max_position_embeddings). Lower max_completion_length below {context}."
-        )
-    if max_prompt_length is not None and max_prompt_length <= room:
+    if max_prompt_length is not None and max_prompt_length + max_completion_length <= context:
         return
+    room = context - max_completion_length  # the longest prompt a whole completion fits after
+    fit = f"Set max_prompt_length={room} or less"  # room > 0: prompts cut there leave room for a whole completion
+    # A prompt that fills the context: cut it so that a completion fits, or at least one token of one.
+    cut = fit if room > 0 else f"Set max_prompt_length={context - 1} or less and lower max_completion_length"
+    tight = []  # per data set: how many prompts a whole completion does not fit after, and the first one
     for name, dataset in _each_dataset({"train_dataset": train_dataset, "eval_dataset": eval_dataset}):
-        first, count = None, 0
+        first, full, count = None, None, 0
         for start, prompts in _prompt_batches(dataset, batch_size):
             ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, max_prompt_length)
             for i, seq in enumerate(ids, start):
-                if len(seq) > room:
-                    first = first or (i, len(seq))
-                    count += 1
-        if first is None:
-            continue
-        i, length = first
-        where = f"row {i}" if hasattr(dataset, "select_columns") else f"item {i}"
-        also = f" ({count} prompts in all)" if count > 1 else ""
-        if max_prompt_length is None:
-            setting = "max_prompt_length=None keeps every prompt whole"
-        else:
-            setting = f"max_prompt_length={max_prompt_length} cuts prompts only beyond that"
-        raise InputError(
-            f"{name} {where}: the prompt is {length} tokens{also}, which with max_completion_length="
-            f"{max_completion_length} does not fit the model's context of {context} tokens (max_position_embeddings); "
-            f"{setting}, so completions would run past the positions the model knows. Set max_prompt_length={room} "
-            "or less (longer prompts are then cut on truncation_side, and counted), lower max_completion_length, or "
-            f"drop those rows with {name}.filter(...)."
+                if len(seq) >= context:
+                    full = (full[0], full[1], full[2] + 1) if full else (i, len(seq), 1)
+                elif len(seq) > room:
+                    first, count = first or (i, len(seq)), count + 1
+        unit = "row" if hasattr(dataset, "select_columns") else "item"
+        if full is not None:
+            i, length, many = full
+            also = f" ({many} prompts in all)" if many > 1 else ""
+            if max_prompt_length is None:
+                setting = "max_prompt_length=None keeps every prompt whole"
+            else:
+                setting = f"max_prompt_length={max_prompt_length} cuts prompts only beyond that"
+            raise InputError(
+                f"{name} {unit} {i}: the prompt is {length} tokens{also}, which fills the model's context of {context} "
+                f"tokens (max_position_embeddings) and leaves no position for a completion; {setting}. {cut} (longer "
+                f"prompts are then cut on truncation_side, and counted), or drop those rows with {name}.filter(...)."
+            )
+        if first is not None:
+            tight.append(f"{name}: {count}, the first {unit} {first[0]} with {first[1]} tokens")
+    if tight:
+        advice = (
+            f"{fit} (longer prompts are then cut on truncation_side, and counted), or lower max_completion_length."
+            if room > 0
+            else f"Lower max_completion_length below {context}."
+        )
+        warnings.warn(
+            f"Prompts leave fewer than max_completion_length={max_completion_length} positions in the model's "
+            f"context of {context} tokens (max_position_embeddings) ({'; '.join(tight)}): a completion that runs that "
+            f"long goes past the positions the model knows. {advice}",
+            stacklevel=3,
         )
