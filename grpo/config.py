@@ -697,11 +697,26 @@ class GRPOConfig(TrainingArguments):
         help="'token_truncate' (min(ratio, cap) per token), 'token_mask' (0 above the cap), "
         "'sequence_truncate' or 'sequence_mask' (one ratio per completion: the product over its tokens).",
     )
-    vllm_importance_sampling_cap: float = option(
+    vllm_importance_sampling_clip_max: float | None = option(
         default=2.0,
         section=Section.VLLM,
-        range=Interval(0, open_low=True),
-        help="The cap C of the importance-sampling ratio (truncation or masking threshold).",
+        range=Interval(0, open_low=True, why="None: no upper bound"),
+        help="The upper bound C of the importance-sampling ratio: '*_truncate' modes cap it at C, '*_mask' modes "
+        "zero ratios above C (TRL's name; TRL's default is 3.0 with its 'sequence_mask' mode).",
+    )
+    vllm_importance_sampling_clip_min: float | None = option(
+        default=None,
+        section=Section.VLLM,
+        range=Interval(0, why="None: no lower bound"),
+        help="The lower bound c of the importance-sampling ratio: '*_truncate' modes raise it to c, '*_mask' modes "
+        "zero ratios below c. None (default): no lower bound.",
+    )
+    vllm_importance_sampling_cap: float | None = option(
+        default=None,
+        section=Section.VLLM,
+        range=Interval(0, open_low=True, why="deprecated: set vllm_importance_sampling_clip_max"),
+        help="Deprecated name of vllm_importance_sampling_clip_max (as in TRL): when set, it becomes clip_max, with "
+        "a FutureWarning.",
     )
 
     # ---- Asynchronous generation (docs/vllm.md#asynchronous-generation) ----
@@ -866,6 +881,7 @@ class GRPOConfig(TrainingArguments):
         super().__post_init__()
         self._check_launch()
         self._check_values()
+        self._resolve_sampling_bounds()
         self._check_steps_and_prompts()
         self._resolve_generation_batch()
 
@@ -1009,6 +1025,28 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
                 "a long prompt (and its system message), 'right' keeps its start."
+            )
+
+    def _resolve_sampling_bounds(self):
+        """The importance-sampling bounds under TRL's names; the old `vllm_importance_sampling_cap` fills clip_max."""
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} is deprecated: it is used as "
+                "vllm_importance_sampling_clip_max, TRL's name for the upper bound. Set that instead.",
+                FutureWarning,
+                stacklevel=4,  # the GRPOConfig(...) call
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}: "
+                "they bound the importance-sampling ratio from below and above. Lower clip_min or raise clip_max."
+            )
+        if low is None and high is None and self.vllm_importance_sampling_mode.endswith("truncate"):
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio to "
+                "[clip_min, clip_max], but both are None. Set vllm_importance_sampling_clip_max (e.g. 2.0)."
             )
 
     def _check_aggregation(self):

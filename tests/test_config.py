@@ -120,6 +120,26 @@ def test_multi_objective_aggregation_takes_trls_values():
         make(multi_objective_aggregation="normalize_then_sum", offline_baseline=0.5)
 
 
+def test_importance_sampling_bounds_take_trls_names_and_the_old_cap():
+    args = make()
+    assert (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) == (None, 2.0)
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap=4.0 is deprecated") as caught:
+        args = make(vllm_importance_sampling_cap=4.0)
+    assert args.vllm_importance_sampling_clip_max == 4.0 and len(caught) == 1
+    assert make(vllm_importance_sampling_clip_min=0.5).vllm_importance_sampling_clip_min == 0.5
+    with pytest.raises(ValueError, match="clip_min=3.0 must be below vllm_importance_sampling_clip_max=2.0"):
+        make(vllm_importance_sampling_clip_min=3.0)
+    with pytest.raises(ValueError, match="but both are None"):
+        make(vllm_importance_sampling_clip_max=None)
+    # A mask mode with no bound at all masks nothing: allowed, as in TRL.
+    assert (
+        make(
+            vllm_importance_sampling_clip_max=None, vllm_importance_sampling_mode="token_mask"
+        ).vllm_importance_sampling_clip_max
+        is None
+    )
+
+
 def test_dapo_misalignment_is_fine_for_other_loss_types():
     args = make(
         per_device_train_batch_size=4,

@@ -818,6 +818,14 @@ def test_sampling_correction_by_hand():
     torch.testing.assert_close(weights, torch.tensor([[0.6065] * 3, [0.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
         sampling_correction(old, sampled, mask, "tokens", cap=2.0)
+    # A lower bound c = 0.5 (TRL's clip_min): rho = 0.368 is raised to 0.5 when truncating, zeroed when masking; no
+    # upper bound (cap None) keeps 2.718.
+    weights, _ = sampling_correction(old, sampled, mask, "token_truncate", cap=None, floor=0.5)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.5, 1.0], [1.0, 2.7183, 1.0]]), atol=1e-4, rtol=0)
+    weights, _ = sampling_correction(old, sampled, mask, "token_mask", cap=2.0, floor=0.5)
+    torch.testing.assert_close(weights, torch.tensor([[1.6487, 0.0, 1.0], [1.0, 0.0, 1.0]]), atol=1e-4, rtol=0)
+    weights, _ = sampling_correction(old, sampled, mask, "sequence_mask", cap=None, floor=0.7)  # row 0: 0.607 < 0.7
+    torch.testing.assert_close(weights, torch.tensor([[0.0] * 3, [2.7183, 2.7183, 1.0]]), atol=1e-4, rtol=0)
 
 
 def test_accumulation_by_where_the_normaliser_is_taken():

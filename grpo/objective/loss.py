@@ -129,7 +129,8 @@ def sampling_correction(
     sampling_logps: torch.Tensor,
     mask: torch.Tensor,
     mode: str = "token_truncate",
-    cap: float = 2.0,
+    cap: float | None = 2.0,
+    floor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights that correct for sampling with an engine whose log-probs differ from the trainer's.
 
@@ -138,10 +139,13 @@ def sampling_correction(
     You Off-Policy RL Training") reweights each token's loss by the capped ratio:
 
         rho_it = exp(old_it - sampling_it)
-        w_it   = min(rho_it, C)                                  "token_truncate"
-        w_it   = rho_it if rho_it <= C else 0                     "token_mask"
+        w_it   = clamp(rho_it, c, C)                             "token_truncate"
+        w_it   = rho_it if c <= rho_it <= C else 0                "token_mask"
         rho_i  = exp( sum_t (old_it - sampling_it) m_it )        "sequence_*": the sequence's likelihood ratio,
-        w_i    = min(rho_i, C)  or  rho_i if rho_i <= C else 0    one weight for every token of the row
+        w_i    = clamp(rho_i, c, C)  or  rho_i if c <= rho_i <= C else 0        one weight for every token of the row
+
+    C = `cap` (TRL's `vllm_importance_sampling_clip_max`) and c = `floor` (`..._clip_min`); None leaves that side
+    unbounded.
 
     Shapes: old_logps, sampling_logps, mask (B, T). Returns (weights (B, T), stats) with the weights detached and 1 at
     masked positions. stats, over the loss tokens (rows without one count as empty): `logp_difference` (B, T) =
@@ -155,9 +159,10 @@ def sampling_correction(
         log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
     ratio = torch.exp(log_ratio)
     if mode.endswith("truncate"):
-        weights = torch.clamp(ratio, max=cap)
+        weights = ratio if cap is None and floor is None else torch.clamp(ratio, min=floor, max=cap)
     else:
-        weights = torch.where(ratio <= cap, ratio, 0.0)
+        inside = (ratio <= (torch.inf if cap is None else cap)) & (ratio >= (0.0 if floor is None else floor))
+        weights = torch.where(inside, ratio, 0.0)
     weights = torch.where(mask, weights.expand_as(mask), 1.0)
     difference = torch.where(mask, (old_logps - sampling_logps).abs(), 0.0).detach()
     return weights, {"logp_difference": difference, "ratio": ratio}

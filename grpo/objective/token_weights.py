@@ -55,7 +55,8 @@ def sampling_weights(logps: torch.Tensor, batch: MicroBatch, args) -> tuple[torc
         batch.sampling_logps,
         batch.loss_mask,
         mode=args.vllm_importance_sampling_mode,
-        cap=args.vllm_importance_sampling_cap,
+        cap=args.vllm_importance_sampling_clip_max,
+        floor=args.vllm_importance_sampling_clip_min,
     )
     return weights, sampling_summary(stats, batch.loss_mask)
 
