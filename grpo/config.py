@@ -288,8 +288,8 @@ class GRPOConfig(TrainingArguments):
         section=Section.DATA,
         range=Interval(1, why="completions per prompt in evaluation, or None for num_generations"),
         help="Completions sampled per prompt in evaluation (None = num_generations). Fewer save time; with 1, "
-        "eval_reward is the mean reward of one sample per prompt (the eval loss is then 0: a group of one has no "
-        "advantage). per_device_eval_batch_size x processes must be a multiple of it.",
+        "eval_reward is the mean reward of one sample per prompt (its advantages, and so the eval loss but for a "
+        "beta KL term, are 0: a group of one has no spread). per_device_eval_batch_size x processes must be a multiple of it.",
     )
     max_prompt_length: int | None = option(
         default=512,
