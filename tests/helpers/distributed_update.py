@@ -28,6 +28,12 @@ from tests.helpers.scripted import (
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
+
+def length_mod_3(completions):
+    """A second outcome reward for GDPO, ranking the completions otherwise than reward_len."""
+    return [float(len(c) % 3) for c in completions]
+
+
 # Settings whose result depends on more than one process's rows: the entropy threshold (over all processes), GSPO
 # with masked truncated rows, per-token advantages of process rewards (gathered step rewards), dynamic sampling
 # (groups chosen from all processes' rows, then redistributed) and async generation.
@@ -43,6 +49,18 @@ VARIANTS = {
     # Rounds made by a producer thread per process, rewards gathered when the trainer takes them; weights pushed
     # with every process's engine lock held.
     "async_generation": dict(loss_type="dapo", async_generation=True, max_staleness=0),
+    # The loss types with terms of their own (normalised over the step: cispo, vespo; over the micro-batch: sapo,
+    # luspo), and GDPO, whose per-function group statistics and batch normalisation need every process's rows.
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "gdpo": dict(
+        loss_type="dapo",
+        multi_objective_aggregation="normalize_then_sum",
+        reward_funcs=[reward_len, length_mod_3],
+        reward_weights=[1.0, 2.0],
+    ),
 }
 
 # "agent": multi-turn episodes with tools whose rows take one to three turns (tests/helpers/agents.py), so the two
