@@ -211,6 +211,23 @@ def test_head_fp32_refuses_an_adapter_on_the_head(tokenizer):
         completion_logprobs(model, *batch, head_fp32=True)
 
 
+def test_an_adapter_on_the_head_is_in_the_logprobs(tokenizer):
+    """LoRA on lm_head: its update lives in the wrapper's forward, not in `head.weight`. The chunked projection with
+    the head's weight alone missed it (log-probs of -5.6 against -6.7 on this model); the model's own logits count."""
+    peft = pytest.importorskip("peft", reason="the peft extra is not installed")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)  # B != 0: the adapter acts
+    model = peft.get_peft_model(tiny_model(tokenizer), config)
+    prompts, completions, batch = _batch()
+    logps, _ = completion_logprobs(model, *batch, temperature=0.7)
+    expected = _naive_model_logps(model, prompts, completions, 0.7)
+    for row, want in enumerate(expected):
+        assert_close_to_scale(logps[row, : len(want)], want)
+    with model.disable_adapter():  # the adapter-disabled reference: the base head again
+        base, _ = completion_logprobs(model, *batch, temperature=0.7)
+    assert (base - logps).abs().max() > 1e-2
+
+
 def test_chunked_logprobs_chunk_size_does_not_change_results():
     torch.manual_seed(1)
     hidden, weight = torch.randn(10, 8), torch.randn(50, 8)

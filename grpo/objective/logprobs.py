@@ -332,7 +332,7 @@ def completion_logprobs(
     FSDP2 the projection's weight is read after the forward: whole if its module keeps it gathered for the backward
     (the root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
-    there instead.
+    there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -355,7 +355,10 @@ def completion_logprobs(
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
-    if _is_sharded(head.weight) and not _is_dtensor(head.weight):
+    # A PEFT adapter on the head (target_modules with lm_head) lives in the wrapper's forward, not in `head.weight`:
+    # the model's own forward projects then, as for a ZeRO-3 partitioned head.
+    adapted_head = hasattr(head, "base_layer")
+    if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
         logps, entropy = _logprobs_from_full_logits(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
         )
@@ -446,7 +449,8 @@ def _decoder_hidden_states(model, prompt_ids, prompt_mask, completion_ids, compl
 def _logprobs_from_full_logits(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
 ):
-    """Fallback for a ZeRO-3 partitioned output projection: the model's forward builds the (B, T, V) logits."""
+    """Fallback for a ZeRO-3 partitioned output projection, or one a PEFT adapter wraps: the model's forward builds
+    the (B, T, V) logits."""
     logits = model(
         **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
         logits_to_keep=completion_ids.shape[1] + 1,
