@@ -162,7 +162,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
-            callbacks=callbacks,
+            callbacks=[*(callbacks or []), SignalWatch()] if args.learning_signal_warnings else callbacks,
             optimizers=optimizers,
         )
         if args.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
@@ -172,8 +172,6 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             memory.keep_freed_memory()
         self.gradient_guard = GradientGuard(self.accelerator, args.nonfinite, self.metric_windows["train"])
         self.add_callback(self.gradient_guard)
-        if args.learning_signal_warnings:  # one warning when the logged metrics show nothing can be learned
-            self.add_callback(SignalWatch())
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
         self._prepare_frozen_models()
