@@ -133,6 +133,45 @@ def test_local_files_with_column_mapping(tmp_path, suffix):
     assert {r["prompt"][1]["content"] for r in train}.isdisjoint({r["prompt"][1]["content"] for r in held_out})
 
 
+def test_worked_examples_sit_between_the_system_prompt_and_each_question(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Calculate {i} * 3.", "answer": str(3 * i)}) + "\n" for i in range(4))
+    )
+    examples = [
+        {"role": "user", "content": "Calculate 12 * 34."},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>',
+        },
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+    train, _ = load_prompt_datasets(DatasetSection(path=str(path), system_prompt="Use the tool.", examples=examples))
+    roles = [m["role"] for m in train[2]["prompt"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert train[2]["prompt"][1:5] == examples and train[2]["prompt"][5]["content"] == "Calculate 2 * 3."
+    # Without a system prompt the examples come first; `examples` alone implies chat.
+    train, _ = load_prompt_datasets(DatasetSection(path=str(path), examples=examples))
+    assert [m["role"] for m in train[0]["prompt"]] == ["user", "assistant", "tool", "assistant", "user"]
+
+
+@pytest.mark.parametrize(
+    "examples, message",
+    [
+        ([{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}], "the system prompt is"),
+        ([{"role": "user", "content": "Calculate 1 * 2."}], "ends with a user turn"),
+        ([{"role": "user", "content": 12}, {"role": "assistant", "content": "y"}], "content must be a string"),
+        (["Calculate 1 * 2."], "exactly the keys role and content"),
+    ],
+)
+def test_bad_worked_examples_are_named(tmp_path, examples, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": "a"}) + "\n")
+    with pytest.raises(RecipeError, match=message):
+        load_prompt_datasets(DatasetSection(path=str(path), examples=examples))
+
+
 def test_missing_prompt_column_is_explained(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")

@@ -60,7 +60,9 @@ def _shape(data, section: DatasetSection):
             f"The data has no 'prompt' column (columns: {data.column_names}). Name the prompt column with "
             "`dataset.prompt_column: <column>` or rename it with `dataset.columns: {<column>: prompt}`."
         )
-    template, system, chat = section.prompt_template, section.system_prompt, section.chat or section.system_prompt
+    template, system = section.prompt_template, section.system_prompt
+    chat = section.chat or section.system_prompt or section.examples
+    examples = _example_messages(section.examples)
 
     def shape(row):
         prompt = row["prompt"]
@@ -75,11 +77,37 @@ def _shape(data, section: DatasetSection):
             prompt = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
+        if examples:  # after a leading system message, before the conversation
+            head = 1 if prompt and prompt[0]["role"] == "system" else 0
+            prompt = prompt[:head] + examples + prompt[head:]
         return {"prompt": prompt}
 
     if template is not None or chat:
         data = data.map(shape)
     return data
+
+
+def _example_messages(examples: list) -> list[dict[str, str]]:
+    """The `dataset.examples` messages, checked: each a {role, content} mapping of a user, assistant or tool turn."""
+    checked = []
+    for index, message in enumerate(examples):
+        where = f"dataset.examples[{index}]"
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise RecipeError(f"{where} must be a mapping with exactly the keys role and content, got {message!r}.")
+        if message["role"] not in ("user", "assistant", "tool"):
+            raise RecipeError(
+                f"{where}.role is {message['role']!r}; worked examples are user, assistant or tool turns (the system "
+                "prompt is `dataset.system_prompt`)."
+            )
+        if not isinstance(message["content"], str):
+            raise RecipeError(f"{where}.content must be a string, got {message['content']!r}. Quote it in the YAML.")
+        checked.append({"role": message["role"], "content": message["content"]})
+    if checked and checked[-1]["role"] != "assistant":
+        raise RecipeError(
+            f"dataset.examples ends with a {checked[-1]['role']} turn, which the row's question would follow "
+            "unanswered. End the examples with the assistant's turn."
+        )
+    return checked
 
 
 def load_prompt_datasets(section: DatasetSection):

@@ -82,6 +82,9 @@ class DatasetSection:
     prompt_template: str | None = None  # e.g. "{prompt}\nAnswer with a number." (any column can be named)
     system_prompt: str | None = None
     chat: bool = False  # wrap string prompts as [{"role": "user", "content": ...}] (for chat models)
+    # Worked examples: chat messages ({role, content}; user, assistant and tool turns) put after the system prompt and
+    # before each row's question, so that the model sees whole example conversations (few-shot turns).
+    examples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # Held-out prompts for the evaluation: `eval_split` of the same source, or `eval_size` rows kept apart.
     eval_split: str | None = None
     eval_size: int = 0
