@@ -355,9 +355,7 @@ def completion_logprobs(
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
-    # A PEFT adapter on the head (target_modules with lm_head) lives in the wrapper's forward, not in `head.weight`:
-    # the model's own forward projects then, as for a ZeRO-3 partitioned head.
-    adapted_head = hasattr(head, "base_layer")
+    adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
         logps, entropy = _logprobs_from_full_logits(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
