@@ -109,6 +109,23 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.delenv("GRPO_VLLM_API_KEY", raising=False)
 
 
+def test_a_server_that_dies_mid_run_is_named_as_gone_not_as_never_reached():
+    """It used to say "No vLLM server answered ... within 0 s" after the run had talked to it for hours."""
+    with stand_in_server() as (url, _):
+        client = VLLMClient(url, timeout=5)
+        client.wait_until_ready()
+    # The stand-in is shut down: the port now refuses, as after the server's process died.
+    with pytest.raises(VLLMServerError) as caught:
+        client.request("/close_communicator", {}, retry=False)
+    message = str(caught.value)
+    assert message.startswith(f"The vLLM server at {url} stopped answering during /close_communicator (")
+    assert "has most likely died" in message and "resume" in message and "within 0 s" not in message
+    # A server never reached is still told apart: start one.
+    fresh = VLLMClient(url, timeout=0.5)
+    with pytest.raises(VLLMServerError, match="No vLLM server answered at .* Start one with `grpo vllm-serve"):
+        fresh.request("/close_communicator", {}, retry=False)
+
+
 def test_the_client_sends_the_api_key_as_a_bearer_header(monkeypatch):
     monkeypatch.setenv("GRPO_VLLM_API_KEY", "key-from-env")
     with stand_in_server() as (url, seen):

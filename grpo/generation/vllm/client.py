@@ -115,6 +115,14 @@ class VLLMClient:
             f"vllm_server_host and vllm_server_port; vllm_server_timeout sets how long to wait."
         )
 
+    def _gone(self, path: str, error: Exception) -> VLLMServerError:
+        """A server that answered before (its /health is known) and now refuses or drops the connection."""
+        return VLLMServerError(
+            f"The vLLM server at {self.base_url} stopped answering during {path} ({error}); it answered before, so it "
+            "has most likely died: its log says why. Restart it with `grpo vllm-serve` (docs/vllm.md) and resume "
+            "the run from its newest checkpoint (resume_from_checkpoint=True)."
+        )
+
     def _silent(self, path: str, waited: float, setting: str) -> VLLMServerError:
         return VLLMServerError(
             f"The vLLM server at {self.base_url} accepted the connection but did not answer {path} within "
@@ -187,6 +195,8 @@ class VLLMClient:
                 if not retry or waited >= self.timeout:
                     if silent:
                         raise self._silent(path, waited, "vllm_server_timeout") from None
+                    if self.info is not None and not waiting:
+                        raise self._gone(path, getattr(e, "reason", e)) from None
                     raise self._unreachable(waited, getattr(e, "reason", e)) from None
                 if waiting and time.monotonic() - said >= self.progress_every:
                     said = time.monotonic()
