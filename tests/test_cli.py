@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,9 @@ def test_grpo_train_tiny_recipe_then_plot(tmp_path, tiny_model_path):
     assert [h["step"] for h in state["log_history"] if "eval_greedy_accuracy" in h] == [0, 2]
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records} == {1, 2} and set(records[0]["rewards"]) == {"accuracy", "has_digit"}
+    # Every line names the train() call that wrote it (a resumed run's lines are told apart from the killed run's).
+    assert len({r["run"] for r in records}) == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", records[0]["run"])
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert list((out / "runs").rglob("events.out.tfevents.*"))  # report_to: [tensorboard]
 

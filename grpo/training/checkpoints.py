@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -344,6 +345,8 @@ class ResumableTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         lock = RunLock(self.args.output_dir)
         self._on_main_process(lock.acquire)  # a second run into this output_dir stops here
+        # Marks this call's lines in completions.jsonl apart from an earlier call's (a resume appends to the file).
+        self.run_started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, check=False)
             if checkpoint is None:

@@ -197,11 +197,13 @@ def sample_records(prompts: list, completions: list, rewards: torch.Tensor, adva
     ]
 
 
-def report_samples(samples: list[dict], reward_names: list[str], path: str, step: int, max_rows: int | None) -> None:
+def report_samples(
+    samples: list[dict], reward_names: list[str], path: str, step: int, max_rows: int | None, run: str | None = None
+) -> None:
     """`log_completions`: print a table of a round's completions and append them all to `path` (JSON lines). The
     table starts on a line of its own: the progress bar holds the current one."""
     print("\n" + format_completions(samples, reward_names, max_rows), flush=True)
-    write_completions(path, step, samples, reward_names)
+    write_completions(path, step, samples, reward_names, run)
 
 
 def printable(text) -> str:
@@ -233,15 +235,19 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     return "\n".join(lines)
 
 
-def write_completions(path: str, step: int, samples: list[dict], reward_names: list[str]) -> None:
+def write_completions(
+    path: str, step: int, samples: list[dict], reward_names: list[str], run: str | None = None
+) -> None:
     """Append every sample of a logged round to a JSON-lines file: one object per completion with the step, the
-    prompt, the completion, each reward by name (None where a function gave none) and the advantage."""
+    prompt, the completion, each reward by name (None where a function gave none), the advantage and `run`, the
+    UTC start of the `train()` call that wrote it (a resumed run's lines are told apart from the killed run's)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         for s in samples:
             rewards = {name: (None if math.isnan(r) else r) for name, r in zip(reward_names, s["rewards"])}
             record = {"step": step, "prompt": s["prompt"], "completion": s["completion"], "rewards": rewards}
             record["advantage"] = None if math.isnan(s["advantage"]) else s["advantage"]
+            record["run"] = run
             f.write(json.dumps(record) + "\n")
 
 

@@ -491,5 +491,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             path, step = os.path.join(self.args.output_dir, "completions.jsonl"), self.state.global_step
-            metrics.report_samples(self._samples, self.reward_names, path, step, self.args.num_completions_to_print)
+            shown = self.args.num_completions_to_print
+            metrics.report_samples(
+                self._samples, self.reward_names, path, step, shown, getattr(self, "run_started", None)
+            )
             self._samples = []
