@@ -20,6 +20,7 @@ from grpo.cli.recipe import (
     resolve_reward,
     resolve_tool,
 )
+from grpo.data import InputError
 from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.testing import tiny_tokenizer
 from tests.helpers.scripted import TINY
@@ -131,6 +132,23 @@ def test_local_files_with_column_mapping(tmp_path, suffix):
     number = int(row["prompt"][1]["content"].split()[2])
     assert str(row["answer"]) == str(number + 1)  # the mapping kept each row's answer with its prompt
     assert {r["prompt"][1]["content"] for r in train}.isdisjoint({r["prompt"][1]["content"] for r in held_out})
+
+
+def test_a_reward_module_of_the_same_name_in_another_folder_is_imported_afresh(tmp_path):
+    """Two runs in one process, from two folders, each with its own agent_rewards_twin.py: the second gets its own
+    file, not the module the first imported (and a syntax error in it is reported, not hidden by the cache)."""
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "agent_rewards_twin.py").write_text(
+            f"def score(completions, **kwargs):\n    return [{value}] * len(completions)\n"
+        )
+    first = resolve_reward(RewardSpec("agent_rewards_twin:score"), [tmp_path / "a"])
+    second = resolve_reward(RewardSpec("agent_rewards_twin:score"), [tmp_path / "b"])
+    assert (first(["x"]), second(["x"])) == ([1.0], [2.0])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "agent_rewards_twin.py").write_text("def score(:\n")
+    with pytest.raises(InputError, match="has a syntax error"):
+        resolve_reward(RewardSpec("agent_rewards_twin:score"), [tmp_path / "c"])
 
 
 def test_worked_examples_sit_between_the_system_prompt_and_each_question(tmp_path):

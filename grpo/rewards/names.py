@@ -116,9 +116,11 @@ def import_from_folders(module_name: str, search_dirs: Sequence[Path] = (), what
     `InputError` that starts with `what` (e.g. "Reward 'my_rewards:short'") and says which of these it is: the module
     is not found, a module it imports is missing (install it), it has a syntax error (file and line), or its own code
     raised while it was imported."""
-    for folder in [Path.cwd(), *search_dirs]:
+    folders = [Path.cwd(), *search_dirs]
+    for folder in folders:
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
+    _forget_if_from_elsewhere(module_name, folders)
     what = what or f"Module '{module_name}'"
     try:
         return importlib.import_module(module_name)
@@ -143,6 +145,24 @@ def import_from_folders(module_name: str, search_dirs: Sequence[Path] = (), what
             f"{what}: importing module '{module_name}' raised {type(e).__name__}: {e}{frame}. Fix the module's "
             "top-level code (it runs when the module is imported)."
         ) from e
+
+
+def _forget_if_from_elsewhere(module_name: str, folders: Sequence[Path]) -> None:
+    """A module of this name imported earlier in the process from another place (a second run in one process, from
+    another folder, whose `my_rewards.py` is another file) would be reused as is: forget it, so that the file in
+    these folders is imported."""
+    cached = sys.modules.get(module_name)
+    if cached is None or "." in module_name or not getattr(cached, "__file__", None):
+        return
+    here = [
+        path
+        for folder in folders
+        for path in (Path(folder) / f"{module_name}.py", Path(folder) / module_name / "__init__.py")
+        if path.is_file()
+    ]
+    if here and Path(cached.__file__).resolve() not in {path.resolve() for path in here}:
+        del sys.modules[module_name]
+        importlib.invalidate_caches()  # a file written since the folder was last listed is found
 
 
 def _last_frame_in(error: BaseException, module_name: str) -> str:
