@@ -85,6 +85,6 @@ def test_trim_drops_columns_that_are_padding_in_every_row():
 def test_gather_on_one_process_keeps_every_row_and_local_slice_finds_them():
     r = _rollout()
     r.rewards_per_func = torch.tensor([[1.0], [0.0], [math.nan], [2.0]])
-    gathered = r.gather(Accelerator(cpu=True), PAD)
+    gathered = r.gather(Accelerator(), PAD)
     assert gathered.prompts == r.prompts and torch.equal(gathered.completion_ids, r.completion_ids)
     assert r.local_slice(0) == slice(0, 4) and r.local_slice(1) == slice(4, 8)

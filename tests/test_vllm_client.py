@@ -283,7 +283,7 @@ def test_the_config_passes_the_request_timeout_to_the_client(monkeypatch):
 
     args = GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_request_timeout=7.5, report_to=[])
     monkeypatch.setattr(server_backend, "VLLMGeneration", lambda accelerator, client, **kwargs: client)
-    client = make_generation_backend(args, Accelerator(cpu=True), pad_token_id=0, eos_token_ids=[1])
+    client = make_generation_backend(args, Accelerator(), pad_token_id=0, eos_token_ids=[1])
     assert client.request_timeout == 7.5 and client.timeout == args.vllm_server_timeout
 
 
@@ -311,7 +311,7 @@ class _RecordingClient:
 
 def _backend(client, G=3):
     return VLLMGeneration(
-        Accelerator(cpu=True),
+        Accelerator(),
         client=client,
         num_generations=G,
         max_completion_length=8,

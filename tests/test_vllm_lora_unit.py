@@ -139,7 +139,7 @@ class _SyncClient:
 
 def _backend(client):
     return VLLMGeneration(
-        Accelerator(cpu=True),
+        Accelerator(),
         client=client,
         num_generations=2,
         max_completion_length=8,

@@ -76,6 +76,13 @@ def keys_help(width: int = 100) -> str:
 
 
 def _version(package: str) -> str:
+    if package == "torch":  # the module's own version names its build (2.11.0+cu130); the wheel's metadata may not
+        try:
+            import torch
+
+            return torch.__version__
+        except ImportError:
+            return "not installed"
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

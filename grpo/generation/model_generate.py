@@ -178,8 +178,9 @@ def shared_prompt_cache(
     if cache.get_seq_length() != ids.shape[1]:
         return None
     if len(firsts) < input_ids.shape[0]:
-        repeat = torch.repeat_interleave(torch.arange(len(firsts), device=input_ids.device), torch.tensor(counts))
-        cache.batch_select_indices(repeat.to(input_ids.device))  # (U, ...) -> (B, ...), run by run
+        runs = torch.arange(len(firsts), device=input_ids.device)
+        repeat = torch.repeat_interleave(runs, torch.tensor(counts, device=input_ids.device))
+        cache.batch_select_indices(repeat)  # (U, ...) -> (B, ...), run by run
     return cache
 
 
