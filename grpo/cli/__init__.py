@@ -173,7 +173,7 @@ def _quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _tokenizer(model, tools: list):
+def _tokenizer(model, tools: list, args):
     """The policy's tokenizer with the recipe's `model.chat_template`, checked to render the tools before any weight
     loads; None (the trainer loads it) when the recipe sets no template and names no tools."""
     template = model.chat_template_text()
@@ -186,11 +186,11 @@ def _tokenizer(model, tools: list):
     from grpo.models import SMOLLM2_NAME, smollm2_path
 
     path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if template is not None:
         tokenizer.chat_template = template
     try:
-        check_template_renders_tools(tokenizer, Toolbox(tools).schemas())
+        check_template_renders_tools(tokenizer, Toolbox(tools).schemas(), args.chat_template_kwargs)
     except InputError as e:
         raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
     return tokenizer
@@ -208,7 +208,7 @@ def _build_trainer(plan):
             args=plan.args,
             train_dataset=plan.train_data,
             eval_dataset=plan.held_out,
-            processing_class=_tokenizer(recipe.model, plan.tools),
+            processing_class=_tokenizer(recipe.model, plan.tools, plan.args),
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
         )

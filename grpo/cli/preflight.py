@@ -288,7 +288,7 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
             "where there is network (it is then cached), or give a local .jsonl/.json/.csv/.parquet file."
         ) from e
     search = [recipe.source.parent.resolve()] if recipe.source else []
-    reward_funcs = [resolve_reward(spec, search) for spec in recipe.rewards]
+    reward_funcs = [resolve_reward(spec, search, args.trust_remote_code) for spec in recipe.rewards]
     for spec in recipe.rewards:
         if isinstance(spec.name, str) and ":" not in spec.name and "/" in spec.name:
             check_model_source(spec.name, what="reward model")

@@ -181,7 +181,6 @@ TRL_KEYS = {
     "torch_dtype": "model_init_kwargs: {dtype: ...}",
     "dtype": "model_init_kwargs: {dtype: ...}",
     "attn_implementation": "model_init_kwargs: {attn_implementation: ...}",
-    "trust_remote_code": "model_init_kwargs: {trust_remote_code: true}",
     "dataset_name": "dataset.path",
     "dataset_config": "dataset.name",
     "dataset_train_split": "dataset.split",
@@ -528,11 +527,13 @@ def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable
     return func
 
 
-def resolve_reward(spec: RewardSpec, search_dirs: typing.Sequence[Path] = ()) -> Callable:
+def resolve_reward(
+    spec: RewardSpec, search_dirs: typing.Sequence[Path] = (), trust_remote_code: bool = False
+) -> Callable:
     """The reward of a recipe entry, resolved as in Python (`grpo.rewards.names.resolve_reward_name`), with `search_dirs`
     (the recipe's folder) on the import path for `module:function`."""
     try:
-        return resolve_reward_name(spec.name, spec.kwargs, search_dirs)
+        return resolve_reward_name(spec.name, spec.kwargs, search_dirs, trust_remote_code)
     except RecipeError:
         raise
     except InputError as e:

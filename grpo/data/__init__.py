@@ -51,9 +51,11 @@ def completion_text(completion: str | dict | list) -> str:
     return completion["content"] if isinstance(completion, dict) else completion
 
 
-def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+def render_prompt(
+    prompt: str | list[dict], tokenizer, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+) -> str:
     """The text the model is conditioned on: the prompt itself, or its messages through the chat template (with the
-    JSON schemas of `tools`, for multi-turn episodes)."""
+    JSON schemas of `tools`, for multi-turn episodes, and the template variables `chat_template_kwargs`)."""
     if isinstance(prompt, str):
         return prompt
     if not is_conversational(prompt):
@@ -68,7 +70,12 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None 
         )
     prefill = prompt[-1]["role"] == "assistant"
     return tokenizer.apply_chat_template(
-        prompt, tools=tools, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
+        prompt,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        **(chat_template_kwargs or {}),
     )
 
 
@@ -98,7 +105,13 @@ def cut_prompt(ids: list[int], max_length: int, side: str, head: int = 0) -> lis
     return list(ids[:head]) + list(ids[len(ids) - (max_length - head) :])
 
 
-def system_head(prompt: str | list[dict], text: str, tokenizer, tools: list[dict] | None = None) -> str:
+def system_head(
+    prompt: str | list[dict],
+    text: str,
+    tokenizer,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> str:
     """The start of `text` (the rendered `prompt`) that its leading system message makes up, with the tools' schemas
     where the template renders them there (a system turn of their own when the prompt has no system message), up to
     the next message's content; "" for a string prompt, a prompt with no such turn, or a template that renders the
@@ -111,7 +124,9 @@ def system_head(prompt: str | list[dict], text: str, tokenizer, tools: list[dict
         return ""
     try:
         a, b = (
-            tokenizer.apply_chat_template(lead + [{"role": "user", "content": c}], tools=tools, tokenize=False)
+            tokenizer.apply_chat_template(
+                lead + [{"role": "user", "content": c}], tools=tools, tokenize=False, **(chat_template_kwargs or {})
+            )
             for c in ("a", "b")
         )
     except Exception:  # a template that cannot render that turn with a user message after it: no head to keep
@@ -126,17 +141,18 @@ def encode_prompts(
     max_prompt_length: int | None,
     side: str = "left",
     tools: Sequence[list[dict] | None] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
     """Render and tokenize `prompts` (`render_prompt`, `tokenize_prompts`; `tools`: each row's tool schemas, for
-    episodes), and which of them were cut. A prompt longer than `max_prompt_length` cut on the left keeps its leading
+    episodes; `chat_template_kwargs`: the template's variables), and which of them were cut. A prompt longer than `max_prompt_length` cut on the left keeps its leading
     system message (and the tools' schemas the template renders with it): that turn and the rest are then tokenized
     apart, and the cut falls right after the turn (`cut_prompt`)."""
     tools = [None] * len(prompts) if tools is None else list(tools)
-    texts = [render_prompt(p, tokenizer, t) for p, t in zip(prompts, tools)]
+    texts = [render_prompt(p, tokenizer, t, chat_template_kwargs) for p, t in zip(prompts, tools)]
     ids = tokenize_prompts(texts, tokenizer, None)
     cut = [max_prompt_length is not None and len(seq) > max_prompt_length for seq in ids]
     for i in (i for i, long in enumerate(cut) if long):
-        head = system_head(prompts[i], texts[i], tokenizer, tools[i]) if side == "left" else ""
+        head = system_head(prompts[i], texts[i], tokenizer, tools[i], chat_template_kwargs) if side == "left" else ""
         if head:
             head_ids, rest = tokenizer([head, texts[i][len(head) :]], add_special_tokens=False)["input_ids"]
             ids[i] = cut_prompt(head_ids + rest, max_prompt_length, side, head=len(head_ids))
@@ -145,9 +161,12 @@ def encode_prompts(
     return ids, cut
 
 
-def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ragged sequences into (ids, mask) of shape (B, max_len), padding on the `side` ("left" or "right")."""
-    width = max((len(s) for s in sequences), default=0)
+def pad(
+    sequences: Sequence[Sequence[int]], pad_value: int, side: str, width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged sequences into (ids, mask) of shape (B, max(max_len, width)), padding on the `side` ("left" or
+    "right")."""
+    width = max(max((len(s) for s in sequences), default=0), width)
     ids = torch.full((len(sequences), width), pad_value, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
@@ -157,6 +176,11 @@ def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str) -> tuple[
         ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long)
         mask[i, cols] = 1
     return ids, mask
+
+
+def round_up(width: int, multiple_of: int | None) -> int:
+    """`width` rounded up to a multiple of `multiple_of` (`GRPOConfig.pad_to_multiple_of`); None leaves it."""
+    return width if not multiple_of else -(-width // multiple_of) * multiple_of
 
 
 def content_widths(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[int, int]:
@@ -321,7 +345,8 @@ def check_prompt_lengths(
     for name, dataset in _each_dataset({"train_dataset": train_dataset, "eval_dataset": eval_dataset}):
         first, full, count = None, None, 0
         for start, prompts in _prompt_batches(dataset, batch_size):
-            ids = tokenize_prompts([render_prompt(p, tokenizer) for p in prompts], tokenizer, max_prompt_length)
+            texts = [render_prompt(p, tokenizer, chat_template_kwargs=args.chat_template_kwargs) for p in prompts]
+            ids = tokenize_prompts(texts, tokenizer, max_prompt_length)
             for i, seq in enumerate(ids, start):
                 if len(seq) >= context:
                     full = (full[0], full[1], full[2] + 1) if full else (i, len(seq), 1)

@@ -155,7 +155,13 @@ class OfflineGroups(torch.utils.data.Dataset):
         rows = [row for group in groups for row in group["rows"]]
         prompts = [group["prompt"] for group in groups for _ in group["rows"]]
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_token_ids[0]
-        prompt_ids, prompt_cut = encode_prompts(prompts, tokenizer, args.max_prompt_length, args.truncation_side)
+        prompt_ids, prompt_cut = encode_prompts(
+            prompts,
+            tokenizer,
+            args.max_prompt_length,
+            args.truncation_side,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
         texts = [continuation(p, completion_text(row[self.completion])) for p, row in zip(prompts, rows)]
         completion_ids, truncated = [], []
         for ids, row in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], rows):

@@ -59,6 +59,8 @@ def make_generation_backend(
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
+            cache_implementation=args.cache_implementation,
+            pad_to_multiple_of=args.pad_to_multiple_of,
             cpu_decode_kernel=args.cpu_decode_kernel,
             cpu_inverse_cdf_sampling=args.cpu_inverse_cdf_sampling,
             rng=rng,
@@ -73,6 +75,7 @@ def make_generation_backend(
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
+            engine_kwargs={"trust_remote_code": args.trust_remote_code},
             rng=rng,
             **sampling,
         )
@@ -121,7 +124,13 @@ def sample_rollout(
         raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
     prompts = [example["prompt"] for example in inputs]
     columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
-    prompt_ids, prompt_cut = encode_prompts(prompts, tokenizer, args.max_prompt_length, args.truncation_side)
+    prompt_ids, prompt_cut = encode_prompts(
+        prompts,
+        tokenizer,
+        args.max_prompt_length,
+        args.truncation_side,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
     raw = backend.generate(model, prompt_ids)
     completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
     sampling_logps = None

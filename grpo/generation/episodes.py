@@ -86,11 +86,11 @@ class ToolTurnTokens:
     messages and the next generation prompt. Rendered on a fixed stand-in conversation (a user message and an empty
     assistant turn), cut after the assistant turn's EOS, so the ids do not depend on what the policy wrote."""
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], chat_template_kwargs: dict | None = None):
+        self.tokenizer, self.template_kwargs = tokenizer, chat_template_kwargs or {}
         self.eos_texts = [tokenizer.convert_ids_to_tokens(int(i)) for i in eos_token_ids]
         self.stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ""}]
-        before = tokenizer.apply_chat_template(self.stand_in, tokenize=False)
+        before = tokenizer.apply_chat_template(self.stand_in, tokenize=False, **self.template_kwargs)
         ends = [before.rfind(text) + len(text) for text in self.eos_texts if text and text in before]
         if not ends:
             raise InputError(
@@ -102,7 +102,7 @@ class ToolTurnTokens:
 
     def __call__(self, tool_messages: list[dict]) -> list[int]:
         after = self.tokenizer.apply_chat_template(
-            self.stand_in + tool_messages, tokenize=False, add_generation_prompt=True
+            self.stand_in + tool_messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
         )
         if not after.startswith(self.before):
             raise InputError(
@@ -123,8 +123,8 @@ class AgentLoop:
         self.executor = ToolExecutor(
             timeout=args.tool_timeout, errors=args.tool_errors, max_workers=args.tool_num_workers
         )
-        self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids)
-        check_template_renders_tools(tokenizer, toolbox.schemas())
+        self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids, args.chat_template_kwargs)
+        check_template_renders_tools(tokenizer, toolbox.schemas(), args.chat_template_kwargs)
         if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt"), str):
             raise InputError(_STRING_PROMPT.format(prompt=dataset[0]["prompt"][:60]))
 
@@ -173,7 +173,12 @@ class AgentLoop:
         tools = [[t.schema for t in e.tools.values()] for e in episodes]
         args = self.args
         prompt_ids, cut = encode_prompts(
-            [e.prompt for e in episodes], self.tokenizer, args.max_prompt_length, args.truncation_side, tools
+            [e.prompt for e in episodes],
+            self.tokenizer,
+            args.max_prompt_length,
+            args.truncation_side,
+            tools,
+            args.chat_template_kwargs,
         )
         return [EpisodeState(e, ids, prompt_cut=c) for e, ids, c in zip(episodes, prompt_ids, cut)]
 
@@ -271,14 +276,16 @@ def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
     }
 
 
-def check_template_renders_tools(tokenizer, schemas: list[dict]) -> None:
+def check_template_renders_tools(tokenizer, schemas: list[dict], chat_template_kwargs: dict | None = None) -> None:
     """Refuse a chat template that drops the tools (many do, SmolLM2-Instruct's among them): the model would never
     learn what it may call. Checked once, when the trainer is built."""
     if not schemas:
         return
     if getattr(tokenizer, "chat_template", None) is None:
         raise InputError("Tools need a tokenizer with a chat template that renders them; this tokenizer has none.")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=schemas, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}], tools=schemas, tokenize=False, **(chat_template_kwargs or {})
+    )
     missing = [s["function"]["name"] for s in schemas if s["function"]["name"] not in text]
     if missing:
         raise InputError(

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
-from grpo.data import pad
+from grpo.data import pad, round_up
 from grpo.generation.base import Completions, SamplingRNG, cut_at_eos, equal_runs
 
 
@@ -42,12 +42,16 @@ class TransformersGeneration:
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         generation_kwargs: dict | None = None,
+        cache_implementation: str | None = None,
+        pad_to_multiple_of: int | None = None,
         greedy: bool = False,
         cpu_decode_kernel: bool = False,
         cpu_inverse_cdf_sampling: bool = False,
         rng: SamplingRNG | None = None,
     ):
         self.pad_token_id = pad_token_id
+        # Inputs padded to a multiple of this width (None: the longest row), for compilers that see each shape anew.
+        self.pad_to_multiple_of = pad_to_multiple_of
         # The trainer's sampling stream (base.py): `generate` draws from it, not from what user code can reseed.
         # None (a sampler used on its own): torch's default generators.
         self.rng = rng
@@ -60,6 +64,7 @@ class TransformersGeneration:
             "pad_token_id": pad_token_id,
             "eos_token_id": list(eos_token_ids),
             "use_cache": True,
+            "cache_implementation": cache_implementation,  # None: the model's default (dynamic) cache
         }
         if not greedy:  # with `greedy` (evaluation samples) every sampling setting is ignored
             settings |= {
@@ -90,7 +95,8 @@ class TransformersGeneration:
 
     def _left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(model.parameters()).device
-        input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left")
+        width = round_up(max(map(len, prompt_ids), default=0), self.pad_to_multiple_of)
+        input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left", width=width)
         return input_ids.to(device), attention_mask.to(device)
 
     def _run(
@@ -272,7 +278,9 @@ class CarriedTurns:
         ids, mask = self.ids[index], self.mask[index]  # (R, T)
         keep = torch.tensor(kept, device=device)[:, None]
         mask = mask * (mask.cumsum(1) <= keep)  # only suffixes go: after the EOS, or what the context cut
-        chunk_ids, chunk_mask = pad(chunks, self.sampler.pad_token_id, side="left")  # (R, W)
+        # (R, W), W such that the whole input's width T + W is a multiple of pad_to_multiple_of when it is set
+        width = round_up(ids.shape[1] + max(map(len, chunks)), self.sampler.pad_to_multiple_of) - ids.shape[1]
+        chunk_ids, chunk_mask = pad(chunks, self.sampler.pad_token_id, side="left", width=width)
         self.cache.batch_select_indices(index)
         input_ids = torch.cat([ids, chunk_ids.to(device)], dim=1)
         attention_mask = torch.cat([mask, chunk_mask.to(device)], dim=1)

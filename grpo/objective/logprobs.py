@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from grpo.data import content_widths
+from grpo.data import content_widths, round_up
 from grpo.models import unwrap_parallel
 from grpo.objective.shared_prompt import shared_prompt_hidden_states
 
@@ -232,6 +232,7 @@ def logprob_settings(args) -> dict:
         "temperature": args.temperature,
         "chunk_size": args.logprobs_chunk_size,
         "head_fp32": args.cast_lm_head_to_fp32,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
     }
 
 
@@ -315,6 +316,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     padding_free: bool = False,
     head_fp32: bool = False,
+    pad_to_multiple_of: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
@@ -328,7 +330,9 @@ def completion_logprobs(
     2. The final hidden states of the positions that predict completion tokens, and only those, go through
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
-    the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`). Under
+    the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`);
+    `pad_to_multiple_of` pads the prompt and completion widths the forward sees to multiples of it (masked columns,
+    so the values do not change; with `padding_free` the packed row is not padded). Under
     FSDP2 the projection's weight is read after the forward: whole if its module keeps it gathered for the backward
     (the root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
@@ -337,7 +341,7 @@ def completion_logprobs(
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
-        settings.update(padding_free=padding_free, head_fp32=head_fp32)
+        settings.update(padding_free=padding_free, head_fp32=head_fp32, pad_to_multiple_of=pad_to_multiple_of)
         chunks = [
             completion_logprobs(model, *(x[i : i + batch_size] for x in tensors), **settings)
             for i in range(0, prompt_ids.shape[0], batch_size)
@@ -351,6 +355,11 @@ def completion_logprobs(
     prompt_width, completion_width = content_widths(prompt_mask, completion_mask)
     prompt_ids, prompt_mask = prompt_ids[:, -prompt_width:], prompt_mask[:, -prompt_width:]
     completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
+    if pad_to_multiple_of and not padding_free:  # widths a compiler has seen before: masked columns added back
+        left = round_up(prompt_width, pad_to_multiple_of) - prompt_width
+        right = round_up(completion_width, pad_to_multiple_of) - completion_width
+        prompt_ids, prompt_mask = (nn.functional.pad(x, (left, 0)) for x in (prompt_ids, prompt_mask))
+        completion_ids, completion_mask = (nn.functional.pad(x, (0, right)) for x in (completion_ids, completion_mask))
 
     head, scale, softcap = output_projection(model)
     if head_fp32:
@@ -379,6 +388,7 @@ def completion_logprobs(
             head_fp32=head_fp32,
         )
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
+    logps, entropy = logps[:, :completion_width], entropy[:, :completion_width] if with_entropy else None
     widen = (0, num_completion - completion_width)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
 

@@ -72,7 +72,7 @@ def make_reference(model: nn.Module, args, source: str | nn.Module | None = None
             "Use ZeRO-2, or a fixed reference."
         )
     else:
-        reference = frozen(load_causal_lm(source, args.model_init_kwargs))
+        reference = frozen(load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code))
     return reference, moves
 
 

@@ -194,20 +194,21 @@ def _dotted_function(name: str, search_dirs: Sequence[Path] = ()) -> str | None:
 
 
 def resolve_reward_name(
-    name: str, kwargs: dict | None = None, search_dirs: Sequence = ()
+    name: str, kwargs: dict | None = None, search_dirs: Sequence = (), trust_remote_code: bool = False
 ) -> Callable | PreTrainedModel:
     """The reward a string names (see `reward_kind`), the one resolver behind both `GRPOTrainer(reward_funcs="...")`
     and recipes. `module:function` is imported with the working directory and `search_dirs` on the import path; a
-    factory (built-in or imported) is called with `kwargs` when they are given."""
+    factory (built-in or imported) is called with `kwargs` when they are given; a reward model's own code runs only
+    with `trust_remote_code`."""
     kind = reward_kind(name, search_dirs)
     kwargs = kwargs or {}
     if kind in ("path", "hub"):
         if kwargs:
             raise InputError(f"Reward model {name!r} takes no settings; remove its `kwargs`.")
         if kind == "path":
-            return load_reward_model(str(Path(name).expanduser()))
+            return load_reward_model(str(Path(name).expanduser()), trust_remote_code)
         try:
-            return load_reward_model(name)
+            return load_reward_model(name, trust_remote_code)
         except InputError:
             raise
         except Exception as e:
@@ -284,12 +285,16 @@ def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weig
     return reward_funcs, given
 
 
-def load_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+def load_reward_funcs(
+    reward_funcs, reward_processing_classes=None, reward_weights=None, trust_remote_code: bool = False
+) -> tuple[list, list]:
     """Check the rewards given to the trainer (`check_reward_funcs`), then load the reward models named by path or
     hub id (`resolve_reward_name`) and the tokenizers of reward models given without one. Returns (reward functions
     and models, tokenizers aligned with them)."""
     reward_funcs, given = check_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
-    reward_funcs = [resolve_reward_name(f) if isinstance(f, str) else f for f in reward_funcs]
+    reward_funcs = [
+        resolve_reward_name(f, trust_remote_code=trust_remote_code) if isinstance(f, str) else f for f in reward_funcs
+    ]
     tokenizers = []
     for func, tokenizer in zip(reward_funcs, given):
         if isinstance(func, PreTrainedModel) and tokenizer is None:
@@ -299,7 +304,7 @@ def load_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weigh
                     f"Reward model '{reward_name(func)}' was built in code and has no path to load a tokenizer "
                     "from; pass its tokenizer in `reward_processing_classes`."
                 )
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if tokenizer is not None and tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         if isinstance(func, PreTrainedModel) and func.config.pad_token_id is None:

@@ -62,14 +62,22 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
 
 @torch.no_grad()
 def score_with_model(
-    model: PreTrainedModel, tokenizer, prompts: Sequence, completions: Sequence, batch_size: int | None = None
+    model: PreTrainedModel,
+    tokenizer,
+    prompts: Sequence,
+    completions: Sequence,
+    batch_size: int | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[float]:
     """Scalar score of each (prompt, completion) pair from a one-label sequence-classification model, computed in
-    chunks of `batch_size` rows (all at once when None)."""
+    chunks of `batch_size` rows (all at once when None); conversations rendered with the reward model's chat
+    template and `chat_template_kwargs`."""
     if is_conversational(prompts[0]):
         # A prompt ending in an assistant message (prefill) is continued: that text already starts the completion.
         texts = [
-            tokenizer.apply_chat_template((p[:-1] if p[-1]["role"] == "assistant" else p) + c, tokenize=False)
+            tokenizer.apply_chat_template(
+                (p[:-1] if p[-1]["role"] == "assistant" else p) + c, tokenize=False, **(chat_template_kwargs or {})
+            )
             for p, c in zip(prompts, completions)
         ]
     else:
@@ -122,12 +130,14 @@ def score_rewards(
     num_workers: int = 0,
     worker_type: str = "thread",
     model_batch_size: int | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> RewardScores:
     """Score every row under every outcome function or reward model (`outcome_tokenizers`: the reward models'
     tokenizers, aligned) and every process function, all called the same way (see grpo/rewards/runner.py for
     `errors`, `timeout`, `num_workers` and `worker_type`). Returns the (B, K_outcome) rewards, the
     (B, K_process, width) step rewards (`tokenizer`: the policy's, which maps `char_ends` to tokens; `width`: the
-    longest completion when None), the failed rows per function (outcome functions first) and the time taken."""
+    longest completion when None), the failed rows per function (outcome functions first) and the time taken.
+    Reward models render conversations with `chat_template_kwargs`."""
     if errors not in REWARD_ERRORS:
         raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
     if worker_type not in REWARD_WORKER_TYPES:
@@ -151,7 +161,9 @@ def score_rewards(
     rewards = torch.full((num_rows, len(outcome_funcs)), math.nan)  # (B, K_outcome)
     for k, (func, reward_tokenizer) in enumerate(zip(outcome_funcs, outcome_tokenizers)):
         if isinstance(func, PreTrainedModel):
-            scores = score_with_model(func, reward_tokenizer, prompts, completions, model_batch_size)
+            scores = score_with_model(
+                func, reward_tokenizer, prompts, completions, model_batch_size, chat_template_kwargs
+            )
             rewards[:, k] = torch.tensor(scores)
         else:
             rewards[:, k] = torch.tensor([math.nan if v is None else v for v in values[k]], dtype=torch.float32)
@@ -176,8 +188,16 @@ class RewardSet:
     models, with the models' tokenizers; a caller may replace the models, e.g. with ones prepared for its devices),
     `outcome_weights` and `process_weights` (float32 tensors) and `process_funcs` (`@process_reward` functions)."""
 
-    def __init__(self, reward_funcs, reward_processing_classes=None, reward_weights: Sequence[float] | None = None):
-        funcs, tokenizers = load_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
+    def __init__(
+        self,
+        reward_funcs,
+        reward_processing_classes=None,
+        reward_weights: Sequence[float] | None = None,
+        trust_remote_code: bool = False,
+    ):
+        funcs, tokenizers = load_reward_funcs(
+            reward_funcs, reward_processing_classes, reward_weights, trust_remote_code
+        )
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
         is_process = [is_process_reward(f) for f in funcs]
         self.outcome_funcs = [f for f, p in zip(funcs, is_process) if not p]
@@ -191,7 +211,7 @@ class RewardSet:
     def score(self, **keywords) -> RewardScores:
         """Every function of the set on one batch, in one pass: `score_rewards` with this set's functions and the
         same keywords (prompts, completions, completion_ids, columns, trainer_state, tokenizer, width, errors,
-        timeout, num_workers, worker_type, model_batch_size). `rewards` is (B, K_outcome), `step_rewards`
+        timeout, num_workers, worker_type, model_batch_size, chat_template_kwargs). `rewards` is (B, K_outcome), `step_rewards`
         (B, K_process, width) and `errors` has one count per function in `names` order."""
         return score_rewards(self.outcome_funcs, self.outcome_tokenizers, self.process_funcs, **keywords)
 
@@ -210,4 +230,5 @@ def call_settings(args, mode: str) -> dict[str, Any]:
         "num_workers": args.reward_num_workers,
         "worker_type": args.reward_worker_type,
         "model_batch_size": args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
+        "chat_template_kwargs": args.chat_template_kwargs,
     }

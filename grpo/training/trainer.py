@@ -136,9 +136,14 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
-        self.rewards = RewardSet(*rewards)
+        self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
         model, processing_class, self.eos_token_ids = load_policy(
-            model, args.model_init_kwargs, processing_class, peft_config, dropout=not args.disable_dropout
+            model,
+            args.model_init_kwargs,
+            processing_class,
+            peft_config,
+            dropout=not args.disable_dropout,
+            trust_remote_code=args.trust_remote_code,
         )
         check_prompt_lengths(processing_class, model.config, args, train_dataset, eval_dataset)  # room to complete
         self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)

@@ -309,16 +309,7 @@ def serve(args) -> None:
         logger.warning(warning)
     if generated:
         logger.warning(generated_key_message(args.port, api_key))
-    engine_kwargs = {
-        "model": args.model,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": args.max_model_len,
-        "dtype": args.dtype,
-        "enforce_eager": args.enforce_eager,
-        "seed": args.seed,
-        **lora_engine_kwargs(args.enable_lora, args.max_lora_rank),
-    }
+    engine_kwargs = engine_settings(args)
     # Private (mkdtemp: mode 0700): the adapters written there are the policy being trained.
     adapter_root = tempfile.mkdtemp(prefix="grpo-vllm-lora-") if args.enable_lora else None
     start = time.perf_counter()
@@ -364,6 +355,21 @@ def _remove(directory: str | None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def engine_settings(args) -> dict:
+    """The `vllm.LLM` arguments of each engine, from the parsed `grpo vllm-serve` options."""
+    return {
+        "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
+        "seed": args.seed,
+        "trust_remote_code": args.trust_remote_code,
+        **lora_engine_kwargs(args.enable_lora, args.max_lora_rank),
+    }
+
+
 def lora_engine_kwargs(enable_lora: bool, max_lora_rank: int) -> dict:
     """The `vllm.LLM` arguments for --enable-lora: one adapter at a time (the policy's), of rank up to
     `max_lora_rank`."""
@@ -399,6 +405,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", help="weights dtype: auto, bfloat16, float16 or float32")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (fast start)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a model repository that ships its own Python code run it (for a trainer with "
+        "trust_remote_code=True); only for code you have read",
+    )
     parser.add_argument(
         "--enable-lora",
         action="store_true",
