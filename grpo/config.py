@@ -871,8 +871,8 @@ class GRPOConfig(TrainingArguments):
     log_unique_prompts: bool = option(
         default=False,
         section=Section.LOGGING,
-        help="With log_completions: show each prompt once in the completions table and in completions.jsonl (its "
-        "first completion), rather than once per completion of its group.",
+        help="With log_completions: the printed completions table shows each prompt once (its first completion) "
+        "rather than once per completion of its group; completions.jsonl keeps every row.",
     )
     log_completions_hub_repo: str | None = option(
         default=None,

@@ -116,7 +116,8 @@ class TransformersGeneration:
         drawing = self.rng.as_default() if self.rng is not None else contextlib.nullcontext()
         try:
             with self._cpu_decoding(model, device), drawing:
-                if cache is None and prompt_ids is not None:
+                # With pad_to_multiple_of the prompts' whole padded width is prefilled, not the shared prefix's.
+                if cache is None and prompt_ids is not None and self.pad_to_multiple_of is None:
                     counts = [length for _, length in equal_runs(prompt_ids)]  # runs of identical prompts (groups)
                     firsts = [0, *itertools.accumulate(counts)][:-1]  # each run's first row
                     if len(firsts) < input_ids.shape[0] and input_ids.shape[1] > 1 and self.uses_dynamic_cache(model):

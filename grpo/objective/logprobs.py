@@ -371,8 +371,10 @@ def completion_logprobs(
         )
     else:
         # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
+        # With pad_to_multiple_of every pass has the padded widths: no shared-prompt passes of other widths.
+        share = not pad_to_multiple_of
         hidden = _completion_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share
         )
         mask = completion_mask.bool()
         values = chunked_logprobs(
@@ -414,19 +416,26 @@ def _head_on_no_positions(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def _completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free):
+def _completion_hidden_states(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True
+):
     """1. The backbone's final (normed) hidden states at the positions that predict completion tokens: (N, H), in
     row-major order of completion_mask == 1.
 
     A hook on the decoder catches its output while the model's own head runs on no position
     (`_head_on_no_positions`; logits_to_keep=1 too, for a head the hook cannot shorten); calling the outer model
-    keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward."""
+    keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward. `share_prompts`: each distinct prompt may run
+    once (grpo/objective/shared_prompt.py), in passes of other widths than the batch's."""
     with _head_on_no_positions(model):
-        return _decoder_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free)
+        return _decoder_hidden_states(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts
+        )
 
 
-def _decoder_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free):
-    if not padding_free:  # each distinct prompt of the batch run once (grpo/objective/shared_prompt.py)
+def _decoder_hidden_states(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True
+):
+    if share_prompts and not padding_free:  # each distinct prompt of the batch run once (objective/shared_prompt.py)
         hidden = shared_prompt_hidden_states(
             model, _language_model(model), prompt_ids, prompt_mask, completion_ids, completion_mask
         )

@@ -198,12 +198,32 @@ def sample_records(prompts: list, completions: list, rewards: torch.Tensor, adva
 
 
 def report_samples(
-    samples: list[dict], reward_names: list[str], path: str, step: int, max_rows: int | None, run: str | None = None
+    samples: list[dict],
+    reward_names: list[str],
+    path: str,
+    step: int,
+    max_rows: int | None,
+    run: str | None = None,
+    unique_prompts: bool = False,
 ) -> None:
-    """`log_completions`: print a table of a round's completions and append them all to `path` (JSON lines). The
-    table starts on a line of its own: the progress bar holds the current one."""
-    print("\n" + format_completions(samples, reward_names, max_rows), flush=True)
+    """`log_completions`: print a table of a round's completions (with `unique_prompts`, the first row of each
+    prompt only, as TRL's `log_unique_prompts`) and append them all to `path` (JSON lines). The table starts on a
+    line of its own: the progress bar holds the current one."""
+    shown = first_of_each_prompt(samples) if unique_prompts else samples
+    print("\n" + format_completions(shown, reward_names, max_rows), flush=True)
     write_completions(path, step, samples, reward_names, run)
+
+
+def first_of_each_prompt(samples: list[dict]) -> list[dict]:
+    """The first sample of each distinct prompt, in order. Prompts are strings or lists of messages, compared by
+    their JSON text."""
+    seen, kept = set(), []
+    for sample in samples:
+        key = json.dumps(sample["prompt"], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            kept.append(sample)
+    return kept
 
 
 def printable(text) -> str:

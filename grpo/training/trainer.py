@@ -36,7 +36,7 @@ from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, samp
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import MicroBatch, Rollout, TokenBatch, gather_rows
-from grpo.training import metrics
+from grpo.training import hub_log, metrics
 from grpo.training.async_rounds import AsyncRounds
 from grpo.training.checkpoints import (
     STATE_FILE,
@@ -134,6 +134,14 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
+        # log_completions_hub_repo: a token, and on the main process the repository, now (grpo/training/hub_log.py).
+        self.completions_hub = None
+        if args.log_completions_hub_repo is not None:
+            token = hub_log.hub_token(args.hub_token)
+            if args.process_index == 0 or not token:  # every process refuses a missing token; the main one pushes
+                self.completions_hub = hub_log.CompletionsHub(
+                    args.log_completions_hub_repo, token, args.hub_private_repo
+                )
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
@@ -453,6 +461,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             self._async.close()
         if self.agent is not None:
             self.agent.close()
+        if self.completions_hub is not None:
+            self.completions_hub.wait()
 
     # ---- Exact resume: the state beyond Trainer's checkpoint (grpo/training/checkpoints.py, `ResumableTrainer`) ----
 
@@ -496,8 +506,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         super().log(logs, start_time)
         if mode == "train" and self.args.log_completions and self._samples and self.accelerator.is_main_process:
             path, step = os.path.join(self.args.output_dir, "completions.jsonl"), self.state.global_step
-            shown = self.args.num_completions_to_print
-            metrics.report_samples(
-                self._samples, self.reward_names, path, step, shown, getattr(self, "run_started", None)
-            )
+            shown, unique = self.args.num_completions_to_print, self.args.log_unique_prompts
+            run = getattr(self, "run_started", None)
+            metrics.report_samples(self._samples, self.reward_names, path, step, shown, run, unique_prompts=unique)
+            if self.completions_hub is not None:
+                self.completions_hub.push(path, step)
             self._samples = []
