@@ -208,11 +208,9 @@ def test_trust_remote_code_reaches_the_policy_its_tokenizer_and_the_reward_model
         GRPOTrainer(str(policy), length_reward, args=config(tmp_path), train_dataset=data)
     with pytest.raises(ValueError, match="trust_remote_code"):
         GRPOTrainer(str(policy), [length_reward, str(reward)], args=config(tmp_path), train_dataset=data)
-    # beta > 0: the reference is loaded from the path too.
-    args = config(tmp_path, trust_remote_code=True, beta=0.1)
+    args = config(tmp_path, trust_remote_code=True)
     trainer = GRPOTrainer(str(policy), [length_reward, str(reward)], args=args, train_dataset=data)
     assert type(trainer.model).__name__ == "RemoteForCausalLM"
-    assert type(trainer.ref_model).__name__ == "RemoteForCausalLM"
     assert type(trainer.processing_class).__name__ == "RemoteTokenizer"
     assert type(trainer.reward_funcs[1]).__name__ == "RemoteForSequenceClassification"
     assert type(trainer.rewards.outcome_tokenizers[1]).__name__ == "RemoteTokenizer"

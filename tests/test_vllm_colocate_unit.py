@@ -207,3 +207,14 @@ def test_the_engine_is_built_from_the_policy_config_in_this_process(fake_vllm):
     assert settings["distributed_executor_backend"] == "external_launcher"
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.fixture(params=[False, True])
+def colocate_args(request, tmp_path):
+    """A colocate config with trust_remote_code off and on, built before `fake_vllm` replaces `find_spec`."""
+    return _config(tmp_path, vllm_mode="colocate", trust_remote_code=request.param)
+
+
+def test_trust_remote_code_reaches_the_engine(colocate_args, fake_vllm):
+    backend = make_generation_backend(colocate_args, ONE_PROCESS, 0, [1])
+    assert backend.engine(tiny_model()).kwargs["trust_remote_code"] is colocate_args.trust_remote_code
