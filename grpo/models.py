@@ -43,20 +43,14 @@ def load_causal_lm(
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
-def load_policy(
-    model,
-    model_init_kwargs: dict | None,
-    tokenizer=None,
-    peft_config=None,
-    dropout: bool = True,
-    trust_remote_code: bool = False,
-):
+def load_policy(model, tokenizer, peft_config, args):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
-    with `model_init_kwargs`, running the repository's own code only with `trust_remote_code`) or a loaded model;
-    the tokenizer loaded from the model's path when not given (likewise; its pad
+    with `args.model_init_kwargs`, running the repository's own code only with `args.trust_remote_code`) or a loaded
+    model; the tokenizer loaded from the model's path when not given (likewise; its pad
     token defaults to EOS; once the model is loaded, a tokenizer with more ids than its embedding rows is refused);
-    wrapped with `peft_config` when given; dropout off unless `dropout`. The arguments are checked before any weight
-    loads."""
+    wrapped with `peft_config` when given; dropout off with `args.disable_dropout`. The arguments are checked before
+    any weight loads."""
+    model_init_kwargs, trust_remote_code = args.model_init_kwargs, args.trust_remote_code
     if model_init_kwargs is not None and not isinstance(model, str):
         raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
     if peft_config is not None:
@@ -76,7 +70,7 @@ def load_policy(
     eos_token_ids = eos_token_ids_of(model, tokenizer)
     if peft_config is not None:
         model = apply_peft(model, peft_config)
-    if not dropout:
+    if args.disable_dropout:
         disable_dropout(model)
     return model, tokenizer, eos_token_ids
 

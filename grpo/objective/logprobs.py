@@ -331,10 +331,9 @@ def completion_logprobs(
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
     the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`);
-    `pad_to_multiple_of` pads the prompt and completion widths the forward sees to multiples of it (masked columns,
-    so the values do not change; with `padding_free` the packed row is not padded). Under
-    FSDP2 the projection's weight is read after the forward: whole if its module keeps it gathered for the backward
-    (the root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
+    `pad_to_multiple_of` rounds the widths the forward sees up (`_forward_columns`; not a packed row). Under FSDP2
+    the projection's weight is read after the forward: whole if its module keeps it gathered for the backward (the
+    root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
     there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
     """
@@ -350,17 +349,10 @@ def completion_logprobs(
         entropy = torch.cat([c[1] for c in chunks]) if with_entropy else None
         return logps, entropy
 
-    # Columns that are padding in every row (the batch may be padded to a longer one's width) are dropped here.
-    num_completion = completion_ids.shape[1]
-    prompt_width, completion_width = content_widths(prompt_mask, completion_mask)
-    prompt_ids, prompt_mask = prompt_ids[:, -prompt_width:], prompt_mask[:, -prompt_width:]
-    completion_ids, completion_mask = completion_ids[:, :completion_width], completion_mask[:, :completion_width]
-    if pad_to_multiple_of and not padding_free:  # widths a compiler has seen before: masked columns added back
-        left = round_up(prompt_width, pad_to_multiple_of) - prompt_width
-        right = round_up(completion_width, pad_to_multiple_of) - completion_width
-        prompt_ids, prompt_mask = (nn.functional.pad(x, (left, 0)) for x in (prompt_ids, prompt_mask))
-        completion_ids, completion_mask = (nn.functional.pad(x, (0, right)) for x in (completion_ids, completion_mask))
-
+    num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _forward_columns(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, multiple
+    )
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
@@ -371,10 +363,9 @@ def completion_logprobs(
         )
     else:
         # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
-        # With pad_to_multiple_of every pass has the padded widths: no shared-prompt passes of other widths.
-        share = not pad_to_multiple_of
+        # With pad_to_multiple_of, no shared-prompt passes: they would have other widths than the padded ones.
         hidden = _completion_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, not pad_to_multiple_of
         )
         mask = completion_mask.bool()
         values = chunked_logprobs(
@@ -390,8 +381,7 @@ def completion_logprobs(
             head_fp32=head_fp32,
         )
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
-    logps, entropy = logps[:, :completion_width], entropy[:, :completion_width] if with_entropy else None
-    widen = (0, num_completion - completion_width)
+    widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
 
 
@@ -414,6 +404,18 @@ def _head_on_no_positions(model: nn.Module) -> Iterator[None]:
     finally:
         if handle is not None:
             handle.remove()
+
+
+def _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, multiple_of):
+    """The columns the forward pass sees: the batch without the columns that are padding in every row (it may be
+    padded to a longer one's width), then, with `multiple_of` (`pad_to_multiple_of`), masked columns added back up to
+    widths that are multiples of it, on the left of the prompts and the right of the completions."""
+    prompt_width, completion_width = content_widths(prompt_mask, completion_mask)
+    left = round_up(prompt_width, multiple_of) - prompt_width
+    right = round_up(completion_width, multiple_of) - completion_width
+    prompt = (nn.functional.pad(x[:, -prompt_width:], (left, 0)) for x in (prompt_ids, prompt_mask))
+    completion = (nn.functional.pad(x[:, :completion_width], (0, right)) for x in (completion_ids, completion_mask))
+    return *prompt, *completion
 
 
 def _completion_hidden_states(

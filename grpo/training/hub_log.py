@@ -50,6 +50,17 @@ def hub_token(explicit: str | None) -> str | None:
     return get_token()
 
 
+def for_run(args) -> CompletionsHub | None:
+    """The run's `CompletionsHub` (None without `log_completions_hub_repo`): the token is checked on every process
+    (one that lacks it fails), the repository created on the main process, which alone pushes."""
+    if args.log_completions_hub_repo is None:
+        return None
+    token = hub_token(args.hub_token)
+    if args.process_index != 0 and token:
+        return None
+    return CompletionsHub(args.log_completions_hub_repo, token, args.hub_private_repo)
+
+
 class CompletionsHub:
     """Pushes the completions log to `repo_id`; built once per run, on the main process."""
 

@@ -134,25 +134,11 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
-        # log_completions_hub_repo: a token, and on the main process the repository, now (grpo/training/hub_log.py).
-        self.completions_hub = None
-        if args.log_completions_hub_repo is not None:
-            token = hub_log.hub_token(args.hub_token)
-            if args.process_index == 0 or not token:  # every process refuses a missing token; the main one pushes
-                self.completions_hub = hub_log.CompletionsHub(
-                    args.log_completions_hub_repo, token, args.hub_private_repo
-                )
+        self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
-        model, processing_class, self.eos_token_ids = load_policy(
-            model,
-            args.model_init_kwargs,
-            processing_class,
-            peft_config,
-            dropout=not args.disable_dropout,
-            trust_remote_code=args.trust_remote_code,
-        )
+        model, processing_class, self.eos_token_ids = load_policy(model, processing_class, peft_config, args)
         check_prompt_lengths(processing_class, model.config, args, train_dataset, eval_dataset)  # room to complete
         self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
