@@ -24,7 +24,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # "-c constraints-cpu.txt" for pip where the pin applies (see above), else nothing; run inside a recipe.
 TORCH_PIN = $$( { [ -n "$$CI" ] || ! $(PY) -c "import torch" 2>/dev/null; } && echo "-c constraints-cpu.txt" )
 
-.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent bench bench-vllm bench-modes bench-peft bench-trl install-trl clean
+.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
 
 help: ## list the targets (the default goal)
 	@echo "make TARGET, where TARGET is one of:"
@@ -77,11 +77,19 @@ $(TRL_STAMP): pyproject.toml constraints-cpu.txt
 
 install-trl: $(TRL_STAMP) ## create .venv-trl with TRL 1.16, the reference trainer
 
-# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), the docs site, then the
-# vLLM tier.
-test: $(STAMP) ## every tier this machine runs: unit, slow, distributed, docs, vLLM (long)
+# GRPOConfig against TRL 1.16's own GRPOConfig: tests/test_trl_parity.py in .venv-trl, where the tests that read the
+# installed TRL run instead of skipping. Every test run also checks the same fields against the table of TRL 1.16's
+# fields and defaults kept in that file, without TRL.
+parity: $(TRL_STAMP) ## every TRL 1.16 GRPOConfig field here with TRL's default, checked against TRL itself
+	$(TRL_PY) -c "import pytest" 2>/dev/null || $(TRL_PY) -m pip install -q -c constraints-cpu.txt "pytest>=8"
+	$(TRL_PY) -m pytest -q -p no:cacheprovider tests/test_trl_parity.py
+
+# Every tier this machine can run: unit, slow end-to-end and distributed (2 CPU processes), the docs site, the parity
+# check against TRL itself, then the vLLM tier.
+test: $(STAMP) ## every tier this machine runs: unit, slow, distributed, docs, TRL parity, vLLM (long)
 	$(PY) -m pytest -q -m "not gpu and not vllm" tests
 	$(MAKE) docs
+	$(MAKE) parity
 	$(MAKE) test-vllm
 
 # A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
