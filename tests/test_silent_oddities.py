@@ -145,7 +145,7 @@ def test_prompt_lengths_by_hand(tokenizer):
     from grpo.data import check_prompt_lengths
 
     config = tiny_model(tokenizer, max_position_embeddings=64).config  # room for 56-token prompts below
-    whole = SimpleNamespace(max_prompt_length=None, max_completion_length=8)
+    whole = SimpleNamespace(max_prompt_length=None, max_completion_length=8, chat_template_kwargs=None)
     short, full, tight = {"prompt": "q"}, {"prompt": "x" * 64}, {"prompt": "x" * 57}
     evals = {"a": Dataset.from_list([short]), "b": Dataset.from_list([short, full])}
     with pytest.raises(InputError, match=r"eval_dataset\['b'\] row 1: the prompt is 64 tokens, which fills"):
@@ -157,7 +157,10 @@ def test_prompt_lengths_by_hand(tokenizer):
         check_prompt_lengths(tokenizer, config, whole, [short, tight, tight])
     with pytest.warns(UserWarning, match=r"Lower max_completion_length below 64"):  # no room for 64 tokens
         check_prompt_lengths(
-            tokenizer, config, SimpleNamespace(max_prompt_length=None, max_completion_length=64), [short]
+            tokenizer,
+            config,
+            SimpleNamespace(max_prompt_length=None, max_completion_length=64, chat_template_kwargs=None),
+            [short],
         )
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -167,7 +170,7 @@ def test_prompt_lengths_by_hand(tokenizer):
         def __getitem__(self, index):
             raise AssertionError("read although max_prompt_length leaves the room")
 
-    cut = SimpleNamespace(max_prompt_length=56, max_completion_length=8)
+    cut = SimpleNamespace(max_prompt_length=56, max_completion_length=8, chat_template_kwargs=None)
     check_prompt_lengths(tokenizer, config, cut, Unreadable([full]))  # every prompt is cut to fit: nothing read
 
 
