@@ -49,6 +49,8 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         pad_token_id=trainer.processing_class.pad_token_id,
         eos_token_ids=trainer.eos_token_ids,
         greedy=True,
+        cache_implementation=trainer.args.cache_implementation,
+        pad_to_multiple_of=trainer.args.pad_to_multiple_of,
         cpu_decode_kernel=trainer.args.cpu_decode_kernel,
         cpu_inverse_cdf_sampling=trainer.args.cpu_inverse_cdf_sampling,
     )
