@@ -362,7 +362,7 @@ class GRPOConfig(TrainingArguments):
         "an AWS Trainium (Neuron) device and None elsewhere; None pads only to the longest row. Padding is "
         "masked: the loss is the same.",
     )
-    chat_template_kwargs: dict[str, Any] | None = option(
+    chat_template_kwargs: dict[str, Any] | str | None = option(
         default=None,
         section=Section.DATA,
         help="Extra keyword arguments for every `apply_chat_template` call: the prompts rendered for generation "
