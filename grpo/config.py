@@ -421,6 +421,28 @@ class GRPOConfig(TrainingArguments):
         "False keeps them partitioned: every layer is gathered again at every generated token (slow, but no "
         "more memory than training), for models that do not fit whole on one device. No effect otherwise.",
     )
+    use_transformers_continuous_batching: bool = option(
+        default=False,
+        section=Section.DATA,
+        help="Sample with transformers' own continuous-batching engine (`ContinuousBatchingManager`, paged KV "
+        "cache, finished rows leave the batch at once) instead of `model.generate`, on the policy's own weights "
+        "(TRL's name; transformers >= 5.8). Not with use_vllm, a repetition_penalty, FSDP or DeepSpeed ZeRO-3 "
+        "(docs/config.md#generation-backends).",
+    )
+    transformers_continuous_batching_config: dict[str, Any] | None = option(
+        default=None,
+        section=Section.DATA,
+        help="Keyword arguments of `transformers.generation.ContinuousBatchingConfig` for "
+        "use_transformers_continuous_batching (a dict, or its JSON text), e.g. {'page_size': 64}. Unset, the KV "
+        "cache is sized for the round (every row's prompt and completion at once) rather than from free memory. "
+        "`seed` is refused: each round's seed comes from the trainer's sampling stream.",
+    )
+    use_transformers_paged: bool = option(
+        default=False,
+        section=Section.DATA,
+        help="Deprecated name of use_transformers_continuous_batching (as in TRL): True sets it, with a "
+        "FutureWarning.",
+    )
 
     # ---- Rewards and advantages ----
     reward_weights: list[float] | None = option(
@@ -1012,6 +1034,7 @@ class GRPOConfig(TrainingArguments):
                 f"{IMPORTANCE_SAMPLING_LEVELS}."
             )
         self._check_generation_kwargs()
+        self._check_continuous_batching()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
@@ -1267,6 +1290,75 @@ class GRPOConfig(TrainingArguments):
                 "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
                 "max_staleness=0."
             )
+
+    def _check_continuous_batching(self):
+        """use_transformers_continuous_batching (the deprecated use_transformers_paged sets it) and its settings."""
+        if self.use_transformers_paged:
+            warnings.warn(
+                "use_transformers_paged is deprecated: it is used as use_transformers_continuous_batching=True, TRL's "
+                "name since 1.2. Set that instead.",
+                FutureWarning,
+                stacklevel=5,  # the GRPOConfig(...) call
+            )
+            self.use_transformers_continuous_batching = True
+        settings = self.transformers_continuous_batching_config
+        if isinstance(settings, str):  # from a command line, as in TRL
+            try:
+                settings = self.transformers_continuous_batching_config = json.loads(settings)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"transformers_continuous_batching_config={settings!r} is not valid JSON ({error}); give a dict "
+                    "or its JSON text, e.g. '{\"page_size\": 64}'."
+                ) from None
+        if settings is not None and not isinstance(settings, dict):
+            raise TypeError(
+                f"transformers_continuous_batching_config={settings!r} must be a dict of ContinuousBatchingConfig "
+                "arguments (e.g. {'page_size': 64}), or None."
+            )
+        if not self.use_transformers_continuous_batching:
+            if settings:
+                raise ValueError(
+                    "transformers_continuous_batching_config is set, but use_transformers_continuous_batching=False, "
+                    "so nothing would read it. Set use_transformers_continuous_batching=True, or remove it."
+                )
+            return
+        try:
+            from transformers.generation import ContinuousBatchingConfig
+        except ImportError:
+            raise ImportError(
+                "use_transformers_continuous_batching=True needs transformers >= 5.8 (ContinuousBatchingConfig); "
+                "upgrade with `pip install -U transformers`, or set it False."
+            ) from None
+        if self.use_vllm:
+            raise ValueError(
+                "use_transformers_continuous_batching=True and use_vllm=True both choose the generation backend; "
+                "pick one (set the other False)."
+            )
+        if self.repetition_penalty != 1.0 or (self.generation_kwargs or {}).get("repetition_penalty", 1.0) != 1.0:
+            raise ValueError(
+                "use_transformers_continuous_batching=True cannot apply a repetition_penalty: transformers' engine "
+                "shows a logits processor only each row's last token. Set repetition_penalty=1.0, or "
+                "use_transformers_continuous_batching=False."
+            )
+        ignored = sorted({"min_length", "min_new_tokens"} & set(self.generation_kwargs or {}))
+        if ignored:
+            raise ValueError(
+                f"generation_kwargs sets {ignored}, which transformers' continuous-batching engine ignores (it builds "
+                "no minimum-length processor). Remove them, or set use_transformers_continuous_batching=False."
+            )
+        valid = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        for key in settings or {}:
+            if key == "seed":
+                raise ValueError(
+                    "transformers_continuous_batching_config sets 'seed': every round would then draw the same "
+                    "numbers. Remove it: each round's seed comes from the trainer's sampling stream (GRPOConfig.seed)."
+                )
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+                raise ValueError(
+                    f"transformers_continuous_batching_config key {key!r} is not an argument of transformers' "
+                    f"ContinuousBatchingConfig.{f' Did you mean {close[0]!r}?' if close else ''} Fix or remove it."
+                )
 
     def _check_generation_kwargs(self):
         """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""

@@ -2,7 +2,8 @@
 sampled completion per row, through the backend `make_generation_backend` picks for a config.
 
 Backends implement `GenerationBackend` (base.py): `TransformersGeneration` (model_generate.py, the policy's own
-`generate`), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-serve` server, whose HTTP client is
+`generate`), `ContinuousBatchingGeneration` (continuous_batching.py, transformers' continuous-batching engine on
+the policy's weights), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-serve` server, whose HTTP client is
 vllm/client.py and whose server is vllm/serve.py) and `VLLMColocateGeneration` (vllm/colocate.py, an engine inside
 each training process); offline training replays stored completions through `StoredCompletions` (stored.py). The weights a vLLM engine needs come from policy_weights.py and travel by
 vllm/weight_sync.py (all of them) or vllm/lora_sync.py (the adapter alone); docs/vllm.md. Asynchronous generation's
@@ -17,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo.data import decode_completions, encode_prompts
+from grpo.data import InputError, decode_completions, encode_prompts
 from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cut_at_eos
+from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
 from grpo.generation.stored import StoredCompletions
@@ -27,6 +29,7 @@ from grpo.rollout import Rollout
 __all__ = [
     "Completions",
     "AgentLoop",
+    "ContinuousBatchingGeneration",
     "GenerationBackend",
     "SamplingRNG",
     "StoredCompletions",
@@ -40,7 +43,8 @@ __all__ = [
 def make_generation_backend(
     args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int], stored=None, rng: SamplingRNG | None = None
 ) -> GenerationBackend:
-    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate`, or with `use_vllm` a vLLM server
+    """The trainer's sampler for a `GRPOConfig`: the policy's own `generate` (with
+    `use_transformers_continuous_batching`, transformers' continuous-batching engine), or with `use_vllm` a vLLM server
     (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
     (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them. `rng`: the trainer's
     sampling stream, which every sampler draws from (base.py)."""
@@ -54,6 +58,23 @@ def make_generation_backend(
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
     )
+    if args.use_transformers_continuous_batching:
+        if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
+            # The engine runs the forward passes in a thread of its own, a different number on each process: a
+            # sharded model's collective gathers would not line up.
+            raise InputError(
+                "use_transformers_continuous_batching=True samples with the policy's whole weights in a thread of "
+                f"transformers' engine, which a sharded model ({accelerator.distributed_type}) does not have. Set it "
+                "False (model.generate), or use vLLM (use_vllm=True)."
+            )
+        return ContinuousBatchingGeneration(
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            generation_kwargs=args.generation_kwargs,
+            settings=args.transformers_continuous_batching_config,
+            rng=rng,
+            **sampling,
+        )
     if not args.use_vllm:
         return TransformersGeneration(
             pad_token_id=pad_token_id,
