@@ -36,6 +36,8 @@ from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 # is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
 # meant for one. It still admits the 0.5 of plain SGD on toy models, and refuses a lost minus sign (1e5) or 1e30.
 MAX_LEARNING_RATE = 1.0
+# What `vllm_model_impl` may be: the values of vLLM's `--model-impl` for language models.
+VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
 # Below this temperature sampling is close to greedy: at 0.1 a logit gap of 1 becomes one of 10 (odds of e^10), so the
 # G completions of a group come out the same, their rewards tie and every advantage is 0.
 MIN_USEFUL_TEMPERATURE = 0.1
@@ -679,6 +681,20 @@ class GRPOConfig(TrainingArguments):
         help="How vLLM runs: 'server' (a separate `grpo vllm-serve` process the trainer pushes weights to) or "
         "'colocate' (a vLLM engine inside each training process, sharing its device; docs/vllm.md#colocate-mode).",
     )
+    vllm_model_impl: str = option(
+        default="vllm",
+        section=Section.VLLM,
+        help="The model implementation vLLM runs: 'vllm' (vLLM's own), 'transformers' (the transformers modeling "
+        "code, for architectures vLLM lacks) or 'auto'. Colocate mode builds its engine with it; server mode checks "
+        "that `grpo vllm-serve` was started with the same `--model-impl` (TRL's name and default).",
+    )
+    vllm_structured_outputs_regex: str | None = option(
+        default=None,
+        section=Section.VLLM,
+        help="Constrain every completion to match this regular expression (vLLM's structured outputs, guided "
+        "decoding), on the server and in colocate mode; the engine ends a completion with EOS once the pattern "
+        "is complete. None (default): unconstrained. Only with use_vllm=True.",
+    )
     vllm_server_base_url: str | None = option(
         default=None,
         section=Section.VLLM,
@@ -1063,6 +1079,7 @@ class GRPOConfig(TrainingArguments):
                 "`grpo vllm-serve` process, 'colocate' on a vLLM engine inside each training process (docs/vllm.md)."
             )
         self._check_async()
+        self._check_vllm_engine()
         if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
@@ -1290,6 +1307,28 @@ class GRPOConfig(TrainingArguments):
                 "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
                 "max_staleness=0."
             )
+
+    def _check_vllm_engine(self):
+        """vllm_model_impl is one vLLM takes; the structured-outputs regex compiles and has a vLLM engine to apply it."""
+        if self.vllm_model_impl not in VLLM_MODEL_IMPLS:
+            raise ValueError(
+                f"vllm_model_impl={self.vllm_model_impl!r} is not one of {VLLM_MODEL_IMPLS}: 'vllm' runs vLLM's own "
+                "model code, 'transformers' the transformers modeling code."
+            )
+        regex = self.vllm_structured_outputs_regex
+        if regex is None:
+            return
+        if not self.use_vllm:
+            raise ValueError(
+                "vllm_structured_outputs_regex is set, but use_vllm=False: only a vLLM engine constrains completions "
+                "to a pattern. Set use_vllm=True, or remove the regex."
+            )
+        try:
+            re.compile(regex)
+        except (re.error, TypeError) as error:
+            raise ValueError(
+                f"vllm_structured_outputs_regex={regex!r} is not a valid regular expression ({error}). Fix it."
+            ) from None
 
     def _check_continuous_batching(self):
         """use_transformers_continuous_batching (the deprecated use_transformers_paged sets it) and its settings."""

@@ -309,7 +309,7 @@ class _RecordingClient:
         return {"completion_ids": ids, "logprobs": [[-1.0, -2.0] for _ in ids], "weights_version": None}
 
 
-def _backend(client, G=3):
+def _backend(client, G=3, **kwargs):
     return VLLMGeneration(
         Accelerator(),
         client=client,
@@ -321,6 +321,7 @@ def _backend(client, G=3):
         min_p=None,
         repetition_penalty=1.0,
         bucket_bytes=1 << 20,
+        **kwargs,
     )
 
 
@@ -429,3 +430,53 @@ def test_an_evaluation_batch_is_sent_with_n_equal_to_num_generations_eval():
     assert [(prompts, n) for prompts, n, _ in client.calls] == [([[1], [2]], 3), ([[1], [2]], 2)]
     with pytest.raises(ValueError, match="groups of 3 or 2 equal consecutive rows"):
         backend.generate(None, [[1], [2]])
+
+
+def test_the_structured_outputs_regex_goes_with_every_request_and_only_when_set():
+    client = _RecordingClient()
+    _backend(client, structured_outputs_regex="(yes|no)").generate(None, [[1]] * 3)
+    _backend(client).generate(None, [[1]] * 3)
+    assert client.calls[0][2]["structured_outputs_regex"] == "(yes|no)"
+    assert "structured_outputs_regex" not in client.calls[1][2]  # a server without the field takes the request
+
+
+def test_a_server_running_another_model_implementation_is_refused_at_the_first_sync():
+    client = _RecordingClient()
+    model = tiny_model()
+    client.info = {"lora": False, "model_impl": "transformers"}
+    with pytest.raises(ValueError, match="runs --model-impl transformers, but vllm_model_impl='vllm'"):
+        _backend(client, model_impl="vllm")._choose_mode(model)
+    assert _backend(client, model_impl="transformers")._choose_mode(model) == "merged"
+    client.info = {"lora": False}  # a server from before --model-impl existed reports none: not checked
+    assert _backend(client, model_impl="vllm")._choose_mode(model) == "merged"
+
+
+def test_the_server_takes_a_model_implementation_and_requests_take_a_regex():
+    import argparse
+
+    from grpo.generation.vllm.serve import _request_models
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).model_impl == "vllm"  # TRL's default, GRPOConfig's too
+    assert parser.parse_args(["--model", "m", "--model-impl", "transformers"]).model_impl == "transformers"
+    GenerateRequest = _request_models()[0]
+    request = GenerateRequest(prompts=[[1]], structured_outputs_regex="[0-9]+")
+    assert request.model_dump()["structured_outputs_regex"] == "[0-9]+"
+    assert GenerateRequest(prompts=[[1]]).model_dump()["structured_outputs_regex"] is None
+
+
+def test_config_checks_the_vllm_engine_fields():
+    from grpo import GRPOConfig
+
+    def config(**kwargs):
+        return GRPOConfig(output_dir="/tmp/x", report_to=[], **kwargs)
+
+    assert config().vllm_model_impl == "vllm" and config().vllm_structured_outputs_regex is None
+    assert config(use_vllm=True, vllm_structured_outputs_regex=r"\d+").vllm_structured_outputs_regex == r"\d+"
+    with pytest.raises(ValueError, match="vllm_model_impl='native' is not one of"):
+        config(vllm_model_impl="native")
+    with pytest.raises(ValueError, match="use_vllm=False: only a vLLM engine"):
+        config(vllm_structured_outputs_regex="yes|no")
+    with pytest.raises(ValueError, match="is not a valid regular expression"):
+        config(use_vllm=True, vllm_structured_outputs_regex="(yes|no")

@@ -41,13 +41,20 @@ __all__ = [
 
 
 def make_generation_backend(
-    args, accelerator, pad_token_id: int, eos_token_ids: Sequence[int], stored=None, rng: SamplingRNG | None = None
+    args,
+    accelerator,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    stored=None,
+    rng: SamplingRNG | None = None,
+    tokenizer=None,
 ) -> GenerationBackend:
     """The trainer's sampler for a `GRPOConfig`: the policy's own `generate` (with
     `use_transformers_continuous_batching`, transformers' continuous-batching engine), or with `use_vllm` a vLLM server
     (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
     (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them. `rng`: the trainer's
-    sampling stream, which every sampler draws from (base.py)."""
+    sampling stream, which every sampler draws from (base.py). `tokenizer`: the policy's, which a colocated engine
+    loads to apply `vllm_structured_outputs_regex`."""
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     sampling = dict(
@@ -98,6 +105,9 @@ def make_generation_backend(
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             engine_kwargs={"trust_remote_code": args.trust_remote_code},
             rng=rng,
+            model_impl=args.vllm_model_impl,
+            structured_outputs_regex=args.vllm_structured_outputs_regex,
+            tokenizer=tokenizer,
             **sampling,
         )
     from grpo.generation.vllm.client import VLLMClient
@@ -118,6 +128,8 @@ def make_generation_backend(
         num_generations_eval=args.num_generations_eval,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
         rng=rng,
+        model_impl=args.vllm_model_impl,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
         **sampling,
     )
 

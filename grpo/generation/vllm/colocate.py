@@ -34,6 +34,7 @@ from torch import nn
 
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import checkpoint_tensors
+from grpo.generation.vllm.engine_processes import structured_outputs
 
 INSTALL_HINT = (
     "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
@@ -59,6 +60,9 @@ class VLLMColocateGeneration:
         enable_sleep_mode: sleep (weights to CPU memory, KV cache freed) after each generation, wake before the
             next; an error where vLLM has no sleep mode (its CPU build).
         engine_kwargs: further `vllm.LLM` arguments, over the ones chosen here.
+        model_impl: the model code vLLM runs ('vllm', 'transformers' or 'auto'; GRPOConfig.vllm_model_impl).
+        structured_outputs_regex: every completion must match it (vLLM's structured outputs); the engine then loads
+            `tokenizer`, which the grammar is compiled against.
     """
 
     def __init__(
@@ -77,6 +81,9 @@ class VLLMColocateGeneration:
         enable_sleep_mode: bool = False,
         engine_kwargs: dict | None = None,
         rng: SamplingRNG | None = None,
+        model_impl: str = "vllm",
+        structured_outputs_regex: str | None = None,
+        tokenizer=None,
     ):
         if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
             raise ImportError(INSTALL_HINT)
@@ -90,7 +97,12 @@ class VLLMColocateGeneration:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_length = max_model_length
         self.enable_sleep_mode = enable_sleep_mode
-        self.engine_kwargs = engine_kwargs or {}
+        self.engine_kwargs = {"model_impl": model_impl, **(engine_kwargs or {})}
+        if structured_outputs_regex is not None and tokenizer is None:
+            raise ValueError(
+                "structured_outputs_regex needs the tokenizer: the engine compiles the pattern against it"
+            )
+        self.regex, self.tokenizer = structured_outputs_regex, tokenizer
         self.llm = None  # built at the first sync_weights or generate, from the policy's config
         self.asleep = False
         self.synced_version: int | None = None  # the trainer step whose weights the engine holds
@@ -122,10 +134,12 @@ class VLLMColocateGeneration:
         config.architectures = config.architectures or [type(base).__name__]
         self._config_dir = tempfile.TemporaryDirectory(prefix="grpo-colocate-")
         config.save_pretrained(self._config_dir.name)
+        if self.regex is not None:  # structured outputs compile the pattern against the tokenizer's vocabulary
+            self.tokenizer.save_pretrained(self._config_dir.name)
         settings = dict(
             model=self._config_dir.name,
             load_format="dummy",  # random weights until the first sync_weights, which loads every tensor
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=self.regex is None,
             dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
             tensor_parallel_size=1,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -197,10 +211,12 @@ class VLLMColocateGeneration:
         # checkpoints): runs are reproducible and no two calls, or processes, share samples. Row r draws with seed
         # + r (vLLM gives the i-th of n samples seed + i).
         seed, start = request_seed(self.rng), 0
+        constraint = {} if self.regex is None else {"structured_outputs": structured_outputs(self.regex)}
         requests, params = [], []
         for prompt, count in equal_runs(prompt_ids):
             requests.append({"prompt_token_ids": prompt})
-            params.append(SamplingParams(n=count, seed=seed + start, logprobs=0, detokenize=False, **self.sampling))
+            settings = {**self.sampling, **constraint}
+            params.append(SamplingParams(n=count, seed=seed + start, logprobs=0, detokenize=False, **settings))
             start += count
         outputs = llm.generate(requests, params, use_tqdm=False)
         ids, logprobs = [], []

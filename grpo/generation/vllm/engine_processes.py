@@ -128,9 +128,11 @@ class _Engine:
             "max_model_len": config.model_config.max_model_len,
         }
 
-    def generate(self, prompts, seeds, n, logprobs, **sampling) -> dict:
+    def generate(self, prompts, seeds, n, logprobs, structured_outputs_regex=None, **sampling) -> dict:
         from vllm import SamplingParams
 
+        if structured_outputs_regex is not None:
+            sampling["structured_outputs"] = structured_outputs(structured_outputs_regex)
         params = [SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds]
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
@@ -175,6 +177,14 @@ class _Engine:
             self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
             self.lora_request = None
+
+
+def structured_outputs(regex: str):
+    """vLLM's constraint that a completion match `regex` (its structured outputs, `SamplingParams.structured_outputs`
+    since vLLM 0.11). Imports vLLM: call it where an engine runs."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex)
 
 
 def _engine_main(conn, engine_kwargs: dict, env: dict, adapter_dir: str | None = None) -> None:

@@ -154,6 +154,8 @@ def _request_models():
         seed: int | None = None
         stop_token_ids: list[int] | None = None
         logprobs: bool = True
+        # vLLM's structured outputs: every completion matches this pattern (GRPOConfig.vllm_structured_outputs_regex).
+        structured_outputs_regex: str | None = Field(None, min_length=1)
 
     class InitRequest(Strict):
         port: int = Field(ge=1, le=65535)
@@ -324,6 +326,7 @@ def serve(args) -> None:
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
+        "model_impl": args.model_impl,
         "lora": args.enable_lora,
         "max_lora_rank": args.max_lora_rank if args.enable_lora else None,
     }
@@ -366,6 +369,7 @@ def engine_settings(args) -> dict:
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         "trust_remote_code": args.trust_remote_code,
+        "model_impl": args.model_impl,
         **lora_engine_kwargs(args.enable_lora, args.max_lora_rank),
     }
 
@@ -410,6 +414,12 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="let a model repository that ships its own Python code run it (for a trainer with "
         "trust_remote_code=True); only for code you have read",
+    )
+    parser.add_argument(
+        "--model-impl",
+        default="vllm",
+        help="the model code vLLM runs: vllm (its own, default), transformers (the transformers modeling code, for "
+        "architectures vLLM lacks) or auto; a trainer checks it against its vllm_model_impl",
     )
     parser.add_argument(
         "--enable-lora",

@@ -57,6 +57,8 @@ class VLLMGeneration:
         bucket_bytes: int,
         num_generations_eval: int | None = None,
         rng: SamplingRNG | None = None,
+        model_impl: str | None = None,
+        structured_outputs_regex: str | None = None,
     ):
         self.accelerator = accelerator
         self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
@@ -64,6 +66,9 @@ class VLLMGeneration:
         self.num_generations = num_generations
         self.num_generations_eval = num_generations_eval or num_generations  # G of an evaluation batch
         self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
+        if structured_outputs_regex is not None:  # sent only when set: a server without the field takes the rest
+            self.sampling["structured_outputs_regex"] = structured_outputs_regex
+        self.model_impl = model_impl  # the `--model-impl` the server must run (None: any)
         self.bucket_bytes = bucket_bytes
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
         self.last_sync: dict | None = None  # {"mode", "buckets", "tensors", "bytes", "seconds"} of the latest sync
@@ -73,8 +78,8 @@ class VLLMGeneration:
 
     def _choose_mode(self, model: nn.Module) -> str:
         """The main process picks the sync mode from the model and the server's /health (`sync_mode`), logs it, and
-        tells the other processes, which gather sharded weights in step with it. An adapter the server cannot take
-        is an error on every process."""
+        tells the other processes, which gather sharded weights in step with it. An adapter the server cannot take,
+        or a server running another model implementation than `model_impl`, is an error on every process."""
         from accelerate.utils import broadcast_object_list
 
         choice = [None]
@@ -85,8 +90,16 @@ class VLLMGeneration:
             if mode == "adapter":
                 config = model.peft_config[model.active_adapters[0]]
                 problems = lora_sync.adapter_problems(config, info["max_lora_rank"], model.active_adapters)
-            choice = [(mode, lora_sync.adapter_error(problems, self.client.base_url) if problems else None)]
-            if not problems:
+            error = lora_sync.adapter_error(problems, self.client.base_url) if problems else None
+            served = info.get("model_impl")  # a server from before the option reports none
+            if self.model_impl is not None and served is not None and served != self.model_impl:
+                error = (
+                    f"The vLLM server at {self.client.base_url} runs --model-impl {served}, but vllm_model_impl="
+                    f"{self.model_impl!r}. Restart `grpo vllm-serve` with --model-impl {self.model_impl}, or set "
+                    f"vllm_model_impl={served!r}."
+                )
+            choice = [(mode, error)]
+            if error is None:
                 logger.info("vLLM weight sync: %s", _mode_note(mode, peft, info))
         mode, error = broadcast_object_list(choice, from_process=0)[0]
         if error:
