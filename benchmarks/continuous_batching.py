@@ -12,7 +12,7 @@ and goes on a shared machine falls on both alike; the times printed are medians.
 lengths differ between the two and between rounds: the tokens generated per second are printed beside the times.
 
 Models: "tiny" (the random 2-layer model of grpo.testing, 16 prompts x 8 x <= 32 tokens) and "smollm2"
-(SmolLM2-135M-Instruct, float32, offline: 8 prompts x 8 x <= 64 tokens).
+(SmolLM2-135M-Instruct, float32, offline: 4 prompts x 8 x <= 32 tokens).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def load(name: str):
 
     path = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, QUESTIONS[:8], 8, 64
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, QUESTIONS[:4], 8, 32
 
 
 def measure(name: str, repeats: int) -> dict:
@@ -72,7 +72,7 @@ def measure(name: str, repeats: int) -> dict:
 
 def report(run: dict) -> None:
     print(f"\n{run['name']}: {run['shape']}, medians of {len(run['times']['model.generate'])} rounds each")
-    print(f"{'sampler':22} {'s / round':>10} {'tokens / s':>11}")
+    print(f"{'sampler':22} {'s / round':>10} {'tokens / s':>11}", flush=True)
     medians = {}
     for label, times in run["times"].items():
         medians[label] = statistics.median(times)

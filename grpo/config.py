@@ -979,6 +979,8 @@ class GRPOConfig(TrainingArguments):
         self._check_launch()
         self._check_values()
         self._check_rendering_and_logging()
+        self._check_continuous_batching()
+        self._check_vllm_engine()
         self._resolve_sampling_bounds()
         self._check_steps_and_prompts()
         self._resolve_generation_batch()
@@ -1050,7 +1052,6 @@ class GRPOConfig(TrainingArguments):
                 f"{IMPORTANCE_SAMPLING_LEVELS}."
             )
         self._check_generation_kwargs()
-        self._check_continuous_batching()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
@@ -1079,7 +1080,6 @@ class GRPOConfig(TrainingArguments):
                 "`grpo vllm-serve` process, 'colocate' on a vLLM engine inside each training process (docs/vllm.md)."
             )
         self._check_async()
-        self._check_vllm_engine()
         if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
@@ -1337,7 +1337,7 @@ class GRPOConfig(TrainingArguments):
                 "use_transformers_paged is deprecated: it is used as use_transformers_continuous_batching=True, TRL's "
                 "name since 1.2. Set that instead.",
                 FutureWarning,
-                stacklevel=5,  # the GRPOConfig(...) call
+                stacklevel=4,  # the GRPOConfig(...) call
             )
             self.use_transformers_continuous_batching = True
         settings = self.transformers_continuous_batching_config

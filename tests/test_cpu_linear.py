@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from grpo.contrib.cpu import decode as cpu_linear
 from grpo.contrib.cpu import sampling
 from grpo.generation import TransformersGeneration, make_generation_backend
+from grpo.testing import tiny_tokenizer
 
 needs_kernel = pytest.mark.skipif(
     not cpu_linear.available(), reason="needs Linux x86-64, torch's AVX512 CPU capability and a C compiler"
@@ -118,12 +119,12 @@ def test_the_config_switches_reach_the_sampler_and_are_off_by_default(tmp_path):
         args = GRPOConfig(
             output_dir=str(tmp_path), cpu_decode_kernel=value, cpu_inverse_cdf_sampling=not value, report_to="none"
         )
-        backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
+        backend = make_generation_backend(args, None, tiny_tokenizer(), eos_token_ids=[1])
         assert backend.cpu_decode_kernel is value
         assert backend.cpu_inverse_cdf_sampling is not value
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
     assert not (args.cpu_decode_kernel or args.cpu_inverse_cdf_sampling or args.keep_freed_cpu_memory)
-    backend = make_generation_backend(args, None, pad_token_id=0, eos_token_ids=[1])
+    backend = make_generation_backend(args, None, tiny_tokenizer(), eos_token_ids=[1])
     assert not (backend.cpu_decode_kernel or backend.cpu_inverse_cdf_sampling)
 
 

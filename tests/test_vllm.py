@@ -9,6 +9,7 @@ GRPO_VLLM_API_KEY carries it to every client here, the trainers' included.
 import copy
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -458,3 +459,19 @@ def test_multi_turn_episodes_on_the_server(server, tmp_path):
     logs = trainer.state.log_history[0]
     assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2
     assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_a_regex_constrains_every_completion_on_the_server(server, model_path, tokenizer, tmp_path):
+    # The tiny random model never writes this on its own; under vLLM's structured outputs every completion matches
+    # it, and the engine ends each with EOS once the pattern is complete.
+    port, client = server
+    assert client.info["model_impl"] == "vllm"  # the server's default, GRPOConfig's vllm_model_impl default
+    pattern, seen = "(yes|no)[0-9]{2}", []
+
+    def record(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [float(c.startswith("yes")) for c in completions]
+
+    args = _config(tmp_path, port, vllm_structured_outputs_regex=pattern)
+    GRPOTrainer(str(model_path), record, args=args, train_dataset=_dataset(), processing_class=tokenizer).train()
+    assert len(seen) == 8 and all(re.fullmatch(pattern, c) for c in seen), seen

@@ -36,7 +36,7 @@ from grpo.generation.vllm.weight_sync import (
     send_weights,
 )
 from grpo.objective.loss import policy_loss
-from grpo.testing import tiny_model
+from grpo.testing import tiny_model, tiny_tokenizer
 from tests.helpers.net import free_port, stand_in_server
 
 TOKEN = bytes(range(32))
@@ -283,7 +283,7 @@ def test_the_config_passes_the_request_timeout_to_the_client(monkeypatch):
 
     args = GRPOConfig(output_dir="/tmp/x", use_vllm=True, vllm_request_timeout=7.5, report_to=[])
     monkeypatch.setattr(server_backend, "VLLMGeneration", lambda accelerator, client, **kwargs: client)
-    client = make_generation_backend(args, Accelerator(), pad_token_id=0, eos_token_ids=[1])
+    client = make_generation_backend(args, Accelerator(), tiny_tokenizer(), eos_token_ids=[1])
     assert client.request_timeout == 7.5 and client.timeout == args.vllm_server_timeout
 
 

@@ -5,6 +5,7 @@ Runs in the vLLM environment: `make test-vllm`. An engine on the tiny model star
 """
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -177,6 +178,20 @@ def test_async_generation_with_a_colocated_engine(model_path, tokenizer, tmp_pat
     trainer.generation.sync_weights(policy, version=trainer.state.global_step)
     trainer.generation.wait_for_load()  # with one process the engine loads in a thread of its own
     assert _engine_greedy(trainer.generation.backend.llm) == _greedy(policy)
+
+
+def test_a_regex_constrains_every_completion_of_a_colocated_engine(model_path, tokenizer, tmp_path):
+    # The engine loads the tokenizer for it (skip_tokenizer_init otherwise); the tiny random model never writes this
+    # pattern on its own.
+    pattern, seen = "(yes|no)[0-9]{2}", []
+
+    def record(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [float(c.startswith("yes")) for c in completions]
+
+    args = _training_config(tmp_path / "out", max_steps=1, save_strategy="no", vllm_structured_outputs_regex=pattern)
+    GRPOTrainer(str(model_path), record, args=args, train_dataset=_dataset(), processing_class=tokenizer).train()
+    assert len(seen) == 8 and all(re.fullmatch(pattern, c) for c in seen), seen
 
 
 def test_a_resumed_run_samples_what_the_uninterrupted_one_did(model_path, tokenizer, tmp_path):

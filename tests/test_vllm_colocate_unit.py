@@ -17,7 +17,7 @@ from grpo import GRPOConfig
 from grpo.generation import make_generation_backend
 from grpo.generation.base import SamplingRNG, equal_runs
 from grpo.generation.vllm.colocate import VLLMColocateGeneration
-from grpo.testing import tiny_model
+from grpo.testing import tiny_model, tiny_tokenizer
 
 ONE_PROCESS = types.SimpleNamespace(process_index=0, local_process_index=0, num_processes=1)
 TWO_PROCESSES = types.SimpleNamespace(process_index=1, local_process_index=1, num_processes=2)
@@ -55,7 +55,7 @@ def test_bad_colocate_fields(tmp_path, kwargs, error, match):
 def test_without_vllm_the_backend_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"pip install vllm.*make install-vllm"):
-        make_generation_backend(_config(tmp_path, vllm_mode="colocate"), ONE_PROCESS, 0, [1])
+        make_generation_backend(_config(tmp_path, vllm_mode="colocate"), ONE_PROCESS, tiny_tokenizer(), [1])
 
 
 def test_equal_runs():

@@ -41,20 +41,14 @@ __all__ = [
 
 
 def make_generation_backend(
-    args,
-    accelerator,
-    pad_token_id: int,
-    eos_token_ids: Sequence[int],
-    stored=None,
-    rng: SamplingRNG | None = None,
-    tokenizer=None,
+    args, accelerator, tokenizer, eos_token_ids: Sequence[int], stored=None, rng: SamplingRNG | None = None
 ) -> GenerationBackend:
     """The trainer's sampler for a `GRPOConfig`: the policy's own `generate` (with
     `use_transformers_continuous_batching`, transformers' continuous-batching engine), or with `use_vllm` a vLLM server
     (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
     (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them. `rng`: the trainer's
-    sampling stream, which every sampler draws from (base.py). `tokenizer`: the policy's, which a colocated engine
-    loads to apply `vllm_structured_outputs_regex`."""
+    sampling stream, which every sampler draws from (base.py). `tokenizer`: the policy's (its padding token; a
+    colocated engine loads it to apply `vllm_structured_outputs_regex`)."""
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     sampling = dict(
@@ -75,7 +69,7 @@ def make_generation_backend(
                 "False (model.generate), or use vLLM (use_vllm=True)."
             )
         return ContinuousBatchingGeneration(
-            pad_token_id=pad_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
             settings=args.transformers_continuous_batching_config,
@@ -84,7 +78,7 @@ def make_generation_backend(
         )
     if not args.use_vllm:
         return TransformersGeneration(
-            pad_token_id=pad_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
             generation_kwargs=args.generation_kwargs,
             cache_implementation=args.cache_implementation,
@@ -94,6 +88,11 @@ def make_generation_backend(
             rng=rng,
             **sampling,
         )
+    return _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling)
+
+
+def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: dict) -> GenerationBackend:
+    """`use_vllm`'s sampler: an engine in this process (`vllm_mode="colocate"`) or a `grpo vllm-serve` server."""
     if args.vllm_mode == "colocate":
         from grpo.generation.vllm.colocate import VLLMColocateGeneration
 
