@@ -472,6 +472,11 @@ def test_a_regex_constrains_every_completion_on_the_server(server, model_path, t
         seen.extend(completions)
         return [float(c.startswith("yes")) for c in completions]
 
-    args = _config(tmp_path, port, vllm_structured_outputs_regex=pattern)
-    GRPOTrainer(str(model_path), record, args=args, train_dataset=_dataset(), processing_class=tokenizer).train()
+    with pytest.warns(UserWarning, match="importance-sampling correction then weights"):
+        args = _config(tmp_path, port, vllm_structured_outputs_regex=pattern)
+    trainer = GRPOTrainer(str(model_path), record, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    trainer.train()
     assert len(seen) == 8 and all(re.fullmatch(pattern, c) for c in seen), seen
+    # The engine reports the constrained distribution's log-probs (the mask is applied before sampling), the trainer
+    # the unconstrained policy's: the correction's weights pi_old / pi_sampler fall far below 1 (the warning above).
+    assert trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"] < 0.5

@@ -9,6 +9,7 @@ import io
 import multiprocessing
 import socket
 import time
+import warnings
 
 import pytest
 import torch
@@ -473,7 +474,13 @@ def test_config_checks_the_vllm_engine_fields():
         return GRPOConfig(output_dir="/tmp/x", report_to=[], **kwargs)
 
     assert config().vllm_model_impl == "vllm" and config().vllm_structured_outputs_regex is None
-    assert config(use_vllm=True, vllm_structured_outputs_regex=r"\d+").vllm_structured_outputs_regex == r"\d+"
+    # The engine's log-probs are the constrained distribution's: the correction would weight by pi_theta / that.
+    with pytest.warns(UserWarning, match="importance-sampling correction then weights each token"):
+        config(use_vllm=True, vllm_structured_outputs_regex=r"\d+")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = config(use_vllm=True, vllm_structured_outputs_regex=r"\d+", vllm_importance_sampling_correction=False)
+    assert args.vllm_structured_outputs_regex == r"\d+"
     with pytest.raises(ValueError, match="vllm_model_impl='native' is not one of"):
         config(vllm_model_impl="native")
     with pytest.raises(ValueError, match="use_vllm=False: only a vLLM engine"):
