@@ -1315,6 +1315,15 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_model_impl={self.vllm_model_impl!r} is not one of {VLLM_MODEL_IMPLS}: 'vllm' runs vLLM's own "
                 "model code, 'transformers' the transformers modeling code."
             )
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_model_impl == "transformers":
+            # vLLM's transformers backend decorates the transformers model class in place (for torch.compile), so
+            # the policy, an instance of the same class in the same process, fails at its next forward.
+            raise ValueError(
+                "vllm_model_impl='transformers' with vllm_mode='colocate': vLLM's transformers backend changes the "
+                "transformers model class in place, which breaks the policy's own forward pass in the same process. "
+                "Use server mode (vllm_mode='server', `grpo vllm-serve --model-impl transformers`), or "
+                "vllm_model_impl='vllm'."
+            )
         regex = self.vllm_structured_outputs_regex
         if regex is None:
             return

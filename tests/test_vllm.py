@@ -480,3 +480,27 @@ def test_a_regex_constrains_every_completion_on_the_server(server, model_path, t
     # The engine reports the constrained distribution's log-probs (the mask is applied before sampling), the trainer
     # the unconstrained policy's: the correction's weights pi_old / pi_sampler fall far below 1 (the warning above).
     assert trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"] < 0.5
+
+
+def test_a_server_running_the_transformers_implementation(model_path, tokenizer, tmp_path):
+    # `--model-impl transformers` reaches the engine (vLLM runs the transformers modeling code); a trainer whose
+    # vllm_model_impl matches syncs and samples the policy's greedy completion, one that does not is stopped.
+    port = free_port()
+    process, client = _start_server(model_path, port, tmp_path / "server.log", "--model-impl", "transformers")
+    try:
+        assert client.info["model_impl"] == "transformers"
+        args = _config(tmp_path, port, vllm_model_impl="transformers")
+        trainer = GRPOTrainer(
+            str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
+        )
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        trainer.generation.sync_weights(policy, version=0)
+        assert _server_greedy(client) == _trainer_greedy(policy)
+        args = _config(tmp_path, port)  # vllm_model_impl="vllm", the default
+        trainer = GRPOTrainer(
+            str(model_path), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer
+        )
+        with pytest.raises(ValueError, match="runs --model-impl transformers, but vllm_model_impl='vllm'"):
+            trainer.generation.sync_weights(policy, version=0)
+    finally:
+        _stop(process)

@@ -483,6 +483,9 @@ def test_config_checks_the_vllm_engine_fields():
     assert args.vllm_structured_outputs_regex == r"\d+"
     with pytest.raises(ValueError, match="vllm_model_impl='native' is not one of"):
         config(vllm_model_impl="native")
+    with pytest.raises(ValueError, match="changes the transformers model class in place"):
+        config(use_vllm=True, vllm_mode="colocate", vllm_model_impl="transformers")
+    assert config(use_vllm=True, vllm_model_impl="transformers").vllm_model_impl == "transformers"  # server mode
     with pytest.raises(ValueError, match="use_vllm=False: only a vLLM engine"):
         config(vllm_structured_outputs_regex="yes|no")
     with pytest.raises(ValueError, match="is not a valid regular expression"):
