@@ -685,8 +685,9 @@ class GRPOConfig(TrainingArguments):
         default="vllm",
         section=Section.VLLM,
         help="The model implementation vLLM runs: 'vllm' (vLLM's own), 'transformers' (the transformers modeling "
-        "code, for architectures vLLM lacks) or 'auto'. Colocate mode builds its engine with it; server mode checks "
-        "that `grpo vllm-serve` was started with the same `--model-impl` (TRL's name and default).",
+        "code, for architectures vLLM lacks) or 'auto'. Colocate mode builds its engine with it ('transformers' is "
+        "refused there: vLLM changes the transformers model class in place, breaking the policy's forward); server "
+        "mode checks that `grpo vllm-serve` was started with the same `--model-impl` (TRL's name and default).",
     )
     vllm_structured_outputs_regex: str | None = option(
         default=None,
