@@ -240,7 +240,7 @@ def test_cache_implementation_reaches_model_generate(tmp_path):
     )
     for setting, kind in ((None, "DynamicCache"), ("static", StaticCache.__name__)):
         args = config(tmp_path, cache_implementation=setting)
-        backend = make_generation_backend(args, None, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        backend = make_generation_backend(args, None, tokenizer, [tokenizer.eos_token_id])
         caches.clear()
         backend.generate(model, [[5, 6, 7], [8, 9]])
         assert {cache.__name__ for cache in caches} == {kind}
@@ -280,7 +280,7 @@ def test_pad_to_multiple_of_pads_what_the_model_sees_and_changes_no_log_prob(tmp
     # Generation: every input wider than one token (the prefill; decoding feeds one token at a time) is padded too.
     tokenizer = tiny_tokenizer()
     backend = make_generation_backend(
-        config(tmp_path, pad_to_multiple_of=8), None, tokenizer.pad_token_id, [tokenizer.eos_token_id]
+        config(tmp_path, pad_to_multiple_of=8), None, tokenizer, [tokenizer.eos_token_id]
     )
     widths.clear()
     backend.generate(model, [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11, 12]])

@@ -129,11 +129,6 @@ GAPS_BEING_CLOSED = {
     "entropy_coef_delta",
     "entropy_target",
     "router_aux_loss_coef",
-    "use_transformers_continuous_batching",
-    "transformers_continuous_batching_config",
-    "use_transformers_paged",
-    "vllm_model_impl",
-    "vllm_structured_outputs_regex",
     "log_multimodal",
 }
 DIFFERENCES_HEADING = "## Deliberate differences from TRL 1.16"

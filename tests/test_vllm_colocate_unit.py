@@ -216,5 +216,26 @@ def colocate_args(request, tmp_path):
 
 
 def test_trust_remote_code_reaches_the_engine(colocate_args, fake_vllm):
-    backend = make_generation_backend(colocate_args, ONE_PROCESS, 0, [1])
+    backend = make_generation_backend(colocate_args, ONE_PROCESS, tiny_tokenizer(), [1])
     assert backend.engine(tiny_model()).kwargs["trust_remote_code"] is colocate_args.trust_remote_code
+
+
+def test_model_impl_and_the_regex_reach_the_engine(fake_vllm, monkeypatch):
+    # vllm_model_impl is an engine setting; a regex makes the engine load the tokenizer (saved beside the config) and
+    # puts vLLM's structured-outputs constraint in every request.
+    outputs = types.ModuleType("vllm.sampling_params")
+    outputs.StructuredOutputsParams = lambda **kw: ("constraint", kw)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", outputs)
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    plain = _backend(model_impl="transformers")
+    plain.sync_weights(model, version=0)
+    assert plain.llm.kwargs["model_impl"] == "transformers" and plain.llm.kwargs["skip_tokenizer_init"] is True
+    backend = _backend(structured_outputs_regex="(yes|no)", tokenizer=tokenizer)
+    backend.sync_weights(model, version=0)
+    settings = backend.llm.kwargs
+    assert settings["model_impl"] == "vllm" and settings["skip_tokenizer_init"] is False
+    assert (Path(settings["model"]) / "tokenizer.json").exists()
+    backend.generate(model, [[5, 6], [5, 6]])
+    assert backend.llm.requests[0][1].structured_outputs == ("constraint", {"regex": "(yes|no)"})
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        _backend(structured_outputs_regex="(yes|no)")
