@@ -1399,6 +1399,12 @@ class GRPOConfig(TrainingArguments):
                 "shows a logits processor only each row's last token. Set repetition_penalty=1.0, or "
                 "use_transformers_continuous_batching=False."
             )
+        if self.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={self.cache_implementation!r} sets the KV cache of `model.generate`, but "
+                "use_transformers_continuous_batching=True samples with transformers' engine, whose cache is paged. "
+                "Remove cache_implementation (the engine's cache: transformers_continuous_batching_config)."
+            )
         ignored = sorted({"min_length", "min_new_tokens"} & set(self.generation_kwargs or {}))
         if ignored:
             raise ValueError(

@@ -123,6 +123,7 @@ def test_config_fields_and_the_deprecated_alias(tmp_path):
         ({"use_vllm": True}, "pick one"),
         ({"repetition_penalty": 1.1}, "cannot apply a repetition_penalty"),
         ({"generation_kwargs": {"min_new_tokens": 2}}, "engine ignores"),
+        ({"cache_implementation": "static"}, "whose cache is paged"),
         (
             {
                 "use_transformers_continuous_batching": False,
