@@ -220,8 +220,16 @@ class GRPOConfig(TrainingArguments):
     model_init_kwargs: dict[str, Any] | None = option(
         default=None,
         section=Section.MODEL,
-        help="Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id. "
-        "The default loads float32 weights (`dtype=torch.float32`), the right master copy for mixed precision.",
+        help="Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a path or hub id "
+        "(`AutoModelForImageTextToText` for a vision-language model). The default loads float32 weights "
+        "(`dtype=torch.float32`), the right master copy for mixed precision.",
+    )
+    train_vision_tower: bool = option(
+        default=False,
+        section=Section.MODEL,
+        help="Vision-language models (docs/vlm.md): train the vision tower and projector too. False (default) "
+        "keeps them frozen: a PEFT adapter goes on the language model only (the vision modules are added to its "
+        "exclude_modules), and without PEFT their weights get no gradient. No effect on a text-only model.",
     )
     trust_remote_code: bool = option(
         default=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpo.data import InputError
+from grpo.data.vision import NOT_A_PROCESSOR, is_processor
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,16 +42,25 @@ def load_causal_lm(
     if name_or_path == SMOLLM2_NAME:
         name_or_path = str(smollm2_path())
     check_local_path(name_or_path, "Model")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=kwargs["trust_remote_code"])
+    if hasattr(config, "vision_config"):  # a vision-language model (docs/vlm.md)
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
-def load_policy(model, tokenizer, peft_config, args):
+def load_policy(model, tokenizer, peft_config, args, images: bool = False):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
     with `args.model_init_kwargs`, running the repository's own code only with `args.trust_remote_code`) or a loaded
     model; the tokenizer loaded from the model's path when not given (likewise; its pad
     token defaults to EOS; once the model is loaded, a tokenizer with more ids than its embedding rows is refused);
     wrapped with `peft_config` when given; dropout off with `args.disable_dropout`. The arguments are checked before
-    any weight loads."""
+    any weight loads. A vision-language model comes with its processor (`AutoProcessor`) in place of the tokenizer,
+    and its vision tower frozen (no adapter on it) unless `args.train_vision_tower`; with `images` (the data has an
+    image column) a tokenizer is refused."""
     model_init_kwargs, trust_remote_code = args.model_init_kwargs, args.trust_remote_code
     if model_init_kwargs is not None and not isinstance(model, str):
         raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
@@ -63,13 +74,24 @@ def load_policy(model, tokenizer, peft_config, args):
             raise ValueError(
                 "The model was built in code and has no path to load a tokenizer from; pass it as `processing_class=`."
             )
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    check_vocabulary(model, tokenizer)
-    eos_token_ids = eos_token_ids_of(model, tokenizer)
+        if is_vision_model(model):
+            from transformers import AutoProcessor
+
+            tokenizer = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if images and not is_processor(tokenizer):
+        raise InputError(NOT_A_PROCESSOR)
+    text = tokenizer.tokenizer if is_processor(tokenizer) else tokenizer
+    if text.pad_token_id is None:
+        text.pad_token = text.eos_token
+    check_vocabulary(model, text)
+    eos_token_ids = eos_token_ids_of(model, text)
     if peft_config is not None:
-        model = apply_peft(model, peft_config)
+        model = apply_peft(model, peft_config, args.train_vision_tower)
+    elif not args.train_vision_tower:
+        for part in vision_parts(model).values():
+            part.requires_grad_(False)
     if args.disable_dropout:
         disable_dropout(model)
     return model, tokenizer, eos_token_ids
@@ -196,12 +218,45 @@ def check_peft_config(model: PreTrainedModel | str, peft_config) -> None:
         )
 
 
-def apply_peft(model: PreTrainedModel, peft_config) -> nn.Module:
-    """`peft.get_peft_model(model, peft_config)`: only the adapter's weights train."""
+def apply_peft(model: PreTrainedModel, peft_config, train_vision_tower: bool = False) -> nn.Module:
+    """`peft.get_peft_model(model, peft_config)`: only the adapter's weights train. On a vision-language model the
+    adapter leaves the vision tower and projector out (`exclude_modules`, added to the user's own) unless
+    `train_vision_tower`."""
     check_peft_config(model, peft_config)
     from peft import get_peft_model
 
+    parts = vision_parts(model)
+    if parts and not train_vision_tower:
+        peft_config = copy.deepcopy(peft_config)
+        ours = "|".join(re.escape(name) for name in parts)
+        own = peft_config.exclude_modules
+        if isinstance(own, str):
+            peft_config.exclude_modules = rf"(?:{own})|(?:(?:{ours})(?:\..*)?)"
+        else:
+            names = [name for part in parts for name, _ in model.get_submodule(part).named_modules(prefix=part)]
+            peft_config.exclude_modules = set(own or ()) | set(names)
     return get_peft_model(model, peft_config)
+
+
+def is_vision_model(model: nn.Module) -> bool:
+    """Whether `model` is a vision-language model (its configuration has a vision part)."""
+    config = getattr(unwrap_parallel(model), "config", None)
+    return hasattr(config, "vision_config")
+
+
+def vision_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of a vision-language model that are not its language model, by name: the siblings of its text
+    decoder (Qwen-VL's `model.visual`, Idefics3's `model.vision_model` and `model.connector`, LLaVA's
+    `model.vision_tower` and `model.multi_modal_projector`). Empty for a text-only model."""
+    if not is_vision_model(model):
+        return {}
+    decoder = model.get_decoder()
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if any(child is decoder for child in children.values()):
+            prefix = f"{name}." if name else ""
+            return {prefix + child: part for child, part in children.items() if part is not decoder}
+    return {}
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -25,6 +25,7 @@ import torch
 from accelerate.utils import gather, gather_object
 
 from grpo.data import content_widths, pad
+from grpo.data.vision import rows_to
 
 LOCAL, GATHERED = "local", "gathered"
 
@@ -37,6 +38,8 @@ class TokenBatch(NamedTuple):
     prompt_mask: torch.Tensor  # (B, P)
     completion_ids: torch.Tensor  # (B, T) long, right-padded
     completion_mask: torch.Tensor  # (B, T)
+    # Vision-language models: each row's images as the model takes them (grpo/data/vision.py); None: text only.
+    vision: list[dict[str, torch.Tensor]] | None = None
 
 
 def _tensor(scope: str, padded: str | None = None, default_none: bool = False):
@@ -78,6 +81,9 @@ class Rollout:
     # Multi-turn episodes (grpo/generation/episodes.py): this process's sums of turns, tool calls, errors... (None:
     # single-turn completions).
     episode_stats: dict[str, float] | None = None
+    # Vision-language models (grpo/data/vision.py): each local row's vision inputs (pixel values, image grids, ...),
+    # a dict of tensors per row; None: text only. Rows are sliced, moved and gathered with the token tensors.
+    vision: list[dict[str, torch.Tensor]] | None = None
 
     @classmethod
     def from_tokens(
@@ -138,10 +144,11 @@ class Rollout:
 
     def token_inputs(self) -> TokenBatch:
         """The four tensors a forward pass needs (`GRPOTrainer.logprobs`)."""
-        return TokenBatch(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask)
+        return TokenBatch(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.vision)
 
     def to(self, device: torch.device | str) -> Rollout:
-        return replace(self, **{name: getattr(self, name).to(device) for name, _ in self._tensors()})
+        moved = {name: getattr(self, name).to(device) for name, _ in self._tensors()}
+        return replace(self, vision=rows_to(self.vision, device), **moved)
 
     def trim(self) -> Rollout:
         """The local token tensors cut to this rollout's longest prompt (on the left) and completion (on the right);
@@ -169,6 +176,9 @@ class Rollout:
         """Every process's rows, in process order: local tensors padded to a common width across processes, texts
         by `gather_object`. The gathered fields are already global."""
         out = {"prompts": gather_object(self.prompts), "completions": gather_object(self.completions)}
+        if self.vision is not None:  # per-row dicts of tensors, by object (rows differ in shape)
+            device = self.prompt_ids.device
+            out["vision"] = rows_to(gather_object(rows_to(self.vision, "cpu")), device)
         for name, side in self._tensors(LOCAL):
             value = getattr(self, name)
             if side is not None:
@@ -186,6 +196,8 @@ class Rollout:
             "prompts": [rollouts[r].prompts[i] for r, i in picked],
             "completions": [rollouts[r].completions[i] for r, i in picked],
         }
+        if rollouts[0].vision is not None:
+            out["vision"] = [rollouts[r].vision[i] for r, i in picked]
         for name, side in rollouts[0]._tensors():
             scope = rollouts[0].__dataclass_fields__[name].metadata["scope"]
             chosen = picked if scope == LOCAL else rows
@@ -213,7 +225,8 @@ class Rollout:
     def _rows(self, rows: slice) -> Rollout:
         """Local rows `rows` (gathered fields unchanged)."""
         cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
-        return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], **cut)
+        vision = None if self.vision is None else self.vision[rows]
+        return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], vision=vision, **cut)
 
 
 @dataclass
@@ -238,6 +251,8 @@ class MicroBatch:
     # The loss tokens of this micro-batch's optimizer step on all processes, for loss types normalised over the step
     # (grpo/objective/loss.py, `accumulation`); None for the others.
     window_loss_tokens: torch.Tensor | None = None  # 0-d float
+    # Vision-language models: each row's vision inputs (grpo/data/vision.py); None: text only.
+    vision: list[dict[str, torch.Tensor]] | None = None
 
     # The fields copied from the rollout's local rows.
     ROLLOUT_FIELDS = (
@@ -250,6 +265,7 @@ class MicroBatch:
         "sampling_logps",
         "ref_logps",
         "old_logps",
+        "vision",
     )
 
     @property

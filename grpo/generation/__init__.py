@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from grpo.data import InputError, decode_completions, encode_prompts
+from grpo.data.vision import encode_vision_prompts, is_processor, row_images, text_tokenizer
 from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cut_at_eos
 from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
@@ -147,7 +148,9 @@ def sample_rollout(
     row with `backend`, cut each after its first EOS (kept; a completion without one is truncated) and decode. The
     rollout is not scored yet. Also returns the rows' other columns, for the reward functions. Offline training's
     backend, `StoredCompletions`, makes the rollout of its drawn groups itself. With an `agent` (tools or
-    environments), each row is a multi-turn episode (`AgentLoop.rollout`, episodes.py; `lockstep` there)."""
+    environments), each row is a multi-turn episode (`AgentLoop.rollout`, episodes.py; `lockstep` there).
+    Rows with an `image` or `images` column (vision-language models; `tokenizer` is then the model's processor) are
+    rendered and tokenized with their images (grpo/data/vision.py), and the rollout carries their vision inputs."""
     if isinstance(backend, StoredCompletions):
         return backend.rollout(inputs, tokenizer, eos_token_ids)
     if agent is not None:
@@ -156,14 +159,28 @@ def sample_rollout(
         raise KeyError(f"Each example needs a 'prompt' field; got fields {sorted(inputs[0])}.")
     prompts = [example["prompt"] for example in inputs]
     columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
-    prompt_ids, prompt_cut = encode_prompts(
-        prompts,
-        tokenizer,
-        args.max_prompt_length,
-        args.truncation_side,
-        chat_template_kwargs=args.chat_template_kwargs,
-    )
-    raw = backend.generate(model, prompt_ids)
+    images = [row_images(example) for example in inputs]
+    vision = None
+    template_kwargs = args.chat_template_kwargs
+    if images[0] is not None:  # vision inputs beside the prompt tokens, from the processor
+        if not is_processor(tokenizer):
+            raise TypeError(
+                "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
+                "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
+            )
+        prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
+        prompt_cut = [False] * len(prompts)
+        raw = backend.generate(model, prompt_ids, vision=vision)
+    else:
+        prompt_ids, prompt_cut = encode_prompts(
+            prompts,
+            text_tokenizer(tokenizer),
+            args.max_prompt_length,
+            args.truncation_side,
+            chat_template_kwargs=template_kwargs,
+        )
+        raw = backend.generate(model, prompt_ids)
+    tokenizer = text_tokenizer(tokenizer)
     completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
     sampling_logps = None
     if raw.logprobs is not None:
@@ -179,4 +196,5 @@ def sample_rollout(
         sampling_logps=sampling_logps,
     )
     rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
+    rollout.vision = vision
     return rollout, columns

@@ -14,6 +14,7 @@ uniform number per row instead of `torch.multinomial` (sampling.py, for the same
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from grpo.data import pad, round_up
+from grpo.data.vision import placeholder_token_ids, vision_batch
 from grpo.generation.base import Completions, SamplingRNG, cut_at_eos, equal_runs
 
 
@@ -83,9 +85,16 @@ class TransformersGeneration:
         """Nothing to do: `generate` samples with the live model."""
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]], vision: list | None = None) -> Completions:
+        """`vision`: each row's vision inputs (vision-language models, grpo/data/vision.py); then every row is
+        prefilled with its images, none shared, and the model's image placeholder tokens are never sampled (a
+        completion holding one would ask the log-prob passes for an image that is not there)."""
         input_ids, attention_mask = self._left_padded(model, prompt_ids)
-        sequences, _ = self._run(model, input_ids, attention_mask, prompt_ids)
+        if vision is not None:
+            inputs = vision_batch(vision, input_ids.shape[1], 0, input_ids.device)
+            sequences, _ = self._run(model, input_ids, attention_mask, vision=inputs)
+        else:
+            sequences, _ = self._run(model, input_ids, attention_mask, prompt_ids)
         return Completions(sequences[:, input_ids.shape[1] :].tolist())
 
     def turns(self) -> CarriedTurns:
@@ -106,11 +115,17 @@ class TransformersGeneration:
         attention_mask: torch.Tensor,
         prompt_ids: list[list[int]] | None = None,
         cache: DynamicCache | None = None,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
         """`generate` from `input_ids` (B, T), given a `cache` of its first columns or, with `prompt_ids`, sharing
-        the prefill of identical prompts. Returns the sequences (B, T + N) and the cache `generate` ended with (of
+        the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
+        which the model's image placeholder tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
         its first T + N - 1 columns: the last token sampled was never fed to the model)."""
         device = input_ids.device
+        config = self.generation_config
+        if vision is not None:
+            config = copy.deepcopy(config)
+            config.suppress_tokens = [*(config.suppress_tokens or []), *placeholder_token_ids(model.config)]
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
         drawing = self.rng.as_default() if self.rng is not None else contextlib.nullcontext()
@@ -125,8 +140,9 @@ class TransformersGeneration:
                 output = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
-                    generation_config=self.generation_config,
+                    generation_config=config,
                     **{cache_keyword(model.forward): cache},
+                    **(vision or {}),
                 )
         finally:
             model.train(was_training)

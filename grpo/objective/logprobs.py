@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from grpo.data import content_widths, round_up
+from grpo.data.vision import vision_batch
 from grpo.models import unwrap_parallel
 from grpo.objective.shared_prompt import shared_prompt_hidden_states
 
@@ -226,6 +227,14 @@ def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]
     return head, scale, getattr(config, "final_logit_softcapping", None)
 
 
+def packs_sequences(padding_free: bool | None, model_config) -> bool:
+    """Whether the log-prob passes pack a micro-batch's sequences into one row (`GRPOConfig.padding_free`): as set,
+    or by default where the attention implementation has variable-length kernels (flash_attention_2/3), the only
+    place packing pays. Passes with vision inputs never pack (`completion_logprobs`)."""
+    attention = getattr(model_config, "_attn_implementation", None) or ""
+    return padding_free if padding_free is not None else "flash_attention" in attention
+
+
 def logprob_settings(args) -> dict:
     """The `completion_logprobs` settings a `GRPOConfig` fixes for a whole run (policy, old and reference alike)."""
     return {
@@ -276,15 +285,26 @@ def _whole(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return whole.to(dtype)
 
 
-def _padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict[str, torch.Tensor]:
+def _padded_inputs(
+    prompt_ids, prompt_mask, completion_ids, completion_mask, model=None, extra=None
+) -> dict[str, torch.Tensor]:
     """Prompt and completion side by side, (B, P+T), with position ids that count only real tokens (cumulative sum of
-    the attention mask), as `generate` does for left-padded prompts."""
+    the attention mask), as `generate` does for left-padded prompts; with `extra` (vision inputs), those too, and no
+    position ids for a model that computes multimodal ones from the mask and the image grids itself. (Rows with
+    images always run whole, never packed nor with a shared prompt: the model places each image's features at the
+    placeholder tokens of the rows it is given.)"""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    return {
-        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-    }
+    inputs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1), "attention_mask": attention_mask}
+    if not (extra and _own_positions(model)):
+        inputs["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {**inputs, **(extra or {})}
+
+
+def _own_positions(model: nn.Module | None) -> bool:
+    """Whether a vision-language model computes its own multimodal position ids (Qwen-VL's `get_rope_index`: each
+    image token's 3-D position over time, height and width), which 1-D position ids would replace."""
+    lm = _language_model(model) if model is not None else None
+    return lm is not None and any(hasattr(m, "get_rope_index") for m in (lm, getattr(lm, "model", None)))
 
 
 def _packed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -317,6 +337,7 @@ def completion_logprobs(
     padding_free: bool = False,
     head_fp32: bool = False,
     pad_to_multiple_of: int | None = None,
+    vision: list[dict[str, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
@@ -336,22 +357,24 @@ def completion_logprobs(
     root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
     there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
+
+    `vision` (vision-language models): each row's vision inputs (grpo/data/vision.py), given to the model with the
+    tokens; such a pass runs padded, every row whole (`_padded_inputs`).
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
-        settings.update(padding_free=padding_free, head_fp32=head_fp32, pad_to_multiple_of=pad_to_multiple_of)
-        chunks = [
-            completion_logprobs(model, *(x[i : i + batch_size] for x in tensors), **settings)
-            for i in range(0, prompt_ids.shape[0], batch_size)
-        ]
-        logps = torch.cat([c[0] for c in chunks])
-        entropy = torch.cat([c[1] for c in chunks]) if with_entropy else None
-        return logps, entropy
+        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, head_fp32=head_fp32)
+        settings.update(padding_free=padding_free, pad_to_multiple_of=pad_to_multiple_of)
+        return _in_row_batches(model, tensors, vision, batch_size, **settings)
 
+    padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
     prompt_ids, prompt_mask, completion_ids, completion_mask = _forward_columns(
         prompt_ids, prompt_mask, completion_ids, completion_mask, multiple
+    )
+    # The model's vision keyword arguments, for the rows and the widths of this pass.
+    extra = (
+        {} if vision is None else vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device)
     )
     head, scale, softcap = output_projection(model)
     if head_fp32:
@@ -359,13 +382,15 @@ def completion_logprobs(
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
         logps, entropy = _logprobs_from_full_logits(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, extra
         )
     else:
         # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
-        # With pad_to_multiple_of, no shared-prompt passes: they would have other widths than the padded ones.
+        # With pad_to_multiple_of, no shared-prompt passes: they would have other widths than the padded ones. Nor
+        # with images: the model merges their features into the prompt inside its own forward.
+        share = not pad_to_multiple_of and not extra
         hidden = _completion_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, not pad_to_multiple_of
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share, extra
         )
         mask = completion_mask.bool()
         values = chunked_logprobs(
@@ -383,6 +408,22 @@ def completion_logprobs(
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
     widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+
+
+def _in_row_batches(model, tensors, vision, batch_size: int, **settings):
+    """`completion_logprobs` of `tensors` (prompt ids and mask, completion ids and mask) and `vision`, `batch_size`
+    rows at a time, joined."""
+    chunks = [
+        completion_logprobs(
+            model,
+            *(x[i : i + batch_size] for x in tensors),
+            vision=None if vision is None else vision[i : i + batch_size],
+            **settings,
+        )
+        for i in range(0, tensors[0].shape[0], batch_size)
+    ]
+    entropy = torch.cat([c[1] for c in chunks]) if settings["with_entropy"] else None
+    return torch.cat([c[0] for c in chunks]), entropy
 
 
 @contextlib.contextmanager
@@ -419,7 +460,7 @@ def _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, m
 
 
 def _completion_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True, extra=None
 ):
     """1. The backbone's final (normed) hidden states at the positions that predict completion tokens: (N, H), in
     row-major order of completion_mask == 1.
@@ -427,15 +468,16 @@ def _completion_hidden_states(
     A hook on the decoder catches its output while the model's own head runs on no position
     (`_head_on_no_positions`; logits_to_keep=1 too, for a head the hook cannot shorten); calling the outer model
     keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward. `share_prompts`: each distinct prompt may run
-    once (grpo/objective/shared_prompt.py), in passes of other widths than the batch's."""
+    once (grpo/objective/shared_prompt.py), in passes of other widths than the batch's. `extra`: the model's vision
+    keyword arguments."""
     with _head_on_no_positions(model):
         return _decoder_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts, extra
         )
 
 
 def _decoder_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True, extra=None
 ):
     if share_prompts and not padding_free:  # each distinct prompt of the batch run once (objective/shared_prompt.py)
         hidden = shared_prompt_hidden_states(
@@ -454,7 +496,7 @@ def _decoder_hidden_states(
             model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             return captured[0][0, targets_at]
         model(
-            **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
+            **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, extra),
             logits_to_keep=1,
             use_cache=False,
         )
@@ -466,12 +508,12 @@ def _decoder_hidden_states(
 
 
 def _logprobs_from_full_logits(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, extra=None
 ):
     """Fallback for a ZeRO-3 partitioned output projection, or one a PEFT adapter wraps: the model's forward builds
     the (B, T, V) logits."""
     logits = model(
-        **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask),
+        **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, extra),
         logits_to_keep=completion_ids.shape[1] + 1,
         use_cache=False,
     ).logits[:, :-1, :]

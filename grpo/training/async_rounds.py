@@ -66,7 +66,7 @@ class AsyncRounds:
         def logprobs(model, batch):
             return trainer.logprobs(model, batch, batch_size=args.per_device_train_batch_size)[0]
 
-        pad_id = trainer.processing_class.pad_token_id
+        pad_id = trainer.tokenizer.pad_token_id
         trainer.generation = shared_engine(
             trainer.generation, args, trainer.accelerator, pad_id, trainer.eos_token_ids, logprobs
         )

@@ -22,6 +22,7 @@ from transformers import (
 from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
+from grpo.data.vision import check_vision_run, has_images, text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.episodes import make_agent
 from grpo.generation.policy_weights import zero3_gathered_for_generation
@@ -29,7 +30,7 @@ from grpo.generation.tools import Toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
 from grpo.objective.advantages import advantage_settings, mixed_advantages
-from grpo.objective.logprobs import completion_logprobs, logprob_settings
+from grpo.objective.logprobs import completion_logprobs, logprob_settings, packs_sequences
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
@@ -55,10 +56,6 @@ from grpo.training.output_dir import own_output_dir
 from grpo.training.signal_watch import SignalWatch
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
-
-
-def _identity(features):
-    return features
 
 
 class GRPOTrainer(RoundLoaders, ResumableTrainer):
@@ -90,7 +87,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         train_dataset, eval_dataset: datasets with a `prompt` column (string or list of chat messages); every other
             column is passed to the reward functions. A train_dataset of scored completions (a `completion` column)
             is trained on without generation, and then reward_funcs may be None (grpo/data/offline.py).
-        processing_class: the policy's tokenizer; loaded from the model's path when omitted.
+        processing_class: the tokenizer, or a VLM's processor (docs/vlm.md); loaded from the model's path if omitted.
         reward_processing_classes: tokenizers of the reward models, aligned with `reward_funcs` (None entries are
             loaded from each reward model's path).
         callbacks, optimizers: as for `transformers.Trainer`.
@@ -126,11 +123,13 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
 
         # Checks needing no weights come first. self.offline_data: stored, scored completions as groups (data/offline.py).
         self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
+        self.vision = images = has_images(train_dataset, eval_dataset)  # images beside the prompts: docs/vlm.md
         train_dataset = self.offline_data if self.offline_data is not None else train_dataset
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
         check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # PEFT: pi_ref cannot move
+        check_vision_run(args, processing_class, images, tools or environment_factory, self.offline_data)  # VLMs
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
@@ -138,14 +137,13 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
         rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
-        model, processing_class, self.eos_token_ids = load_policy(model, processing_class, peft_config, args)
-        check_prompt_lengths(processing_class, model.config, args, train_dataset, eval_dataset)  # room to complete
-        self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)
+        model, processing_class, self.eos_token_ids = load_policy(model, processing_class, peft_config, args, images)
+        self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
+        check_prompt_lengths(tokenizer, model.config, args, train_dataset, eval_dataset)  # room to complete
+        self.agent = make_agent(self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
-        # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
-        attention = getattr(model.config, "_attn_implementation", None) or ""
-        self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
+        self.padding_free = packs_sequences(args.padding_free, model.config)  # padding_free, or where it pays
 
         self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
         self._buffer: list[MicroBatch] = []  # micro-batches of the current generation round
@@ -157,7 +155,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=_identity,
+            data_collator=list,  # a loader batch is the list of its dataset rows
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -177,7 +175,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         # The sampler (offline: stored completions replayed), with a random stream of its own (generation/base.py).
         rng = self.sampling_rng = SamplingRNG(args.seed + self.accelerator.process_index, self.accelerator.device)
         self.generation = make_generation_backend(
-            args, self.accelerator, processing_class, self.eos_token_ids, self.offline_data, rng
+            args, self.accelerator, tokenizer, self.eos_token_ids, self.offline_data, rng
         )
         # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
         self._async = AsyncRounds(self) if args.async_generation else None
@@ -284,7 +282,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             completion_ids=rollout.completion_lists(),
             columns=columns,
             trainer_state=self.state,
-            tokenizer=self.processing_class,
+            tokenizer=self.tokenizer,
             width=rollout.completion_ids.shape[1],
             **call_settings(self.args, mode),
         )
@@ -329,7 +327,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
     def _dynamic_sampling(self, rollout: Rollout) -> Rollout:
         """Step 4b (DAPO dynamic sampling, grpo/training/dynamic_sampling.py): zero-advantage groups replaced by groups
         with a spread from extra rounds; this process's share of the chosen groups."""
-        args, pad_id, rows = self.args, self.processing_class.pad_token_id, rollout.num_rows
+        args, pad_id, rows = self.args, self.tokenizer.pad_token_id, rollout.num_rows
         index = self.accelerator.process_index
         rounds, chosen, counts = fill_groups(
             rollout,
@@ -433,6 +431,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
                 with_entropy=with_entropy,
                 batch_size=batch_size,
                 padding_free=self.padding_free,
+                vision=getattr(batch, "vision", None),  # images (vision-language models), or None
                 **logprob_settings(self.args),  # temperature, chunk size, head in float32
             )
 
