@@ -357,9 +357,7 @@ def completion_logprobs(
     root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
     there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
-
-    `vision` (vision-language models): each row's vision inputs (grpo/data/vision.py), given to the model with the
-    tokens; such a pass runs padded, every row whole (`_padded_inputs`).
+    `vision`: each row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`).
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -372,10 +370,7 @@ def completion_logprobs(
     prompt_ids, prompt_mask, completion_ids, completion_mask = _forward_columns(
         prompt_ids, prompt_mask, completion_ids, completion_mask, multiple
     )
-    # The model's vision keyword arguments, for the rows and the widths of this pass.
-    extra = (
-        {} if vision is None else vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device)
-    )
+    extra = vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device) if vision else {}
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
