@@ -32,6 +32,7 @@ from grpo.objective.advantages import advantage_settings, mixed_advantages
 from grpo.objective.logprobs import completion_logprobs, logprob_settings
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
+from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
@@ -143,9 +144,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.agent = make_agent(self.toolbox, processing_class, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
-        # Packing sequences without padding pays only with variable-length attention kernels (see GRPOConfig).
-        attention = getattr(model.config, "_attn_implementation", None) or ""
-        self.padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
+        # How the log-prob passes lay out the batch: packed rows, each group's prompt once (objective/shared_prompt.py).
+        self.padding_free, self.share_prompt = forward_layout(args, model, announce=args.process_index == 0)
 
         self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
         self._buffer: list[MicroBatch] = []  # micro-batches of the current generation round
@@ -433,7 +433,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
                 with_entropy=with_entropy,
                 batch_size=batch_size,
                 padding_free=self.padding_free,
-                **logprob_settings(self.args),  # temperature, chunk size, head in float32
+                **logprob_settings(self.args, self.share_prompt),  # temperature, chunk size, head in fp32, sharing
             )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
