@@ -269,6 +269,15 @@ class GRPOConfig(TrainingArguments):
         "(flash_attention_2/3), where packing saves work; with sdpa or eager it is correct but builds a dense "
         "mask over the packed row, so it is off by default there.",
     )
+    share_prompt: bool = option(
+        default=True,
+        section=Section.MODEL,
+        help="Compute each group's prompt once in every log-prob pass (policy, old, reference): the micro-batch runs "
+        "as one row per prompt with its completions after it, under an attention mask that lets each completion read "
+        "only its prompt and itself; the results equal the plain forward's. Set False to debug, or to compare. It "
+        "falls back to the plain forward, with one log line, where the attention cannot take that mask "
+        "(flash_attention_2/3, sliding-window or linear-attention layers).",
+    )
 
     # ---- CPU tuning (opt-in; grpo/contrib/cpu/, docs/performance.md) ----
     # Each tunes CPU training on one kind of machine and changes something the library does not otherwise touch, so

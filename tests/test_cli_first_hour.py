@@ -63,7 +63,8 @@ def test_completions_table_escapes_control_characters():
 
 
 def test_shared_prompt_pass_emits_no_deprecation_warning(tokenizer):
-    """transformers 5.24 renamed forward's `past_key_values` to `cache`: our call uses the name it takes."""
+    """The log-prob pass over rows that share a prompt (the grouped layout, built with transformers' mask builder)
+    calls nothing transformers has deprecated."""
     from grpo.data import pad
     from grpo.objective.logprobs import completion_logprobs
     from grpo.testing import tiny_model

@@ -18,7 +18,7 @@ from torch import nn
 from grpo.data import content_widths, round_up
 from grpo.data.vision import vision_batch
 from grpo.models import unwrap_parallel
-from grpo.objective.shared_prompt import shared_prompt_hidden_states
+from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, unsupported_reason
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
 # holds two, backward one).
@@ -227,21 +227,15 @@ def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]
     return head, scale, getattr(config, "final_logit_softcapping", None)
 
 
-def packs_sequences(padding_free: bool | None, model_config) -> bool:
-    """Whether the log-prob passes pack a micro-batch's sequences into one row (`GRPOConfig.padding_free`): as set,
-    or by default where the attention implementation has variable-length kernels (flash_attention_2/3), the only
-    place packing pays. Passes with vision inputs never pack (`completion_logprobs`)."""
-    attention = getattr(model_config, "_attn_implementation", None) or ""
-    return padding_free if padding_free is not None else "flash_attention" in attention
-
-
-def logprob_settings(args) -> dict:
-    """The `completion_logprobs` settings a `GRPOConfig` fixes for a whole run (policy, old and reference alike)."""
+def logprob_settings(args, share_prompt: bool = True) -> dict:
+    """The `completion_logprobs` settings fixed for a whole run (policy, old and reference alike): a `GRPOConfig`'s,
+    and `share_prompt`, the trainer's decision (`shared_prompt.shares_prompt`: the config's switch and the model)."""
     return {
         "temperature": args.temperature,
         "chunk_size": args.logprobs_chunk_size,
         "head_fp32": args.cast_lm_head_to_fp32,
         "pad_to_multiple_of": args.pad_to_multiple_of,
+        "share_prompt": share_prompt,
     }
 
 
@@ -337,6 +331,7 @@ def completion_logprobs(
     padding_free: bool = False,
     head_fp32: bool = False,
     pad_to_multiple_of: int | None = None,
+    share_prompt: bool = True,
     vision: list[dict[str, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
@@ -345,9 +340,10 @@ def completion_logprobs(
     tokens up to and including EOS. Returns logps (B, T) float32 and, if `with_entropy`, the per-token entropy (B, T)
     of the same tempered distribution; both are 0 where completion_mask is 0.
 
-    1. The backbone runs on the batch (padded, or with `padding_free` all sequences packed into one row with
-       positions restarting per sequence, which attention kernels with variable-length support run without any
-       padding). Position ids count only real tokens, as `generate` does for left-padded prompts.
+    1. The backbone runs on the batch in one forward call: with `share_prompt`, rows that repeat a prompt in the
+       grouped layout (each prompt once, its completions after it: shared_prompt.py); else padded, or with
+       `padding_free` packed into one row with positions restarting per sequence (for variable-length kernels).
+       Position ids count only real tokens, as `generate` does for left-padded prompts.
     2. The final hidden states of the positions that predict completion tokens, and only those, go through
        `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
@@ -357,36 +353,33 @@ def completion_logprobs(
     root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
     ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
     there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
-    `vision`: each row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`).
+    `vision`: each row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`);
+    rows with images run padded and whole: never packed, never in the grouped layout.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, head_fp32=head_fp32)
-        settings.update(padding_free=padding_free, pad_to_multiple_of=pad_to_multiple_of)
+        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+        settings.update(padding_free=padding_free, head_fp32=head_fp32, share_prompt=share_prompt)
+        settings.update(pad_to_multiple_of=pad_to_multiple_of)
         return _in_row_batches(model, tensors, vision, batch_size, **settings)
 
     padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _forward_columns(
-        prompt_ids, prompt_mask, completion_ids, completion_mask, multiple
-    )
+    batch = _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, multiple)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     extra = vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device) if vision else {}
+    # No grouped layout with pad_to_multiple_of (its widths would not be the padded ones), nor with images (the model
+    # merges their features into each row's prompt inside its own forward).
+    layout = _grouped(model, *batch) if share_prompt and not pad_to_multiple_of and not extra else None
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
-        logps, entropy = _logprobs_from_full_logits(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, extra
-        )
+        logps, entropy = _logprobs_from_full_logits(model, *batch, temperature, with_entropy, layout, extra)
     else:
         # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
-        # With pad_to_multiple_of, no shared-prompt passes: they would have other widths than the padded ones. Nor
-        # with images: the model merges their features into the prompt inside its own forward.
-        share = not pad_to_multiple_of and not extra
-        hidden = _completion_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share, extra
-        )
+        hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra)
         mask = completion_mask.bool()
         values = chunked_logprobs(
             hidden,
@@ -403,6 +396,27 @@ def completion_logprobs(
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
     widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+
+
+@contextlib.contextmanager
+def _head_on_no_positions(model: nn.Module) -> Iterator[None]:
+    """Within it, the model's own output projection runs on no positions: the passes below read the decoder's hidden
+    states and never the logits. (`logits_to_keep=1` alone still projects the last position, a strided slice that
+    torch multiplies under autograd as a batched product with the (V, H) weight expanded per row: 80 ms a pass on
+    SmolLM2-135M at 8 rows on a CPU.)"""
+
+    def no_positions(module, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+            return (args[0][..., :0, :], *args[1:])
+        return None
+
+    head = _language_model(model).get_output_embeddings()
+    handle = head.register_forward_pre_hook(no_positions) if isinstance(head, nn.Module) else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def _in_row_batches(model, tensors, vision, batch_size: int, **settings):
@@ -454,36 +468,50 @@ def _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, m
     return *prompt, *completion
 
 
+def _grouped(model: nn.Module, *batch: torch.Tensor) -> GroupedLayout | None:
+    """The batch in the grouped layout where the model can take it and a prompt repeats, else None."""
+    return grouped_layout(*batch) if unsupported_reason(_language_model(model)) is None else None
+
+
+def _grouped_inputs(model: nn.Module, layout: GroupedLayout) -> dict[str, torch.Tensor]:
+    """The forward's inputs in the grouped layout: ids, position ids, and the 4D mask for the model's attention."""
+    language_model = _language_model(model)
+    return {
+        "input_ids": layout.input_ids,
+        "position_ids": layout.position_ids,
+        "attention_mask": layout.attention_mask(language_model.config, language_model.dtype),
+    }
+
+
 def _completion_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True, extra=None
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout=None, extra=None
 ):
     """1. The backbone's final (normed) hidden states at the positions that predict completion tokens: (N, H), in
     row-major order of completion_mask == 1.
 
     A hook on the decoder catches its output while the model's own head runs on no position
     (`_head_on_no_positions`; logits_to_keep=1 too, for a head the hook cannot shorten); calling the outer model
-    keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward. `share_prompts`: each distinct prompt may run
-    once (grpo/objective/shared_prompt.py), in passes of other widths than the batch's. `extra`: the model's vision
-    keyword arguments."""
+    keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward. `layout`: the batch in the grouped layout
+    (grpo/objective/shared_prompt.py), run instead of the padded or packed batch. `extra`: the model's vision
+    keyword arguments (padded batches only)."""
     with _head_on_no_positions(model):
         return _decoder_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts, extra
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra
         )
 
 
 def _decoder_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, share_prompts=True, extra=None
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra=None
 ):
-    if share_prompts and not padding_free:  # each distinct prompt of the batch run once (objective/shared_prompt.py)
-        hidden = shared_prompt_hidden_states(
-            model, _language_model(model), prompt_ids, prompt_mask, completion_ids, completion_mask
-        )
-        if hidden is not None:
-            return hidden
     captured = []
     decoder = _language_model(model).get_decoder()
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
     try:
+        if layout is not None:  # each run of identical prompts once (grpo/objective/shared_prompt.py)
+            model(**_grouped_inputs(model, layout), logits_to_keep=1, use_cache=False)
+            # index_select, never `x[index]`: on CPU the backward of indexing with repeated indices (the prompt's
+            # last position predicts token 0 of every completion) accumulates in an order that changes run to run.
+            return captured[0].flatten(0, 1).index_select(0, layout.predicting)
         if padding_free:
             input_ids, position_ids, targets_at = _packed_inputs(
                 prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -503,17 +531,27 @@ def _decoder_hidden_states(
 
 
 def _logprobs_from_full_logits(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, extra=None
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, layout=None, extra=None
 ):
     """Fallback for a ZeRO-3 partitioned output projection, or one a PEFT adapter wraps: the model's forward builds
-    the (B, T, V) logits."""
+    the (B, T, V) logits (in the grouped layout: of the columns from the prompt's last on, (U, L - P + 1, V))."""
+    mask = completion_mask.bool()
+    if layout is not None:
+        rows, width = layout.input_ids.shape
+        kept = width - layout.completions_from + 1
+        logits = model(**_grouped_inputs(model, layout), logits_to_keep=kept, use_cache=False).logits
+        # The predicting positions' flat indices in (U, L), moved to the kept columns' (U, kept).
+        row, column = layout.predicting // width, layout.predicting % width
+        picked = logits.flatten(0, 1).index_select(0, row * kept + column - (width - kept))[None] / temperature
+        logps = selective_log_softmax(picked, completion_ids[mask][None])[0]  # (N,)
+        entropy = entropy_from_logits(picked.detach())[0] if with_entropy else None
+        return tuple(None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in (logps, entropy))
     logits = model(
         **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, extra),
         logits_to_keep=completion_ids.shape[1] + 1,
         use_cache=False,
     ).logits[:, :-1, :]
     logits = logits / temperature
-    mask = completion_mask.bool()
     logps = selective_log_softmax(logits, completion_ids).masked_fill(~mask, 0.0)
     entropy = entropy_from_logits(logits.detach()).masked_fill(~mask, 0.0) if with_entropy else None
     return logps, entropy

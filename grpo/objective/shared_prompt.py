@@ -1,27 +1,38 @@
-"""The backbone's hidden states for a batch whose rows repeat prompts, with each distinct prompt run once.
+"""Each group's prompt computed once in a log-prob pass: the grouped layout and its attention mask.
 
-A GRPO micro-batch holds G completions of each prompt, the G copies of the prompt in consecutive rows. A plain
-forward computes every copy's prompt again, (B, P + T) tokens; here each run of identical prompt rows goes through
-the model once, with a KV cache, and the completions attend to that cache repeated along the batch: U x P + B x T
-tokens, U the number of distinct prompts. In the backward the prompt's activations receive the gradients of all
-the completions that read them, which is the sum the plain forward's G copies would each receive; the values are
-the same up to float rounding (tests/test_shared_prompt.py compares log-probs and gradients).
+A GRPO micro-batch holds G completions of each prompt, the G copies of the prompt in consecutive rows. The plain
+padded forward runs every copy again: B x (P + T) tokens. Here the batch is rearranged into one row per run of
+identical prompts, the prompt once followed by its completions packed one after another,
 
-Used by `completion_logprobs` (logprobs.py) for the policy, old and reference passes, except where a wrapper must see
-one forward per backward (DDP, DeepSpeed, FSDP2 while training), on a checkpointed model in training mode (its layers
-drop the cache), with padding-free packing, and with caches other than plain per-layer key/value tensors (sliding
-windows, linear attention).
+    row u:  [pad.. q_u | o_1[:-1] | o_2[:-1] | ... | o_k[:-1] | pad..]      U rows of L = P + max_u sum_i (|o_i| - 1)
+
+and the model runs once on it, with position ids that restart at the prompt's length in every completion and a 4D
+attention mask under which a completion token sees its prompt and the earlier tokens of its own completion, nothing
+else. Each token then attends to exactly the keys, at exactly the positions, of the plain forward, so every hidden
+state that predicts a completion token is the one the plain forward computes, up to float rounding (the order of
+the sums changes; tests/test_shared_prompt.py). The prompt's last position predicts token 0 of every completion of
+the run; position t of a completion predicts its token t + 1, so a completion's last token is never fed.
+
+One forward call of the (wrapped) model per pass, as the plain path: DDP, DeepSpeed, FSDP2 and gradient
+checkpointing see nothing unusual. In the backward the prompt's activations receive the sum of the gradients of
+every completion that reads them, which is what the G copies of the plain forward receive one by one.
+
+The mask comes from transformers' own mask builder for the model's attention implementation
+(`ALL_MASK_ATTENTION_FUNCTIONS`: boolean for sdpa, additive for eager, a BlockMask for flex attention), which the
+models' `create_causal_mask` passes through untouched when it is already 4D. `unsupported_reason` says where that
+cannot hold: flash attention takes no 4D mask, and a sliding-window, chunked or linear-attention layer would be
+given a full causal mask instead of its own.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+import logging
+from dataclasses import dataclass
 
-from grpo.generation.model_generate import cache_keyword
-from grpo.models import unwrap_parallel
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -34,88 +45,143 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     return firsts, counts
 
 
-def can_share(model: nn.Module, language_model: nn.Module) -> bool:
-    """Whether two forward passes (prompt, then completions) may stand in for one here."""
-    checkpointing = getattr(language_model, "is_activation_checkpointing", None)  # transformers >= 5.2x
-    if checkpointing is None:
-        checkpointing = getattr(language_model, "is_gradient_checkpointing", False)
-    if checkpointing and language_model.training:  # checkpointed layers drop the cache, with or without gradients
+def unsupported_reason(model) -> str | None:
+    """Why the grouped layout cannot serve this causal LM, or None when it can. Read from its config only.
+
+    - flash attention (and any implementation without a mask builder) takes no 4D mask: its variable-length kernels
+      see sequences, not which keys each query may read;
+    - sliding-window, chunked and linear-attention layers build their own masks (or states), which a ready 4D mask
+      would replace by the full causal one;
+    - models whose cache is not per-layer keys and values (recurrent layers) have no attention to mask."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attention.startswith("flash_attention") or attention not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"attn_implementation={attention!r} takes no 4D attention mask (use 'sdpa' or 'eager' to share it)"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        return f"the model has {sorted(kinds - {'full_attention'})} layers, whose own masks a 4D mask would replace"
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if not kinds and (sliding or getattr(config, "attention_chunk_size", None) is not None):
+        return "the model's attention is windowed or chunked, and a 4D mask would replace its own"
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return f"{type(model).__name__} has recurrent layers, not attention over keys and values"
+    return None
+
+
+def shares_prompt(enabled: bool, model, announce: bool = True) -> bool:
+    """Whether a run's log-prob passes use the grouped layout: the trainer's one decision (`share_prompt`). On
+    unless the user turned it off or the model cannot take it (`unsupported_reason`), which is said in one log line
+    when `announce` (the main process). A PEFT model is read through its base model."""
+    if not enabled:
         return False
-    if torch.is_grad_enabled():
-        if unwrap_parallel(model) is not model:  # DDP / DeepSpeed expect one forward per backward
-            return False
-        if any(type(p).__name__ == "DTensor" for p in language_model.parameters()):  # FSDP2
-            return False
-    supports = getattr(language_model, "_supports_default_dynamic_cache", None)
-    return supports is None or supports()
+    reason = unsupported_reason(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if reason is not None and announce:
+        logger.warning(f"share_prompt: each completion computes its prompt again, because {reason}.")
+    return reason is None
 
 
-def shared_prompt_hidden_states(
-    model: nn.Module,
-    language_model: nn.Module,
+def forward_layout(args, model, announce: bool = True) -> tuple[bool, bool]:
+    """(padding_free, share_prompt) for a run's log-prob passes, from its `GRPOConfig` and model. Packing sequences
+    without padding pays only with variable-length attention kernels, so `padding_free=None` means flash attention."""
+    attention = getattr(model.config, "_attn_implementation", None) or ""
+    padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
+    return padding_free, shares_prompt(args.share_prompt, model, announce)
+
+
+@dataclass
+class GroupedLayout:
+    """A micro-batch in the grouped layout (module docstring): U rows of L columns.
+
+    input_ids, position_ids, segments: (U, L); segments is 0 on the prompt's real tokens, i on the i-th completion
+    of the run (1-based), -1 on padding. predicting: (N,) the index in the flattened (U * L) positions of the one
+    that predicts each completion token, in row-major order of completion_mask == 1. completions_from: the column
+    where every row's completions start (the prompt width P), so columns P - 1 .. L - 1 hold every predicting
+    position."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: torch.Tensor
+    predicting: torch.Tensor
+    completions_from: int
+
+    def attention_mask(self, config, dtype: torch.dtype):
+        """The 4D mask, (U, 1, L, L) or a BlockMask, in the form `config._attn_implementation` takes: a query reads
+        the real prompt tokens of its row and, causally, its own completion (segment). A padding position reads
+        itself only, so that no row of the mask is empty (an empty row gives NaN, which would reach the real
+        positions' gradients through 0 x NaN)."""
+        segments = self.segments
+
+        def allowed(batch, head, q, kv):  # index-based: broadcasts over (U, 1, L, 1) x (1, 1, 1, L) index tensors
+            query, key = segments[batch, q], segments[batch, kv]
+            return ((kv <= q) & (key >= 0) & ((key == 0) | (key == query))) | (kv == q)
+
+        rows, width = segments.shape
+        builder = ALL_MASK_ATTENTION_FUNCTIONS[getattr(config, "_attn_implementation", None) or "eager"]
+        return builder(
+            batch_size=rows,
+            q_length=width,
+            kv_length=width,
+            mask_function=allowed,
+            attention_mask=None,
+            allow_is_causal_skip=False,
+            dtype=dtype,
+            device=segments.device,
+            config=config,
+        )
+
+
+def grouped_layout(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-) -> torch.Tensor | None:
-    """The final hidden states at the positions that predict completion tokens, (N, H) in row-major order of
-    completion_mask == 1, as the plain padded forward gives them; None where sharing does not apply (no prompt
-    repeats, or `can_share` says no), and the caller runs the plain forward.
+) -> GroupedLayout | None:
+    """The micro-batch rearranged into the grouped layout; None when no prompt repeats (nothing to share) or a
+    completion mask is not a prefix (the positions of the plain forward would then skip its holes).
 
-    prompt_ids/prompt_mask (B, P) left-padded, completion_ids/completion_mask (B, T) right-padded.
-    1. Prompt pass: the U distinct prompts, (U, P), filling a KV cache; its last position predicts completion token 0.
-    2. The cache repeated run by run to (B, ...) (an index: differentiable).
-    3. Completion pass: tokens 0..T-2 of every row, (B, T - 1), at positions that continue each prompt's count of
-       real tokens, attending to the cache under the (B, P + T - 1) mask; position t predicts token t + 1.
-    """
+    prompt_ids/prompt_mask (B, P) left-padded; completion_ids/completion_mask (B, T) right-padded. A group split
+    across micro-batches is simply a shorter run; runs of different prompts may have different prompt lengths."""
     firsts, counts = prompt_groups(prompt_ids, prompt_mask)
-    if len(firsts) == prompt_ids.shape[0] or not can_share(model, language_model):
+    rows, width = completion_ids.shape
+    if len(firsts) == rows:
         return None
-    cache = DynamicCache(config=language_model.config)
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+    device = completion_ids.device
+    columns = torch.arange(width, device=device)
+    lengths = completion_mask.sum(1)  # (B,) |o_i|
+    if not torch.equal(completion_mask.bool(), columns < lengths[:, None]):
         return None
-    device = prompt_ids.device
-    rows = torch.tensor(firsts, device=device)
-    repeat = torch.repeat_interleave(torch.arange(len(firsts), device=device), torch.tensor(counts, device=device))
+    run = torch.repeat_interleave(torch.arange(len(firsts), device=device), torch.tensor(counts, device=device))
+    first = torch.tensor(firsts, device=device)
+    # Completion i of a run is fed |o_i| - 1 tokens; its slot starts where the run's previous slots end.
+    fed = (lengths - 1).clamp(min=0)  # (B,)
+    before = fed.cumsum(0) - fed  # (B,) tokens fed by all earlier rows
+    prompt_width = prompt_ids.shape[1]
+    start = prompt_width + before - before.index_select(0, first).index_select(0, run)  # (B,) slot's first column
+    run_fed = torch.zeros(len(firsts), dtype=fed.dtype, device=device).index_add_(0, run, fed)
+    total = prompt_width + int(run_fed.max())  # L
 
-    captured = []
-    hook = language_model.get_decoder().register_forward_hook(lambda m, a, output: captured.append(output[0]))
-    try:
-        # 1. Prompt pass, positions counting real tokens (as `generate` and the plain forward do).
-        mask = prompt_mask[rows]  # (U, P)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        # The cache by the name this transformers takes it (`past_key_values` is a deprecated alias from 5.24 on).
-        with_cache = {cache_keyword(language_model.forward): cache}
-        model(
-            input_ids=prompt_ids[rows],
-            attention_mask=mask,
-            position_ids=positions,
-            **with_cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        if cache.get_seq_length() != prompt_ids.shape[1]:  # a layer kept no cache: run the batch plainly
-            return None
-        # index_select, never `x[repeat]`: on CPU the backward of indexing with repeated indices accumulates the
-        # copies' gradients in parallel, in an order that changes from run to run (no exact resume, no equal runs).
-        first = captured[0][:, -1].index_select(0, repeat)  # (B, H): predicts completion token 0
-        width = completion_ids.shape[1]
-        if width == 1:
-            return first[completion_mask[:, 0].bool()]
-        # 2. The prompt's keys and values for every row (`cache.batch_select_indices` indexes: see above).
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, repeat), layer.values.index_select(0, repeat)
-        # 3. Completion pass.
-        lengths = prompt_mask.sum(1, keepdim=True)  # (B, 1)
-        model(
-            input_ids=completion_ids[:, :-1],
-            attention_mask=torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1),
-            position_ids=lengths + torch.arange(width - 1, device=device),
-            **with_cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        predicting = torch.cat([first[:, None], captured[1]], dim=1)  # (B, T, H)
-        return predicting[completion_mask.bool()]
-    finally:
-        hook.remove()
+    # 1. The prompts, once per run, left-padded as they came; positions count real tokens as the plain forward does.
+    prompt_rows = prompt_mask.index_select(0, first)  # (U, P)
+    input_ids = completion_ids.new_zeros(len(firsts), total)
+    position_ids = torch.zeros_like(input_ids)
+    segments = torch.full_like(input_ids, -1)
+    input_ids[:, :prompt_width] = prompt_ids.index_select(0, first)
+    position_ids[:, :prompt_width] = (prompt_rows.cumsum(1) - 1).clamp(min=0)
+    segments[:, :prompt_width] = torch.where(prompt_rows.bool(), 0, -1)
+
+    # 2. Each completion's fed tokens 0 .. |o_i| - 2 into its slot, at positions p_u .. p_u + |o_i| - 2.
+    at = (run * total + start)[:, None] + columns[: width - 1]  # (B, T - 1) flat column of fed token t
+    feeds = completion_mask[:, 1:].bool()  # (B, T - 1) token t is fed iff token t + 1 exists
+    prompt_lengths = prompt_mask.sum(1)  # (B,)
+    ordinal = torch.arange(rows, device=device) - first.index_select(0, run) + 1  # (B,) 1-based within its run
+    for target, values in (
+        (input_ids, completion_ids[:, :-1]),
+        (position_ids, prompt_lengths[:, None] + columns[: width - 1]),
+        (segments, ordinal[:, None].expand(rows, width - 1)),
+    ):
+        target.view(-1)[at[feeds]] = values[feeds].to(target.dtype)
+
+    # 3. Which position predicts completion token t: the prompt's last for t = 0, the slot's column t - 1 after.
+    predictor = torch.cat([(run * total + prompt_width - 1)[:, None], at], dim=1)  # (B, T)
+    return GroupedLayout(input_ids, position_ids, segments, predictor[completion_mask.bool()], prompt_width)

@@ -30,9 +30,10 @@ from grpo.generation.tools import Toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen, unwrap_parallel
 from grpo.objective import old_policy
 from grpo.objective.advantages import advantage_settings, mixed_advantages
-from grpo.objective.logprobs import completion_logprobs, logprob_settings, packs_sequences
+from grpo.objective.logprobs import completion_logprobs, logprob_settings
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
+from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
@@ -143,7 +144,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.agent = make_agent(self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset)
         # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
         self.ref_model, self._reference_moves = make_reference(model, args, source)
-        self.padding_free = packs_sequences(args.padding_free, model.config)  # padding_free, or where it pays
+        self.padding_free, self.share_prompt = forward_layout(args, model, announce=args.process_index == 0)
 
         self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
         self._buffer: list[MicroBatch] = []  # micro-batches of the current generation round
@@ -432,7 +433,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
                 batch_size=batch_size,
                 padding_free=self.padding_free,
                 vision=getattr(batch, "vision", None),  # images (vision-language models), or None
-                **logprob_settings(self.args),  # temperature, chunk size, head in float32
+                **logprob_settings(self.args, self.share_prompt),  # temperature, chunk size, head in fp32, sharing
             )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -64,6 +64,8 @@ def route_fsdp_to_cpu():
 # accelerate's FSDP2 wrapping keeps its parameters gathered from the forward to the backward), "full_logits" the
 # calls of the full-logits fallback.
 CALLS = collections.Counter()
+# Log-prob passes in the grouped layout (each group's prompt once, grpo/objective/shared_prompt.py), in this process.
+SHARED = collections.Counter()
 
 
 def count_calls():
@@ -78,7 +80,15 @@ def count_calls():
         CALLS["full_logits"] += 1
         return full_logits(*args, **kwargs)
 
+    layout = logprobs.grouped_layout
+
+    def counted_layout(*args, **kwargs):
+        grouped = layout(*args, **kwargs)
+        SHARED["passes"] += grouped is not None
+        return grouped
+
     logprobs._whole, logprobs._logprobs_from_full_logits = counted_gather, counted_full_logits
+    logprobs.grouped_layout = counted_layout
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
@@ -134,13 +144,16 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
 
 def describe(trainer):
     """What really ran: the distributed type, the classes of the policy's and the reference's parameters, whether
-    the log-probs see a sharded output projection and how they met it since the last call (`CALLS`), the process
+    the log-probs see a sharded output projection and how they met it since the last call (`CALLS`), how many of
+    their passes shared the prompt (`SHARED`), the process
     count, the steps taken and the logged losses."""
     reference = trainer.ref_model
-    calls = dict(CALLS)
+    calls, shared = dict(CALLS), SHARED["passes"]
     CALLS.clear()
+    SHARED.clear()
     return {
         "calls": calls,
+        "shared_passes": shared,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "param_class": type(next(trainer.model.parameters())).__name__,
         "ref_param_class": None if reference is None else type(next(reference.parameters())).__name__,
