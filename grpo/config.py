@@ -672,6 +672,57 @@ class GRPOConfig(TrainingArguments):
         help="Train the policy term only on this fraction of completion tokens with the highest entropy "
         "(threshold over all processes' tokens of the micro-step). 1.0 = all tokens; 0.2 is the paper's choice.",
     )
+    entropy_coef: float = option(
+        default=0.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the weight of the entropy bonus; 0 turns it off"),
+        help="Weight c of an entropy bonus: the loss gains -c H per token the policy term trains (H: the entropy of "
+        "the tempered next-token distribution), aggregated like the policy term of `loss_type`; it keeps the policy "
+        "from collapsing onto one answer. With `use_adaptive_entropy`, the starting coefficient. 0 (default) = off.",
+    )
+    use_adaptive_entropy: bool = option(
+        default=False,
+        section=Section.LOSS,
+        help="Skywork-OR1's adaptive entropy control (arXiv:2505.22312): after each optimizer step the coefficient "
+        "rises by `entropy_coef_delta` when the step's mean entropy (all processes, the tokens the policy term "
+        "trained) was at or below `entropy_target`, and falls by it otherwise, within [entropy_coef_min, "
+        "entropy_coef_max]; the bonus applies only in steps after one whose entropy was at or below the target. "
+        "The coefficient is saved in checkpoints and logged as `entropy_coef`.",
+    )
+    entropy_coef_min: float = option(
+        default=0.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the adaptive coefficient's lower bound"),
+        help="Lower bound of the adaptive entropy coefficient (`use_adaptive_entropy`).",
+    )
+    entropy_coef_max: float = option(
+        default=1.0,
+        section=Section.LOSS,
+        range=Interval(0, why="the adaptive coefficient's upper bound, at least entropy_coef_min"),
+        help="Upper bound of the adaptive entropy coefficient (`use_adaptive_entropy`).",
+    )
+    entropy_coef_delta: float = option(
+        default=0.005,
+        section=Section.LOSS,
+        range=Interval(0, open_low=True, why="the adaptive coefficient's change per optimizer step"),
+        help="How much the adaptive entropy coefficient moves per optimizer step (`use_adaptive_entropy`).",
+    )
+    entropy_target: float = option(
+        default=0.2,
+        section=Section.LOSS,
+        range=Interval(0, why="a mean per-token entropy in nats"),
+        help="The mean per-token entropy (nats) adaptive control aims at: the bonus applies, and grows, while the "
+        "entropy is at or below it. Language models start at about 1-10 nats, so the default 0.2 acts only near "
+        "collapse; set it near the `entropy` logged early in a run.",
+    )
+    router_aux_loss_coef: float | None = option(
+        default=None,
+        section=Section.LOSS,
+        range=Interval(0, why="the weight of the load-balancing loss; None takes the model's own"),
+        help="Weight of a Mixture-of-Experts model's load-balancing loss (its `aux_loss`, Switch Transformer's), "
+        "added to the GRPO loss. None (default) takes the model config's `router_aux_loss_coef` (0 for a dense "
+        "model); 0.0 turns it off. An error when set on a model that is not MoE.",
+    )
     num_iterations: int = option(
         default=1,
         section=Section.LOSS,
@@ -999,6 +1050,7 @@ class GRPOConfig(TrainingArguments):
         self._check_rendering_and_logging()
         self._check_continuous_batching()
         self._check_vllm_engine()
+        self._check_entropy_control()
         self._resolve_sampling_bounds()
         self._check_steps_and_prompts()
         self._resolve_generation_batch()
@@ -1288,6 +1340,20 @@ class GRPOConfig(TrainingArguments):
                     f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} gives one per sequence. "
                     "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
                 )
+
+    def _check_entropy_control(self):
+        """The adaptive entropy coefficient's bounds (objective/regularizers.py)."""
+        low, high = self.entropy_coef_min, self.entropy_coef_max
+        if low > high:
+            raise ValueError(
+                f"entropy_coef_min={low} is above entropy_coef_max={high}: they bound the adaptive entropy "
+                "coefficient from below and above. Lower entropy_coef_min or raise entropy_coef_max."
+            )
+        if self.use_adaptive_entropy and not low <= self.entropy_coef <= high:
+            raise ValueError(
+                f"use_adaptive_entropy=True starts from entropy_coef={self.entropy_coef}, outside [entropy_coef_min, "
+                f"entropy_coef_max] = [{low}, {high}]. Set entropy_coef within the bounds (e.g. {low})."
+            )
 
     def _check_launch(self):
         """A process that a launcher started as one of several (`WORLD_SIZE` > 1) but that would train alone: every

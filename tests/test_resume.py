@@ -75,6 +75,20 @@ SCENARIOS = {
         kill=["--kill-after-micro-step", "9"],
         flags=["--prompts", "4"],
     ),
+    # Skywork-OR1's adaptive entropy coefficient is training state: its value and the last step's entropy come from
+    # the checkpoint. The tiny model's entropy (about 5.6 nats) is below the target, so the coefficient rises every
+    # step and the bonus applies from step 2 on; a resume that started it afresh would apply 0 in step 2.
+    "adaptive_entropy": dict(
+        settings=dict(
+            per_device_train_batch_size=4,
+            steps_per_generation=2,
+            max_steps=4,
+            use_adaptive_entropy=True,
+            entropy_target=10.0,
+            entropy_coef_delta=0.05,
+        ),
+        kill=["--kill-after-micro-step", "2"],
+    ),
     # A LoRA adapter (only it is in the checkpoint, adapter_model.safetensors) with the KL term, whose reference is
     # the adapter disabled; killed in the middle of a round, after checkpoint 1.
     "lora": dict(
@@ -134,6 +148,10 @@ def test_killed_run_resumes_exactly(tmp_path, name):
     full = run(scenario["settings"], tmp_path / "full", *flags)
     if name == "agent_episodes":  # the episodes did call the tool, so rows hold tool answers between turns
         assert any(entry.get("tools/call_frequency", 0) > 0 for entry in full["log_history"])
+    if name == "adaptive_entropy":  # the coefficient moved: 0.05 after step 1, 0.2 after step 4
+        assert [entry["entropy_coef"] for entry in step_logs(full["log_history"]).values()] == pytest.approx(
+            [0.05, 0.1, 0.15, 0.2]
+        )
 
     out = tmp_path / "killed"
     run(scenario["settings"], out, *scenario["kill"], *flags, killed=True)

@@ -117,18 +117,10 @@ TRL_1_16_FIELDS = {
 }
 
 
-# TRL 1.16 fields that work in progress beside this check adds (entropy control, MoE load balancing, transformers'
-# continuous batching, vLLM's model implementation and guided decoding, images in the completions log). They may
-# be missing for now; the lead empties this set as those branches merge, and a field in it that exists here already
+# TRL 1.16 fields that work in progress beside this check adds (images in the completions log). They may be
+# missing for now; the lead empties this set as those branches merge, and a field in it that exists here already
 # fails the check, so the set cannot outlive them.
 GAPS_BEING_CLOSED = {
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "entropy_coef_min",
-    "entropy_coef_max",
-    "entropy_coef_delta",
-    "entropy_target",
-    "router_aux_loss_coef",
     "log_multimodal",
 }
 DIFFERENCES_HEADING = "## Deliberate differences from TRL 1.16"

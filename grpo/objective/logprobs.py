@@ -21,7 +21,7 @@ from grpo.models import unwrap_parallel
 from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, unsupported_reason
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
-# holds two, backward one).
+# holds two, backward one, or two when the entropy has a gradient).
 CHUNK_BYTES = 128 * 2**20
 
 
@@ -38,7 +38,7 @@ def _tempered_logits(hidden, weight, bias, scale, softcap, temperature, out):
     softcap(u) = c * tanh(u / c) as in Gemma 2; `scale` is the model's own logit multiplier (Cohere's logit_scale,
     1 / Granite's logits_scaling). One buffer reused by every chunk and in-place arithmetic: each fresh (c, V)
     tensor would cost memory and, on CPU, the page faults of touching it."""
-    if weight.dtype == torch.float32:
+    if weight.dtype == out.dtype:
         torch.mm(hidden, weight.T, out=out)
     else:  # half-precision matmul as the model's own head would do it (weights in bf16, or autocast), then float32
         out.copy_(hidden @ weight.T)
@@ -53,25 +53,37 @@ def _tempered_logits(hidden, weight, bias, scale, softcap, temperature, out):
     return out.div_(temperature), tanh
 
 
+def _result_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """Everything after the product h W^T runs in float32, or in float64 for float64 inputs (the exact references of
+    the tests)."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
 def _chunk_buffer(hidden, weight, chunk_size):
-    return torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    rows = min(chunk_size, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=_result_dtype(weight.dtype), device=hidden.device)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """Selected-token log-probs (and entropies) of hidden @ weight^T, one chunk of rows at a time.
 
-    Forward keeps only the inputs and the per-row log-sum-exp. Backward recomputes each chunk's logits z and uses
-        d logp_i / d z_i = onehot(target_i) - softmax(z_i)
-    so the largest temporary in either direction is one float32 (chunk, V) tensor and its in-place gradient.
+    Forward keeps only the inputs and the per-row log-sum-exp (and entropy). Backward recomputes each chunk's logits z
+    and uses, with p = softmax(z_i) and H_i its entropy,
+        d logp_i / d z_i = onehot(target_i) - p
+        d H_i / d z_i    = -p * (log p + H_i)
+    so the largest temporaries in either direction are float32 (chunk, V) tensors: one, or two when the entropy has
+    a gradient to pass back (an entropy bonus in the loss).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, fp32):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, fp32, entropy_grad
+    ):
         num_rows = hidden.shape[0]
         dtype = torch.float32 if fp32 else _compute_dtype(hidden, weight)
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         hidden, weight = hidden.to(dtype), weight.to(dtype)  # under autocast: cast once for every chunk
-        logps = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        logps = torch.empty(num_rows, dtype=_result_dtype(dtype), device=hidden.device)
         lse = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else None
         buffer = _chunk_buffer(hidden, weight, chunk_size)
@@ -92,46 +104,59 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 total = shifted.exp_().sum(-1)
             lse[rows] = peak + total.log()
             logps[rows] = picked - lse[rows]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if ctx.entropy_grad else None)
         ctx.settings = (temperature, scale, softcap, chunk_size)
-        if with_entropy:
+        ctx.set_materialize_grads(False)  # an output the loss does not read gets None, not a tensor of zeros
+        if with_entropy and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors  # in the compute dtype
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors  # in the compute dtype
         temperature, scale, softcap, chunk_size = ctx.settings
         hidden_dtype, weight_dtype = ctx.input_dtypes
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
+        grad_entropy = grad_entropy if ctx.entropy_grad else None
         grad_hidden = torch.empty_like(hidden, dtype=hidden_dtype) if need_hidden else None
-        # Accumulate the projection's gradient over chunks in float32, whatever the weight's dtype.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        # Accumulate the projection's gradient over chunks in float32 (or float64), whatever the weight's dtype.
+        accumulate = _result_dtype(weight.dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
         buffer = _chunk_buffer(hidden, weight, chunk_size)
+        probs_buffer = torch.empty_like(buffer) if grad_entropy is not None else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             size = min(chunk_size, hidden.shape[0] - start)
             z, tanh = _tempered_logits(hidden[rows], weight, bias, scale, softcap, temperature, buffer[:size])
-            g = grad_logps[rows].float()  # (c,)
-            # dL/dz = g * (onehot - softmax(z)), built in place in z's storage.
-            grad_z = z.sub_(lse[rows, None]).exp_().mul_(-g[:, None])
-            grad_z.scatter_add_(-1, targets[rows, None], g[:, None])
+            g = grad_logps[rows].to(z.dtype)[:, None]  # (c, 1)
+            log_p = z.sub_(lse[rows, None])  # log softmax, in z's storage
+            if grad_entropy is None:
+                # dL/dz = g * (onehot - p), built in place.
+                grad_z = log_p.exp_().mul_(-g)
+            else:
+                # dL/dz = g * (onehot - p) - g_H * p * (log p + H) = onehot * g - p * (g + g_H * (log p + H)).
+                p = torch.exp(log_p, out=probs_buffer[:size])
+                g_entropy = grad_entropy[rows].to(z.dtype)[:, None]
+                grad_z = log_p.add_(entropy[rows, None]).mul_(g_entropy).add_(g).mul_(p).neg_()
+            grad_z.scatter_add_(-1, targets[rows, None], g)
             # Back through / temperature, the soft cap (d c tanh(u/c) / du = 1 - tanh^2) and the scale.
             if tanh is not None:
                 grad_z.mul_(1 - tanh.square_())
             grad_u = grad_z.mul_(scale / temperature).to(weight.dtype)  # (c, V)
             if need_hidden:
                 grad_hidden[rows] = grad_u @ weight
-            if need_weight and grad_u.dtype == torch.float32:
+            if need_weight and grad_u.dtype == accumulate:
                 grad_weight.addmm_(grad_u.T, hidden[rows])  # no (V, H) temporary
             elif need_weight:
-                grad_weight += (grad_u.T @ hidden[rows]).float()
+                grad_weight += (grad_u.T @ hidden[rows]).to(accumulate)
             if need_bias:
-                grad_bias += grad_u.float().sum(0)
+                grad_bias += grad_u.to(accumulate).sum(0)
         grad_weight = grad_weight.to(weight_dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -155,18 +180,20 @@ def chunked_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     head_fp32: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(z_i)[targets_i] for z_i = softcap(scale * (hidden_i W^T + b)) / temperature, without the full
     logits.
 
     hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) -> logps (N,) float32 and, if `with_entropy`, the
-    entropy (N,) of softmax(z_i) (no gradient). Equals, in float32,
+    entropy H_i = logsumexp(z_i) - sum_v softmax(z_i)_v z_iv (N,), with a gradient only with `entropy_grad` (an
+    entropy bonus in the loss; without it the backward does no extra work). Equals, in float32,
         torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
     with z the full (N, V) logits, but materialises only `chunk_size` rows of z at a time, in forward and backward.
     Gradients flow to `hidden`, `weight` and `bias`, in their own dtypes. `chunk_size` defaults to
     `auto_chunk_size(V)`. The product h W^T runs in the dtype the model's own head would use (autocast's, else the
     weight's), or with `head_fp32` in float32 whatever the inputs' dtypes and autocast (ScaleRL's fp32 head,
-    `cast_lm_head_to_fp32`); everything after it is float32 either way.
+    `cast_lm_head_to_fp32`); everything after it is float32 either way (float64 for float64 inputs).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
@@ -174,7 +201,7 @@ def chunked_logprobs(
         )
     chunk_size = chunk_size or auto_chunk_size(weight.shape[0])
     return _ChunkedLogProbs.apply(
-        hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, head_fp32
+        hidden, weight, bias, targets, temperature, scale, softcap, chunk_size, with_entropy, head_fp32, entropy_grad
     )
 
 
@@ -192,10 +219,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return torch.stack(rows)
 
 
-@torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position, H = logsumexp(z) - sum_v p_v z_v. (B, T, V) -> (B, T), float32,
-    one row at a time. No gradient."""
+    one row at a time; differentiable (pass detached logits where no gradient is wanted)."""
     rows = []
     for row_logits in logits:
         row_logits = row_logits.float()
@@ -333,12 +359,15 @@ def completion_logprobs(
     pad_to_multiple_of: int | None = None,
     share_prompt: bool = True,
     vision: list[dict[str, torch.Tensor]] | None = None,
+    entropy_grad: bool = False,
+    aux_losses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
     prompt_ids/prompt_mask (B, P) left-padded; completion_ids/completion_mask (B, T) right-padded, the mask 1 for
     tokens up to and including EOS. Returns logps (B, T) float32 and, if `with_entropy`, the per-token entropy (B, T)
-    of the same tempered distribution; both are 0 where completion_mask is 0.
+    of the same tempered distribution (differentiable with `entropy_grad`, for an entropy bonus); both are 0 where
+    completion_mask is 0. A list as `aux_losses` collects a MoE model's load-balancing loss (`_decoder_hidden_states`).
 
     1. The backbone runs on the batch in one forward call: with `share_prompt`, rows that repeat a prompt in the
        grouped layout (each prompt once, its completions after it: shared_prompt.py); else padded, or with
@@ -360,8 +389,8 @@ def completion_logprobs(
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
         settings.update(padding_free=padding_free, head_fp32=head_fp32, share_prompt=share_prompt)
-        settings.update(pad_to_multiple_of=pad_to_multiple_of)
-        return _in_row_batches(model, tensors, vision, batch_size, **settings)
+        settings.update(pad_to_multiple_of=pad_to_multiple_of, entropy_grad=entropy_grad)
+        return _in_row_batches(model, tensors, vision, batch_size, aux_losses=aux_losses, **settings)
 
     padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
@@ -369,30 +398,27 @@ def completion_logprobs(
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     extra = vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device) if vision else {}
     # No grouped layout with pad_to_multiple_of (its widths would not be the padded ones), nor with images (the model
-    # merges their features into each row's prompt inside its own forward).
-    layout = _grouped(model, *batch) if share_prompt and not pad_to_multiple_of and not extra else None
+    # merges their features into each row's prompt inside its own forward), nor for a router's loss (a mean over one
+    # forward's tokens, where each prompt counts once per row).
+    plain = pad_to_multiple_of or extra or aux_losses is not None
+    layout = _grouped(model, *batch) if share_prompt and not plain else None
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
-        logps, entropy = _logprobs_from_full_logits(model, *batch, temperature, with_entropy, layout, extra)
+        logps, entropy = _logprobs_from_full_logits(
+            model, *batch, temperature, with_entropy, layout, extra, entropy_grad, aux_losses
+        )
     else:
         # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
-        hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra)
+        hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra, aux_losses)
         mask = completion_mask.bool()
         values = chunked_logprobs(
-            hidden,
-            _whole(head.weight, hidden.dtype),
-            completion_ids[mask],
-            bias=_whole(head.bias, hidden.dtype),
-            temperature=temperature,
-            scale=scale,
-            softcap=softcap,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-            head_fp32=head_fp32,
-        )
+            hidden, _whole(head.weight, hidden.dtype), completion_ids[mask], bias=_whole(head.bias, hidden.dtype),
+            temperature=temperature, scale=scale, softcap=softcap, chunk_size=chunk_size, with_entropy=with_entropy,
+            head_fp32=head_fp32, entropy_grad=entropy_grad,
+        )  # fmt: skip
         logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
     widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
@@ -484,7 +510,7 @@ def _grouped_inputs(model: nn.Module, layout: GroupedLayout) -> dict[str, torch.
 
 
 def _completion_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout=None, extra=None
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout=None, extra=None, aux=None
 ):
     """1. The backbone's final (normed) hidden states at the positions that predict completion tokens: (N, H), in
     row-major order of completion_mask == 1.
@@ -493,16 +519,30 @@ def _completion_hidden_states(
     (`_head_on_no_positions`; logits_to_keep=1 too, for a head the hook cannot shorten); calling the outer model
     keeps DDP / DeepSpeed / PEFT wrappers in charge of the forward. `layout`: the batch in the grouped layout
     (grpo/objective/shared_prompt.py), run instead of the padded or packed batch. `extra`: the model's vision
-    keyword arguments (padded batches only)."""
+    keyword arguments (padded batches only). `aux`: a list to collect a MoE model's load-balancing loss in."""
     with _head_on_no_positions(model):
         return _decoder_hidden_states(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra, aux
         )
 
 
+def _router_outputs(aux_losses: list | None) -> dict:
+    """The forward's keyword asking a Mixture-of-Experts model for its load-balancing loss, when one is collected."""
+    return {} if aux_losses is None else {"output_router_logits": True}
+
+
+def _keep_aux_loss(output, aux_losses: list | None) -> None:
+    if aux_losses is not None:
+        aux_losses.append(output.aux_loss)
+
+
 def _decoder_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra=None
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, layout, extra=None, aux_losses=None
 ):
+    """`_completion_hidden_states` inside the head's hook. With a list as `aux_losses`, the model runs with
+    `output_router_logits=True` and its load-balancing loss (`aux_loss`: over every prompt and completion token of the
+    pass, padding excluded, as its own training loss counts them) is appended to the list (never in the grouped
+    layout: `completion_logprobs`)."""
     captured = []
     decoder = _language_model(model).get_decoder()
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
@@ -516,13 +556,22 @@ def _decoder_hidden_states(
             input_ids, position_ids, targets_at = _packed_inputs(
                 prompt_ids, prompt_mask, completion_ids, completion_mask
             )
-            model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
+            output = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                logits_to_keep=1,
+                use_cache=False,
+                **_router_outputs(aux_losses),
+            )
+            _keep_aux_loss(output, aux_losses)
             return captured[0][0, targets_at]
-        model(
+        output = model(
             **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, extra),
             logits_to_keep=1,
             use_cache=False,
+            **_router_outputs(aux_losses),
         )
+        _keep_aux_loss(output, aux_losses)
         # Position j predicts token j+1: positions P-1 .. P+T-2 predict the T completion tokens.
         predicting = captured[0][:, prompt_ids.shape[1] - 1 : -1]  # (B, T, H)
         return predicting[completion_mask.bool()]
@@ -531,8 +580,9 @@ def _decoder_hidden_states(
 
 
 def _logprobs_from_full_logits(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, layout=None, extra=None
-):
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, layout=None, extra=None,
+    entropy_grad=False, aux_losses=None,
+):  # fmt: skip
     """Fallback for a ZeRO-3 partitioned output projection, or one a PEFT adapter wraps: the model's forward builds
     the (B, T, V) logits (in the grouped layout: of the columns from the prompt's last on, (U, L - P + 1, V))."""
     mask = completion_mask.bool()
@@ -544,14 +594,18 @@ def _logprobs_from_full_logits(
         row, column = layout.predicting // width, layout.predicting % width
         picked = logits.flatten(0, 1).index_select(0, row * kept + column - (width - kept))[None] / temperature
         logps = selective_log_softmax(picked, completion_ids[mask][None])[0]  # (N,)
-        entropy = entropy_from_logits(picked.detach())[0] if with_entropy else None
+        entropy = entropy_from_logits(picked if entropy_grad else picked.detach())[0] if with_entropy else None
         return tuple(None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in (logps, entropy))
-    logits = model(
+    output = model(
         **_padded_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, extra),
         logits_to_keep=completion_ids.shape[1] + 1,
         use_cache=False,
-    ).logits[:, :-1, :]
-    logits = logits / temperature
+        **_router_outputs(aux_losses),
+    )
+    _keep_aux_loss(output, aux_losses)
+    logits = output.logits[:, :-1, :] / temperature
     logps = selective_log_softmax(logits, completion_ids).masked_fill(~mask, 0.0)
-    entropy = entropy_from_logits(logits.detach()).masked_fill(~mask, 0.0) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach()).masked_fill(~mask, 0.0)
     return logps, entropy

@@ -227,6 +227,8 @@ def policy_loss(
     normalizer: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
     bias_correction_kl: bool = False,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
     **term_knobs: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective of `loss_type` with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
@@ -235,8 +237,8 @@ def policy_loss(
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
         s_it     = min( min(ratio, delta) * A_it, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A_it )   (PPO)
         k_it     = kl_k3(logp_it, ref_it)            times ratio (not detached) with `bias_correction_kl`
-        l_it     = -(s_it * h_it - beta * k_it) * w_it
-        loss     = aggregate(l, m, loss_type)        one normaliser for the policy and the KL term
+        l_it     = -(s_it * h_it - beta * k_it + c * H_it * h_it) * w_it
+        loss     = aggregate(l, m, loss_type)        one normaliser for the policy, KL and entropy terms
 
     `bias_correction_kl` (DeepSeek-V3.2): d(ratio * k3) = d logp * log(pi_theta / pi_ref) at theta = old, unbiased
     for the reverse KL's gradient, unlike k3's own d logp * (1 - pi_ref / pi_theta) (docs/method.md).
@@ -245,8 +247,9 @@ def policy_loss(
     a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
     term only where it is 1 (e.g. the highest-entropy tokens); the KL term and the normaliser still cover every
     loss token. None means h = 1. `sampling_weights` w (B, T) reweights each token's whole loss, for samples drawn by
-    another engine (`sampling_correction`); None means w = 1. cispo, sapo and vespo replace s with terms of their own
-    (loss_types.py `policy_term`, whose knobs `term_knobs` are: `TERM_DEFAULTS`); vespo folds w into its weight.
+    another engine (`sampling_correction`); None means w = 1. `entropy` H (B, T) and `entropy_coef` c: the entropy
+    bonus (`penalty_terms`). cispo, sapo and vespo replace s with terms of their own (loss_types.py `policy_term`,
+    whose knobs `term_knobs` are: `TERM_DEFAULTS`); vespo folds w into its weight.
 
     Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
     on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp (at sequence level, the
@@ -259,8 +262,6 @@ def policy_loss(
     A > 0) and `clip_ratio/region_mean` (either, or ratio > delta with A < 0); the other terms' own (`policy_term`).
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    if beta != 0 and ref_logps is None:
-        raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
     if (clipped := loss_type_of(loss_type).term == "clipped") and delta is not None and delta <= 1 + epsilon_high:
         raise ValueError(f"delta={delta} must be > 1 + epsilon_high = {1 + epsilon_high}, or None")
     mask = mask.bool()
@@ -275,20 +276,56 @@ def policy_loss(
     )  # (B, T), times w  # fmt: skip
     if policy_mask is not None:
         surrogate = surrogate * policy_mask.to(surrogate.dtype)
-    per_token_loss = -surrogate
-    if beta != 0:
-        # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
-        kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
-        kl = kl * ratio if bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
-        stats["kl"] = masked_mean(kl.detach(), mask)
-        per_token_loss = per_token_loss + beta * (kl if sampling_weights is None else kl * sampling_weights)
-
+    penalty, penalty_stats = penalty_terms(
+        logps, ref_logps, ratio, mask, beta=beta, bias_correction_kl=bias_correction_kl, entropy=entropy,
+        entropy_coef=entropy_coef, policy_mask=policy_mask,
+    )  # (B, T) or 0  # fmt: skip
+    per_token_loss = -surrogate + (penalty if sampling_weights is None else penalty * sampling_weights)
+    stats.update(penalty_stats)
     loss = aggregate(
         per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer
     )
     if clipped:
         stats.update(clip_fractions(ratio.detach(), advantages, mask, epsilon_low, epsilon_high, delta, policy_mask))
     return loss, stats
+
+
+def penalty_terms(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float = 0.0,
+    bias_correction_kl: bool = False,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    policy_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | float, dict[str, torch.Tensor]]:
+    """The per-token terms `policy_loss` adds to -s before aggregating (so they share its normaliser):
+
+        beta * k_it (* ratio with `bias_correction_kl`) - c * H_it * h_it
+
+    The KL penalty (beta != 0, `ref_logps` needed) over every loss token; the entropy bonus (c = `entropy_coef` != 0,
+    `entropy` H needed: regularizers.py decides c) over the tokens the policy term trains (`policy_mask` h, None = 1),
+    which raises their entropy, its gradient flowing into H (`completion_logprobs(entropy_grad=True)`). Shapes:
+    logps, ref_logps, entropy, mask, policy_mask (B, T); ratio (B, T) or (B, 1). Returns ((B, T), or 0 with neither
+    term; stats: `kl`, its mean over the loss tokens, detached)."""
+    if beta != 0 and ref_logps is None:
+        raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropy (completion_logprobs(with_entropy=True))")
+    penalty, stats = 0.0, {}
+    if beta != 0:
+        # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
+        kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
+        kl = kl * ratio if bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
+        stats["kl"] = masked_mean(kl.detach(), mask)
+        penalty = beta * kl
+    if entropy_coef != 0:
+        bonus = torch.where(mask, entropy, 0.0)  # (B, T)
+        penalty = penalty - entropy_coef * (bonus if policy_mask is None else bonus * policy_mask.to(bonus.dtype))
+    return penalty, stats
 
 
 def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

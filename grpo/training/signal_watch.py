@@ -57,7 +57,8 @@ SIGNS = (
         "entropy",
         lambda value, first: first > 0 and value < 0.05 * first,
         "the entropy collapsed below 5% of its first value: the policy samples the same tokens every time, so the "
-        "completions of a group stop differing; lower learning_rate, or add a KL term (beta > 0)",
+        "completions of a group stop differing; lower learning_rate, add a KL term (beta > 0), or an entropy bonus "
+        "(use_adaptive_entropy=True, entropy_target near the first entropy)",
     ),
 )
 

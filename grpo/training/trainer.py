@@ -33,6 +33,7 @@ from grpo.objective.advantages import advantage_settings, mixed_advantages
 from grpo.objective.logprobs import completion_logprobs, logprob_settings
 from grpo.objective.loss import accumulation, loss_settings, policy_loss, spans_the_step, window_token_totals
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves, reference_policy
+from grpo.objective.regularizers import loss_terms, router_aux_term
 from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
 from grpo.rewards.environments import with_environment_rewards
@@ -142,8 +143,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
         check_prompt_lengths(tokenizer, model.config, args, train_dataset, eval_dataset)  # room to complete
         self.agent = make_agent(self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset)
-        # pi_ref: a frozen copy, or for a PEFT model the adapter-disabled policy (`_reference`), or none (beta 0).
-        self.ref_model, self._reference_moves = make_reference(model, args, source)
+        self.ref_model, self._reference_moves = make_reference(model, args, source)  # pi_ref (objective/reference.py)
+        self.entropy_control, self.router_aux_coef = loss_terms(args, model.config)  # beside the objective
         self.padding_free, self.share_prompt = forward_layout(args, model, announce=args.process_index == 0)
 
         self.metric_windows = {"train": MetricsWindow(), "eval": MetricsWindow()}
@@ -389,7 +390,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
-        logps, entropy = self.logprobs(model, inputs, with_entropy=True)
+        control, aux_losses = self.entropy_control, [] if self.router_aux_coef else None
+        logps, entropy = self.logprobs(model, inputs, True, entropy_grad=control.enabled, aux_losses=aux_losses)
         old_logps = old_policy.take(inputs, logps, self.state.global_step)  # None: on-policy, logps.detach()
         weights, sampling = sampling_weights(logps, inputs, self.args)
         if sampling is not None:  # every process's share of the sampling/* metrics
@@ -398,43 +400,37 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         micro_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
         processes = self.accelerator.num_processes
         normalizer, factor = accumulation(self.args.loss_type, micro_steps, inputs.window_loss_tokens, processes)
+        keep = policy_mask(entropy.detach(), logps, inputs, self.args, self.accelerator)
         loss, stats = policy_loss(
-            logps,
-            old_logps,
-            inputs.ref_logps,
-            inputs.advantages,
-            inputs.loss_mask,
-            policy_mask=policy_mask(entropy, logps, inputs, self.args, self.accelerator),
-            sampling_weights=weights,
-            normalizer=normalizer,
+            logps, old_logps, inputs.ref_logps, inputs.advantages, inputs.loss_mask, policy_mask=keep,
+            sampling_weights=weights, normalizer=normalizer, entropy=entropy, entropy_coef=control.coefficient,
             **loss_settings(self.args),
-        )
-        loss = loss * factor  # Trainer does not divide again (loss_is_scaled_for_ga)
+        )  # fmt: skip
+        # Trainer does not divide again (loss_is_scaled_for_ga); a MoE router's loss joins as a mean over micro-steps.
+        aux, aux_stats = router_aux_term(aux_losses, self.router_aux_coef, micro_steps)
+        loss, stats = loss * factor + aux, {**stats, **aux_stats}
+        coef = control.observe(entropy, inputs.loss_mask, keep, self.accelerator) if mode == "train" else None
+        if coef is not None:  # the step's last micro-batch: the coefficient the next step starts from
+            self.metric_windows[mode].add_mean("entropy_coef", coef)
         if mode == "train":
             # Checked at the optimizer step, with what names the row of a non-finite term (grpo/training/nonfinite.py).
             terms = {"loss": loss.detach(), **stats}
             self.gradient_guard.record(LossRecord.of(inputs, logps, old_logps, terms, self.args))
         # Token-weighted metrics, summed over processes.
-        totals, names = metrics.token_metric_totals(stats, entropy, inputs.loss_mask)
+        totals, names = metrics.token_metric_totals(stats, entropy.detach(), inputs.loss_mask)
         metrics.add_token_metrics(self.metric_windows[mode], self.accelerator.reduce(totals, reduction="sum"), names)
         return loss
 
-    def logprobs(self, model, batch: TokenBatch | MicroBatch | Rollout, with_entropy=False, batch_size=None):
+    def logprobs(self, model, batch: TokenBatch | MicroBatch | Rollout, with_entropy=False, batch_size=None, **extra):
         """Completion log-probs (and entropies) of `batch` under `model`, the same way for policy, old and ref; in one
         autocast region (mixed precision: the head in bf16 unless cast_lm_head_to_fp32; each weight cast once)."""
         with self.accelerator.autocast():
             return completion_logprobs(
-                model,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.completion_ids,
-                batch.completion_mask,
-                with_entropy=with_entropy,
-                batch_size=batch_size,
-                padding_free=self.padding_free,
+                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                with_entropy=with_entropy, batch_size=batch_size, padding_free=self.padding_free,
                 vision=getattr(batch, "vision", None),  # images (vision-language models), or None
-                **logprob_settings(self.args, self.share_prompt),  # temperature, chunk size, head in fp32, sharing
-            )
+                **logprob_settings(self.args, self.share_prompt), **extra,  # temperature, chunk, fp32 head, sharing
+            )  # fmt: skip
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -463,6 +459,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             "samples": self._samples,
             "metrics": {mode: window.state_dict() for mode, window in self.metric_windows.items()},
             "sampling_rng": self.sampling_rng.state_dict(),
+            "entropy_control": self.entropy_control.state_dict(),
         }
         save_state(os.path.join(checkpoint_dir, STATE_FILE.format(self.accelerator.process_index)), state)
         if self._reference_moves and self.args.should_save:  # the same on every process
@@ -480,6 +477,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             for mode, window in state["metrics"].items():
                 self.metric_windows[mode].load_state_dict(window)
             self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
+            self.entropy_control.load_state_dict(state.get("entropy_control"))
 
     # ---- Logging ----
 

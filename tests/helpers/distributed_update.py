@@ -55,6 +55,8 @@ VARIANTS = {
     "sapo": dict(loss_type="sapo"),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "vespo": dict(loss_type="vespo"),
+    # The entropy bonus, aggregated with grpo's per-sequence mean, its gradient through the chunked projection.
+    "entropy_bonus": dict(loss_type="grpo", entropy_coef=0.3),
     "gdpo": dict(
         loss_type="dapo",
         multi_objective_aggregation="normalize_then_sum",

@@ -64,13 +64,17 @@ def naive_policy_loss(
     sampling_weights=None,
     sapo=(1.0, 1.05),
     vespo=(2.0, 3.0, 3.0, 2.0),
+    entropy=None,
+    entropy_coef=0.0,
 ):
     """Returns the loss as a 0-d tensor built token by token (so autograd gives the naive gradient too).
     `bias_correction_kl`: each token's k3 times its (token or sequence) ratio. `off_policy_threshold`: a row whose
     advantage is negative and whose mean of sampling - logp over its tokens (NaN as 0) exceeds it trains no policy
     term (the sampler's log-probs `sampling_logps`, else old, else logp itself). `sampling_weights` c (B, T): each
     token's whole loss times c, except vespo's policy term, whose sequence ratio takes the product of c instead.
-    `sapo`: (tau_pos, tau_neg); `vespo`: (k_pos, lambda_pos, k_neg, lambda_neg). The loss types beyond PPO's clip:
+    `sapo`: (tau_pos, tau_neg); `vespo`: (k_pos, lambda_pos, k_neg, lambda_neg). `entropy` H (B, T) with
+    `entropy_coef` c: each token the policy term trains (inside `policy_mask`, row not dropped) also loses c H, times
+    its c weight, aggregated with the rest. The loss types beyond PPO's clip:
     cispo  -sg(min(ratio, eps_high)) * A * logp, dapo's token mean;
     sapo   -(4 / tau) * sigmoid(tau * (ratio - 1)) * A, grpo's per-sequence mean;
     luspo  the clipped term, summed over each row's tokens, then the mean over rows;
@@ -144,6 +148,8 @@ def naive_policy_loss(
                 d = ref_logps[i][t] - logps[i][t]
                 k3 = torch.exp(d) - d - 1
                 loss = loss + beta * (k3 * ratio if bias_correction_kl else k3) * c
+            if entropy_coef and not ((policy_mask is not None and not policy_mask[i][t]) or dropped):
+                loss = loss - entropy_coef * entropy[i][t] * c
             token_loss[i][t] = loss
     zero = logps.sum() * 0
     if loss_type == "luspo":
