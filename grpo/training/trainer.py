@@ -391,7 +391,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
         control, aux_losses = self.entropy_control, [] if self.router_aux_coef else None
-        logps, entropy = self.logprobs(model, inputs, True, entropy_grad=control.enabled, aux_losses=aux_losses)
+        extra = {"entropy_grad": control.enabled, "aux_losses": aux_losses}
+        logps, entropy = self.logprobs(model, inputs, with_entropy=True, **extra)
         old_logps = old_policy.take(inputs, logps, self.state.global_step)  # None: on-policy, logps.detach()
         weights, sampling = sampling_weights(logps, inputs, self.args)
         if sampling is not None:  # every process's share of the sampling/* metrics
