@@ -25,6 +25,16 @@ from tests.test_resume import SCRIPT, comparable, step_logs
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_reaches_children():
+    """A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across exec: then a
+    `grpo train` this file starts never sees the Ctrl-C it sends (it finished with status 0 when the suite ran as
+    `make test &`). Any handler but SIG_IGN in this process gives the children the default again."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_sigterm_is_handled_only_inside_and_asks_for_a_stop():
     def before(signum, frame):
         raise AssertionError("the handler from before the run must not run during it")
