@@ -424,27 +424,6 @@ def completion_logprobs(
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
 
 
-@contextlib.contextmanager
-def _head_on_no_positions(model: nn.Module) -> Iterator[None]:
-    """Within it, the model's own output projection runs on no positions: the passes below read the decoder's hidden
-    states and never the logits. (`logits_to_keep=1` alone still projects the last position, a strided slice that
-    torch multiplies under autograd as a batched product with the (V, H) weight expanded per row: 80 ms a pass on
-    SmolLM2-135M at 8 rows on a CPU.)"""
-
-    def no_positions(module, args):
-        if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
-            return (args[0][..., :0, :], *args[1:])
-        return None
-
-    head = _language_model(model).get_output_embeddings()
-    handle = head.register_forward_pre_hook(no_positions) if isinstance(head, nn.Module) else None
-    try:
-        yield
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
 def _in_row_batches(model, tensors, vision, batch_size: int, **settings):
     """`completion_logprobs` of `tensors` (prompt ids and mask, completion ids and mask) and `vision`, `batch_size`
     rows at a time, joined."""
