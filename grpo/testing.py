@@ -26,11 +26,18 @@ CHATML_TEMPLATE = (
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with no merges: one token per byte, plus `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>`
     (EOS) and a ChatML chat template."""
+    tokenizer = _byte_tokenizer(SPECIAL_TOKENS)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _byte_tokenizer(specials: list[str]) -> PreTrainedTokenizerFast:
+    """One token per byte (byte-level BPE, no merges), then `specials` in order; EOS, pad and BOS as ChatML's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    for token in SPECIAL_TOKENS:
+    for token in specials:
         vocab[token] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -38,8 +45,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
     return tokenizer
 
 
@@ -125,22 +131,9 @@ def tiny_vlm_processor(kind: str = "idefics3"):
     4 placeholder tokens; "qwen2_vl": Qwen2-VL-shaped, images resized to at most 56 x 56 pixels, 14-pixel patches
     merged 2 x 2, up to 4 placeholder tokens). The byte-level tokenizer of `tiny_tokenizer` plus the kind's special
     tokens, and the kind's image processor (its PIL implementation: no torchvision needed)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     if kind not in _VLM_TOKENS:
         raise ValueError(f"kind must be one of {VLM_KINDS}, got {kind!r}")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    specials = SPECIAL_TOKENS + _VLM_TOKENS[kind]
-    for token in specials:
-        vocab[token] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer = _byte_tokenizer(SPECIAL_TOKENS + _VLM_TOKENS[kind])
     if kind == "idefics3":
         from transformers import Idefics3Processor
 
