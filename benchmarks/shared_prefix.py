@@ -8,8 +8,8 @@ against once per completion (`share_prompt=False`), side by side, in one invocat
 
 What is measured, for every prompt length, setup and attention implementation, with the switch off and on (a fresh
 process each, off and on alternated): `--steps` optimizer steps of `GRPOTrainer` after one warm-up step, G = 8
-completions of 64 tokens of one prompt per process (8 rows, one micro-batch), AdamW, the KL term on (beta 0.04:
-a reference pass too, which shares the prompt as well). The prompt is a long text cut to exactly
+completions of 64 tokens of each of `--prompts` prompts per process (default 1: 8 rows; one micro-batch), AdamW,
+the KL term on (beta 0.04: a reference pass too, which shares the prompt as well). The prompt is a long text cut to exactly
 `--prompt-lengths` tokens (`max_prompt_length`). Completions are fixed random tokens with no EOS (the
 same in every run): the step is the training step, not sampling. Setups:
 
@@ -157,7 +157,7 @@ def child(settings: dict) -> dict | None:
             use_cpu=not cuda,
             bf16=cuda,
             max_steps=1 + settings["steps"],
-            per_device_train_batch_size=G,
+            per_device_train_batch_size=G * settings["prompts"],
             num_generations=G,
             max_completion_length=COMPLETION,
             max_prompt_length=settings["prompt_length"],
@@ -225,6 +225,7 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--attn", nargs="+", default=["sdpa"], help="attn_implementation values, each measured")
     parser.add_argument("--model", choices=["smollm2", "random-smollm2"], default="smollm2")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts (groups of G) per step and process")
     parser.add_argument("--layers", type=int, default=30, help="random-smollm2 only: its depth (a reduced run)")
     parser.add_argument("--json", metavar="FILE", help="also write the measured numbers to FILE")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -240,7 +241,7 @@ def main():
         for setup in setups:
             for length in cli.prompt_lengths:
                 settings = dict(device=cli.device, attn=attn, model=cli.model, setup=setup, prompt_length=length)
-                settings.update(steps=cli.steps, layers=cli.layers)
+                settings.update(steps=cli.steps, layers=cli.layers, prompts=cli.prompts)
                 off = run_child({**settings, "share": False})
                 on = run_child({**settings, "share": True})
                 rows.append({**settings, "off": off, "on": on})
@@ -255,8 +256,8 @@ def report(rows: list[dict], header: bool = True) -> None:
         first = rows[0]
         model = first["model"] + (f" ({first['layers']} layers)" if first["model"] == "random-smollm2" else "")
         print(
-            f"{model}, {first['device']}, G = {G} completions of {COMPLETION} tokens, one prompt per "
-            f"process, beta 0.04, AdamW; medians of {first['steps']} steps after a warm-up step"
+            f"{model}, {first['device']}, G = {G} completions of {COMPLETION} tokens, {first['prompts']} prompt(s) "
+            f"per step and process, beta 0.04, AdamW; medians of {first['steps']} steps after a warm-up step"
         )
         print(f"{'attention':18} {'setup':13} {'prompt':>6} | {'step s off':>10} {'on':>7} {'on/off':>6} | "
               f"{'saved MiB off':>13} {'on':>7} {'on/off':>6} | {'peak MiB off':>12} {'on':>7} {'on/off':>6}")  # fmt: skip

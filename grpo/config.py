@@ -981,6 +981,13 @@ class GRPOConfig(TrainingArguments):
         help="With log_completions: the printed completions table shows each prompt once (its first completion) "
         "rather than once per completion of its group; completions.jsonl keeps every row.",
     )
+    log_multimodal: bool = option(
+        default=True,
+        section=Section.LOGGING,
+        help="With log_completions and a data set with images: each prompt image is saved once, as PNG, to "
+        "output_dir/completions_images/ (named by a hash of its pixels), and each completions.jsonl record lists "
+        "its row's images by path; the table marks prompts with images. False logs the text only.",
+    )
     log_completions_hub_repo: str | None = option(
         default=None,
         section=Section.LOGGING,

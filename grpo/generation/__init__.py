@@ -197,4 +197,6 @@ def sample_rollout(
     )
     rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
     rollout.vision = vision
+    if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
+        rollout.images = images
     return rollout, columns

@@ -1,5 +1,6 @@
 """`log_completions_hub_repo`: the completions log (output_dir/completions.jsonl) pushed to a Hugging Face Hub data
-set repository at every logged step, as TRL 1.16 pushes its completion tables.
+set repository at every logged step, as TRL 1.16 pushes its completion tables; with `log_multimodal`, the prompt
+images the log refers to go with it, each file once.
 
 `CompletionsHub` checks, when the trainer is built, that a token is set and that the Hub answers, by creating the
 repository (or finding it): a run that would log nowhere fails before any weight loads, in one line. Each push
@@ -10,10 +11,12 @@ on. `create_repository` and `upload` are the two calls to the Hub, module functi
 
 from __future__ import annotations
 
+import os
 import warnings
 from concurrent.futures import Future
 
 from grpo.data import InputError
+from grpo.training.logged_images import IMAGE_DIR
 
 FILE_IN_REPO = "completions.jsonl"
 
@@ -26,14 +29,13 @@ def create_repository(repo_id: str, token: str, private: bool | None) -> str:
     return str(create_repo(repo_id, token=token, private=private, repo_type="dataset", exist_ok=True))
 
 
-def upload(repo_id: str, token: str, path: str, step: int) -> Future:
-    """Upload the file at `path` as `FILE_IN_REPO` of `repo_id`, in the background."""
-    from huggingface_hub import HfApi
+def upload(repo_id: str, token: str, files: dict[str, str], step: int) -> Future:
+    """Upload `files` (path in the repository -> local path) to `repo_id` in one commit, in the background."""
+    from huggingface_hub import CommitOperationAdd, HfApi
 
-    return HfApi(token=token).upload_file(
-        path_or_fileobj=path,
-        path_in_repo=FILE_IN_REPO,
+    return HfApi(token=token).create_commit(
         repo_id=repo_id,
+        operations=[CommitOperationAdd(path_in_repo=name, path_or_fileobj=local) for name, local in files.items()],
         repo_type="dataset",
         commit_message=f"completions up to step {step}",
         run_as_future=True,
@@ -81,19 +83,30 @@ class CompletionsHub:
             ) from None
         self.repo_id, self.token = repo_id, token
         self.pending: Future | None = None
+        self.images_sent: set[str] = set()  # logged image files already in the repository
+        self.sending: list[str] = []  # those of the pending push
 
     def push(self, path: str, step: int) -> None:
-        """Push the log as it is after `step` (the previous push is checked first)."""
+        """Push the log as it is after `step` (the previous push is checked first), with the logged images
+        (`log_multimodal`, in `IMAGE_DIR` beside the log) that no earlier push sent."""
         self.wait()
-        self.pending = upload(self.repo_id, self.token, path, step)
+        files = {FILE_IN_REPO: path}
+        folder = os.path.join(os.path.dirname(path), IMAGE_DIR)
+        if os.path.isdir(folder):
+            new = sorted(name for name in os.listdir(folder) if name.endswith(".png") and name not in self.images_sent)
+            files.update({f"{IMAGE_DIR}/{name}": os.path.join(folder, name) for name in new})
+            self.sending = new
+        self.pending = upload(self.repo_id, self.token, files, step)
 
     def wait(self) -> None:
         """Wait for the last push; warn in one line if it failed."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        sending, self.sending = self.sending, []
         try:
             pending.result()
+            self.images_sent.update(sending)
         except Exception as e:
             reason = (str(e).strip().splitlines() or [""])[0]
             warnings.warn(

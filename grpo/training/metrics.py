@@ -15,9 +15,11 @@ import unicodedata
 import warnings
 
 import torch
+from accelerate.utils import gather_object
 
 from grpo.data import completion_text
 from grpo.objective.advantages import group_reward_stats
+from grpo.training.logged_images import save_logged_images
 
 
 class MetricsWindow:
@@ -187,14 +189,29 @@ def add_reward_call_metrics(
     window.add_mean("timing/rewards", slowest, 1)
 
 
-def sample_records(prompts: list, completions: list, rewards: torch.Tensor, advantages: torch.Tensor) -> list[dict]:
+def round_samples(rollout, rewards, advantages: torch.Tensor, output_dir: str, is_main: bool) -> list[dict]:
+    """`log_completions`: the records of a scored round's rows of every process (`sample_records`); a collective
+    call. Rows that carry images (`log_multimodal`) get them saved under `output_dir` (logged_images.py)."""
+    columns, _ = rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+    prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
+    images = None if rollout.images is None else save_logged_images(output_dir, rollout.images, is_main)
+    return sample_records(prompts, completions, columns, advantages, images)
+
+
+def sample_records(
+    prompts: list, completions: list, rewards: torch.Tensor, advantages: torch.Tensor, images: list | None = None
+) -> list[dict]:
     """One record per completion for `log_completions`: prompt, completion, each function's reward (B, K) and the
-    advantage (B,), or per token (B, T) shown by its value at the first token."""
+    advantage (B,), or per token (B, T) shown by its value at the first token; with `images`, each row's image
+    paths under output_dir."""
     first = advantages if advantages.dim() == 1 else advantages[:, 0]
-    return [
+    records = [
         {"prompt": p, "completion": c, "rewards": r, "advantage": a}
         for p, c, r, a in zip(prompts, completions, rewards.tolist(), first.tolist())
     ]
+    for record, paths in zip(records, images or []):
+        record["images"] = paths
+    return records
 
 
 def report_samples(
@@ -250,9 +267,15 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     for s in rows:
         rewards = [f"{r:.3f}" for r in s["rewards"]]
         lines.append(
-            " | ".join([clip(s["prompt"], 40), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"])
+            " | ".join([shown_prompt(s, clip), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"])
         )
     return "\n".join(lines)
+
+
+def shown_prompt(sample: dict, clip) -> str:
+    """The prompt's table cell: its text clipped, after `[N images]` when the images were logged."""
+    images = sample.get("images")
+    return (f"[{len(images)} image{'s' * (len(images) != 1)}] " if images else "") + clip(sample["prompt"], 40)
 
 
 def write_completions(
@@ -267,6 +290,8 @@ def write_completions(
             rewards = {name: (None if math.isnan(r) else r) for name, r in zip(reward_names, s["rewards"])}
             record = {"step": step, "prompt": s["prompt"], "completion": s["completion"], "rewards": rewards}
             record["advantage"] = None if math.isnan(s["advantage"]) else s["advantage"]
+            if "images" in s:  # log_multimodal: the prompt's images, as paths under output_dir
+                record["images"] = s["images"]
             record["run"] = run
             f.write(json.dumps(record) + "\n")
 

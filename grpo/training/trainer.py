@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from accelerate.utils import gather, gather_object, set_seed
+from accelerate.utils import gather, set_seed
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -359,13 +359,12 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         if args.beta != 0:
             with torch.no_grad(), reference_policy(self.model, self.ref_model) as reference:
                 rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
-        if args.log_completions and mode == "train":
-            columns, _ = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
-            prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
-            self._samples = metrics.sample_records(prompts, completions, columns, advantages)
+        if args.log_completions and mode == "train":  # with log_multimodal, the prompts' images saved beside
+            main = self.accelerator.is_main_process
+            self._samples = metrics.round_samples(rollout, self.rewards, advantages, args.output_dir, main)
         if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
             offline.save_round(args.output_dir, self.accelerator, rollout, self.rewards, self.state.global_step)
-        return rollout
+        return replace(rollout, images=None)
 
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (grpo/training/metrics.py)."""

@@ -5,6 +5,8 @@ squares beside a chat prompt, a scripted sampler that takes vision inputs, and o
 
 saves the update of one step on 2 processes (tests/test_distributed.py compares it with 1 process)."""
 
+import json
+import os
 import sys
 
 import torch
@@ -62,12 +64,26 @@ def vlm_step_update(output_dir, kind="idefics3", **config):
 
 
 def one_vlm_step(kind, per_device, accumulation, output_dir):
-    """(update, number of processes, logged loss, parameters after the step)."""
+    """(update, number of processes, logged loss, parameters after the step, logged images): the last, the
+    completions log's (prompt text, image paths, image file bytes) per row, the images logged by `log_multimodal`."""
+    output_dir = os.path.join(output_dir, kind)
     update, trainer = vlm_step_update(
-        output_dir, kind=kind, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
-    )
+        output_dir, kind=kind, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        log_completions=True, num_completions_to_print=0,
+    )  # fmt: skip
     params = {n: p.detach() for n, p in trainer.model.named_parameters()}
-    return update, trainer.accelerator.num_processes, trainer.state.log_history[0]["loss"], params
+    loss = trainer.state.log_history[0]["loss"]
+    return update, trainer.accelerator.num_processes, loss, params, logged_images(output_dir)
+
+
+def logged_images(output_dir) -> list[tuple[str, list[str], list[bytes]]]:
+    """Each completions.jsonl record's prompt text, image paths and the bytes of those files."""
+    if not os.path.exists(os.path.join(output_dir, "completions.jsonl")):
+        return []  # not the main process
+    with open(os.path.join(output_dir, "completions.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    read = lambda path: open(os.path.join(output_dir, path), "rb").read()  # noqa: E731
+    return [(r["prompt"][0]["content"], r["images"], [read(p) for p in r["images"]]) for r in records]
 
 
 if __name__ == "__main__":
