@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -154,14 +154,7 @@ def encode_vision_prompts(
             )
         key = (id(prompt), tuple(id(image) for image in row))
         if key not in cache:  # the G copies of a row share one dict and one list of images
-            prefill = prompt[-1]["role"] == "assistant"
-            text = processor.apply_chat_template(
-                with_image_blocks(prompt, len(row)),
-                tokenize=False,
-                add_generation_prompt=not prefill,
-                continue_final_message=prefill,
-                **(chat_template_kwargs or {}),
-            )
+            text = _render(prompt, len(row), processor, chat_template_kwargs)
             encoded = processor(text=[text], images=[row], return_tensors="pt")
             cache[key] = _split_row(encoded)
         row_ids, vision = cache[key]
@@ -174,6 +167,41 @@ def encode_vision_prompts(
         ids.append(list(row_ids))
         rows.append(vision)
     return ids, rows
+
+
+def _render(prompt: list[dict], num_images: int, processor, chat_template_kwargs: dict | None) -> str:
+    """A prompt's text with one placeholder per image, as the processor's chat template writes it."""
+    prefill = prompt[-1]["role"] == "assistant"
+    return processor.apply_chat_template(
+        with_image_blocks(prompt, num_images),
+        tokenize=False,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        **(chat_template_kwargs or {}),
+    )
+
+
+class ImagePrompts(NamedTuple):
+    """Rows with images, as a sampler that runs the processor itself (vLLM) takes them: the ids of each prompt
+    with one placeholder per image, which it expands against the images, and each row's images."""
+
+    prompt_ids: list[list[int]]
+    images: list[list]
+
+
+def image_prompts(
+    prompts: Sequence[list[dict]], images: Sequence[list], processor, chat_template_kwargs: dict | None = None
+) -> ImagePrompts:
+    """`ImagePrompts` of rows that `encode_vision_prompts` encoded (`images` from `open_rows`): each prompt rendered
+    the same way and tokenized by the processor's tokenizer alone, so its placeholders are not expanded. vLLM
+    expands the placeholders of a token prompt whether or not they already are, so it must get them unexpanded."""
+    tokenizer, ids, cache = text_tokenizer(processor), [], {}
+    for prompt, row in zip(prompts, images):
+        key = (id(prompt), len(row))
+        if key not in cache:
+            cache[key] = tokenizer(_render(prompt, len(row), processor, chat_template_kwargs))["input_ids"]
+        ids.append(list(cache[key]))
+    return ImagePrompts(ids, [list(row) for row in images])
 
 
 def _split_row(encoded) -> tuple[list[int], VisionRow]:

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from grpo.data import InputError, decode_completions, encode_prompts
-from grpo.data.vision import encode_vision_prompts, is_processor, open_rows, row_images, text_tokenizer
+from grpo.data.vision import (
+    encode_vision_prompts,
+    image_prompts,
+    is_processor,
+    open_rows,
+    row_images,
+    text_tokenizer,
+)
 from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cut_at_eos
 from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
@@ -154,7 +161,7 @@ def sample_rollout(
     environments), each row is a multi-turn episode (`AgentLoop.rollout`, episodes.py; `lockstep` there).
     Rows with an `image` or `images` column (vision-language models; `tokenizer` is then the model's processor) are
     rendered and tokenized with their images (grpo/data/vision.py), and the rollout carries their vision inputs; a
-    backend with `takes_images` (vLLM's) is given the images themselves instead of the vision inputs."""
+    backend with `takes_images` (vLLM's) is given the images themselves instead (`ImagePrompts`)."""
     if isinstance(backend, StoredCompletions):
         return backend.rollout(inputs, tokenizer, eos_token_ids)
     if agent is not None:
@@ -176,7 +183,7 @@ def sample_rollout(
         prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
         prompt_cut = [False] * len(prompts)
         if getattr(backend, "takes_images", False):  # vLLM runs the processor itself, on the images
-            raw = backend.generate(model, prompt_ids, images=images)
+            raw = backend.generate(model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs))
         else:
             raw = backend.generate(model, prompt_ids, vision=vision)
     else:

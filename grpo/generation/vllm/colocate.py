@@ -34,9 +34,9 @@ from torch import nn
 
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import checkpoint_tensors
-from grpo.data.vision import placeholder_token_ids
+from grpo.data.vision import ImagePrompts, placeholder_token_ids
 from grpo.generation.vllm.engine_processes import structured_outputs
-from grpo.generation.vllm.images import multimodal_request, placeholder_bias
+from grpo.generation.vllm.images import check_expanded, multimodal_request, placeholder_bias
 
 INSTALL_HINT = (
     "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
@@ -57,17 +57,18 @@ def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if getattr(model, "peft_config", None) is not None else model
 
 
-def _runs(prompt_ids: list[list[int]], images: list[list] | None) -> list[tuple[tuple[list[int], list | None], int]]:
-    """Maximal runs of consecutive rows with equal prompts and the same image objects (the G copies of a row share
-    them, grpo/data/vision.py `open_rows`), as ((prompt, images), length); without images, `equal_runs`."""
+def _runs(prompt_ids: list[list[int]], images: ImagePrompts | None) -> list[tuple[tuple, int]]:
+    """Maximal runs of consecutive rows with equal prompts and, with `images`, the same image objects (the G copies
+    of a row share them, grpo/data/vision.py `open_rows`), as ((prompt, prompt sent to vLLM, images), length)."""
     if images is None:
-        return [((prompt, None), count) for prompt, count in equal_runs(prompt_ids)]
+        return [((prompt, prompt, None), count) for prompt, count in equal_runs(prompt_ids)]
     runs: list = []
-    for prompt, row in zip(prompt_ids, images):
-        if runs and runs[-1][0][0] == list(prompt) and [id(i) for i in runs[-1][0][1]] == [id(i) for i in row]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+    for prompt, sent, row in zip(prompt_ids, images.prompt_ids, images.images):
+        last = runs[-1][0] if runs else None
+        if last and last[0] == list(prompt) and list(map(id, last[2])) == list(map(id, row)):
+            runs[-1] = (last, runs[-1][1] + 1)
         else:
-            runs.append(((list(prompt), list(row)), 1))
+            runs.append(((list(prompt), list(sent), list(row)), 1))
     return runs
 
 
@@ -163,7 +164,7 @@ class VLLMColocateGeneration:
         if self.regex is not None:  # structured outputs compile the pattern against the tokenizer's vocabulary
             self.tokenizer.save_pretrained(self._config_dir.name)
         if self.processor is not None:  # vLLM processes the images itself, with the model's processor
-            save_processor(self.processor, self._config_dir.name)
+            self.processor.save_pretrained(self._config_dir.name)
         settings = dict(
             model=self._config_dir.name,
             load_format="dummy",  # random weights until the first sync_weights, which loads every tensor
@@ -228,9 +229,12 @@ class VLLMColocateGeneration:
         self.synced_version = version
         self.last_sync = {"seconds": time.perf_counter() - start}
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]], images: list[list] | None = None) -> Completions:
-        """`images`: each row's PIL images (vision-language models), given to vLLM with the row's prompt, whose ids
-        hold the expanded image placeholder tokens; those tokens are never sampled (`placeholder_bias`)."""
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None
+    ) -> Completions:
+        """`images` (vision-language models): each row's images and its prompt with one placeholder per image,
+        which vLLM expands against the images (into `prompt_ids`, which is checked); the image placeholder tokens
+        are never sampled (`placeholder_bias`)."""
         from vllm import SamplingParams
 
         if self.synced_version is None:
@@ -246,12 +250,15 @@ class VLLMColocateGeneration:
             settings["structured_outputs"] = structured_outputs(self.regex)
         if images is not None:
             settings["logit_bias"] = placeholder_bias(placeholder_token_ids(_base(model).config))
+        runs = _runs(prompt_ids, images)
         requests, params = [], []
-        for (prompt, row_images), count in _runs(prompt_ids, images):
-            requests.append(multimodal_request(prompt, row_images))
+        for (_, sent, row_images), count in runs:
+            requests.append(multimodal_request(sent, row_images))
             params.append(SamplingParams(n=count, seed=seed + start, logprobs=0, detokenize=False, **settings))
             start += count
         outputs = llm.generate(requests, params, use_tqdm=False)
+        if images is not None:
+            check_expanded([run[0] for run, _ in runs], [o.prompt_token_ids for o in outputs], "The colocated vLLM engine")
         ids, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:

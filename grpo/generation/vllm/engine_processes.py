@@ -151,7 +151,10 @@ class _Engine:
                 ids.append(list(sample.token_ids))
                 if logprobs:
                     logps.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
-        return {"completion_ids": ids, "logprobs": logps if logprobs else None}
+        result = {"completion_ids": ids, "logprobs": logps if logprobs else None}
+        if images is not None:  # the prompts as vLLM expanded their images, for the trainer to check
+            result["prompt_ids"] = [list(output.prompt_token_ids) for output in outputs]
+        return result
 
     def update_weights(self, adapter: dict | None = None) -> None:
         if adapter is None:

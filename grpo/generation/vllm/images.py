@@ -2,8 +2,10 @@
 what a vLLM engine is given for it.
 
 vLLM takes the original images beside the prompt's token ids (`multi_modal_data={"image": [PIL images]}`) and runs
-the model's processor on them itself; the prompt's ids already hold the image placeholder tokens the trainer's
-processor expanded, which vLLM recognises. Between the trainer and `grpo vllm-serve` an image travels as PNG bytes,
+the model's processor on them itself, expanding each image's placeholder in the token prompt into the image's
+feature tokens. It does so also when they are expanded already (it would then expand the first one again), so it is
+given the prompt with one placeholder per image (grpo/data/vision.py `image_prompts`); the prompt it expanded comes
+back and must equal the trainer's, which the log-prob passes use (`check_expanded`). Between the trainer and `grpo vllm-serve` an image travels as PNG bytes,
 base64 in the JSON request: lossless, so the engine sees the pixels the trainer's processor saw, and decoded on the
 server with size limits checked before any pixel is decompressed (`decode_image`). Nothing received is unpickled.
 
@@ -117,3 +119,17 @@ def placeholder_bias(token_ids: Sequence[int]) -> dict[int, float] | None:
     look for an image's features at each of them, as `model.generate` avoids with `suppress_tokens`); vLLM takes
     biases down to -100, which leaves such a token a probability below e^-90 beside any other."""
     return {int(token): -100.0 for token in token_ids} or None
+
+
+def check_expanded(expected: Sequence[Sequence[int]], expanded: Sequence[Sequence[int]], engine: str) -> None:
+    """Refuse a generation whose engine (`engine` names it) expanded an image prompt into other token ids than the
+    trainer's processor did: its completions would follow another prompt than the one trained on."""
+    for i, (mine, theirs) in enumerate(zip(expected, expanded)):
+        if list(mine) != list(theirs):
+            raise ValueError(
+                f"{engine} expanded the image placeholders of prompt {i} into a prompt of {len(theirs)} tokens, where "
+                f"the trainer's processor made {len(mine)} (first difference at token "
+                f"{next((t for t, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))}). "
+                "The engine's processor must be the trainer's: serve the model directory saved with the processor "
+                "the trainer uses (its max_pixels / size settings included)."
+            )

@@ -11,8 +11,9 @@ methods that receive weights, LoRA adapters) are grpo/generation/vllm/engine_pro
 Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
     GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size,
                                LoRA (lora, max_lora_rank), whether the model takes images (multimodal)
-    POST /generate             token-id prompts (each with its images, base64 PNG, for a vision-language model)
-                               -> n completions each, with the sampled tokens' log-probs
+    POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs; for a
+                               vision-language model each prompt may bring its images (base64 PNG), and the
+                               answer then has each prompt as the engine expanded it (prompt_ids)
     POST /init_communicator    open the weight-sync process group (grpo/generation/vllm/weight_sync.py) with the trainer
     POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache; with
                                "adapter" (a LoraConfig's JSON), a LoRA adapter that every later /generate uses
@@ -273,11 +274,14 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
         sampling = request.model_dump(exclude={"prompts", "seed", "images"})
         jobs = _generate_jobs(request.prompts, request.seed, request.n, len(engines.conns), sampling, images)
         results = run("generate", "generate", f"{len(request.prompts)} prompts x n={request.n} ", per_engine=jobs)
-        return {
+        answer = {
             "weights_version": state["weights_version"],
             "completion_ids": [ids for result in results for ids in result["completion_ids"]],
             "logprobs": [lp for result in results for lp in result["logprobs"]] if request.logprobs else None,
         }
+        if images is not None:  # each prompt as the engine expanded its images
+            answer["prompt_ids"] = [ids for result in results for ids in result["prompt_ids"]]
+        return answer
 
     @app.post("/init_communicator")
     def init_communicator(request: InitRequest):

@@ -11,11 +11,12 @@ import logging
 
 from torch import nn
 
+from grpo.data.vision import ImagePrompts
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
 from grpo.generation.vllm import lora_sync
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError
-from grpo.generation.vllm.images import encode_rows
+from grpo.generation.vllm.images import check_expanded, encode_rows
 from grpo.models import is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -137,12 +138,15 @@ class VLLMGeneration:
         self.accelerator.wait_for_everyone()
         self.synced_version = version
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]], images: list[list] | None = None) -> Completions:
-        """`images`: each row's PIL images (vision-language models), sent as PNG with the row's prompt, once per
-        group (grpo/generation/vllm/images.py); the rows of a group must then share their images too."""
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None) -> Completions:
+        """`images`: the rows' images and their prompts with one placeholder per image (vision-language models),
+        sent as PNG once per group (grpo/generation/vllm/images.py); the rows of a group must then share their
+        images too, and the prompts the server expanded must be `prompt_ids`."""
         from accelerate.utils import broadcast_object_list, gather_object
 
-        local = prompt_ids if images is None else [[ids, row] for ids, row in zip(prompt_ids, encode_rows(images))]
+        local = prompt_ids
+        if images is not None:  # [expanded ids, ids with one placeholder per image, PNG images] per row
+            local = [list(row) for row in zip(prompt_ids, images.prompt_ids, encode_rows(images.images))]
         rows = gather_object(local)  # every process's rows, in process order
         answer = [None]
         if self.accelerator.is_main_process:
@@ -154,8 +158,8 @@ class VLLMGeneration:
                 what = "prompt rows" if images is None else "prompt rows with their images"
                 raise ValueError(f"{what} do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows")
             firsts = [rows[i] for i in range(0, len(rows), G)]
-            prompts, sent = (firsts, None) if images is None else ([p for p, _ in firsts], [i for _, i in firsts])
-            if sent is not None:
+            prompts, sent = (firsts, None) if images is None else ([f[1] for f in firsts], [f[2] for f in firsts])
+            if images is not None:
                 self._check_images()
             # A fresh seed per call from the trainer's sampling stream, seeded by `args.seed` and saved in checkpoints:
             # runs are reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share
@@ -163,6 +167,8 @@ class VLLMGeneration:
             seed = request_seed(self.rng)
             reply = self.client.generate(prompts, n=G, seed=seed, images=sent, **self.sampling)
             self._check_version(reply)
+            if images is not None:
+                check_expanded([f[0] for f in firsts], reply["prompt_ids"], f"The vLLM server at {self.client.base_url}")
             answer = [(reply["completion_ids"], reply["logprobs"])]
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
