@@ -5,13 +5,14 @@ backend sends one image list per group and the colocated one builds its multimod
 
 import base64
 import io
+import sys
 
 import pytest
 from accelerate import Accelerator
 from PIL import Image
 
 from grpo.data import InputError
-from grpo.data.vision import check_vision_run, open_rows
+from grpo.data.vision import ImagePrompts, check_vision_run, open_rows
 from grpo.generation import Completions, sample_rollout
 from grpo.generation.vllm import images as vllm_images
 from grpo.generation.vllm.images import (
@@ -27,7 +28,7 @@ from grpo.generation.vllm.serve import _generate_jobs, _request_images
 from grpo.generation.vllm.server_backend import VLLMGeneration
 from grpo.testing import squares_image, tiny_vlm
 from tests.test_vllm_colocate_unit import _backend as colocate_backend
-from tests.test_vllm_colocate_unit import fake_vllm  # noqa: F401 (a fixture)
+from tests.test_vllm_colocate_unit import FakeLLM, fake_vllm  # noqa: F401 (a fixture)
 
 
 def test_an_image_crosses_as_png_with_its_pixels_unchanged():
@@ -105,13 +106,15 @@ def test_a_multimodal_request_and_the_placeholder_bias():
 
 
 class _RecordingClient:
-    """The HTTP client's stand-in: records each /generate and answers [prompt length, sample index]."""
+    """The HTTP client's stand-in: records each /generate and answers [prompt length, sample index]; a prompt with
+    images comes back "expanded" by `expand` (each token 9 becomes 9, 9)."""
 
     base_url = "http://stub"
 
-    def __init__(self, multimodal=True):
+    def __init__(self, multimodal=True, expand=lambda ids: [t for token in ids for t in [token] * (1 + (token == 9))]):
         self.calls = []
         self.info = {"model": "tiny-vlm", "multimodal": multimodal}
+        self.expand = expand
 
     def wait_until_ready(self):
         return self.info
@@ -119,7 +122,8 @@ class _RecordingClient:
     def generate(self, prompts, n, images=None, **sampling):
         self.calls.append((prompts, n, images))
         ids = [[len(p), k] for p in prompts for k in range(n)]
-        return {"completion_ids": ids, "logprobs": [[-1.0, -1.0] for _ in ids], "weights_version": None}
+        reply = {"completion_ids": ids, "logprobs": [[-1.0, -1.0] for _ in ids], "weights_version": None}
+        return reply if images is None else {**reply, "prompt_ids": [self.expand(p) for p in prompts]}
 
 
 def _server_backend(client, G=2):
@@ -127,40 +131,56 @@ def _server_backend(client, G=2):
     return VLLMGeneration(Accelerator(), client=client, num_generations=G, bucket_bytes=1 << 20, **sampling)
 
 
-def test_the_server_backend_sends_one_image_list_per_group():
+def test_the_server_backend_sends_one_image_list_per_group_with_unexpanded_prompts():
     client = _RecordingClient()
     a, b = squares_image(1), squares_image(3)
     rows = open_rows([[a], [a], [b], [b]])  # the G copies of a row share their images
-    out = _server_backend(client).generate(None, [[5, 6], [5, 6], [5, 6], [5, 6]], images=rows)
+    expanded = [[5, 9, 9, 6]] * 4  # the trainer's processor's ids; vLLM gets one placeholder (9) per image
+    out = _server_backend(client).generate(None, expanded, images=ImagePrompts([[5, 9, 6]] * 4, rows))
     ((prompts, n, sent),) = client.calls
-    # Equal prompt ids with other images are another group: two prompts, each with its own image.
-    assert prompts == [[5, 6], [5, 6]] and n == 2
+    # Equal prompts with other images are another group: two prompts, each with its own image.
+    assert prompts == [[5, 9, 6], [5, 9, 6]] and n == 2
     assert [[decode_image(text).tobytes() for text in row] for row in sent] == [[a.tobytes()], [b.tobytes()]]
-    assert out.ids == [[2, 0], [2, 1], [2, 0], [2, 1]]
+    assert out.ids == [[3, 0], [3, 1], [3, 0], [3, 1]]
     # Text rows send no image field (a server of any version takes them).
     _server_backend(client).generate(None, [[5], [5]])
     assert client.calls[-1][2] is None
 
 
-def test_the_server_backend_refuses_split_image_groups_and_servers_without_images():
+def test_the_server_backend_refuses_what_would_train_on_another_prompt():
     a, b = squares_image(1), squares_image(3)
     with pytest.raises(ValueError, match="prompt rows with their images do not come as groups of 2"):
-        _server_backend(_RecordingClient()).generate(None, [[5]] * 4, images=[[a], [b], [a], [a]])
+        _server_backend(_RecordingClient()).generate(None, [[5]] * 4, images=ImagePrompts([[5]] * 4, [[a], [b], [a], [a]]))
     with pytest.raises(RuntimeError, match="serves 'tiny-vlm', which takes no images"):
-        _server_backend(_RecordingClient(multimodal=False)).generate(None, [[5]] * 2, images=[[a], [a]])
+        _server_backend(_RecordingClient(multimodal=False)).generate(None, [[5]] * 2, images=ImagePrompts([[5]] * 2, [[a], [a]]))
+    # The server's processor expanded the image into another number of tokens than the trainer's.
+    client = _RecordingClient(expand=lambda ids: [t for token in ids for t in [token] * (1 + 2 * (token == 9))])
+    with pytest.raises(ValueError, match="prompt 0 into a prompt of 5 tokens, where the trainer's processor made 4"):
+        _server_backend(client).generate(None, [[5, 9, 9, 6]] * 2, images=ImagePrompts([[5, 9, 6]] * 2, [[a], [a]]))
 
 
-def test_the_colocated_engine_gets_each_runs_images_and_never_samples_placeholders(fake_vllm):  # noqa: F811
+class _ExpandingLLM(FakeLLM):
+    """The colocated tests' `vllm.LLM` stand-in, whose outputs also carry the prompt as "expanded" (token 9 doubled)."""
+
+    def generate(self, requests, params, use_tqdm):
+        outputs = super().generate(requests, params, use_tqdm)
+        for request, output in zip(requests, outputs):
+            output.prompt_token_ids = [t for token in request["prompt_token_ids"] for t in [token] * (1 + (token == 9))]
+        return outputs
+
+
+def test_the_colocated_engine_gets_each_runs_images_and_never_samples_placeholders(fake_vllm, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", _ExpandingLLM)
     model, processor = tiny_vlm(kind="qwen2_vl")
     backend = colocate_backend(processor=processor)
     backend.sync_weights(model, version=0)
     a, b = squares_image(1), squares_image(2)
     rows = open_rows([[a], [a], [a], [b]])
-    out = backend.generate(model, [[5, 6]] * 4, images=rows)
+    out = backend.generate(model, [[5, 9, 9, 6]] * 4, images=ImagePrompts([[5, 9, 6]] * 4, rows))
     requests = backend.llm.requests
-    assert [(request["multi_modal_data"]["image"], params.n) for request, params in requests] == [
-        ([rows[0][0]], 3),
-        ([rows[3][0]], 1),
+    assert [(request["prompt_token_ids"], request["multi_modal_data"]["image"], params.n) for request, params in requests] == [
+        ([5, 9, 6], [rows[0][0]], 3),
+        ([5, 9, 6], [rows[3][0]], 1),
     ]
     config = model.config
     banned = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
@@ -168,6 +188,8 @@ def test_the_colocated_engine_gets_each_runs_images_and_never_samples_placeholde
     assert len(out.ids) == 4
     # The engine was built with the processor beside the config, and loads its tokenizer (vLLM runs the processor).
     assert backend.llm.kwargs["skip_tokenizer_init"] is False
+    with pytest.raises(ValueError, match="The colocated vLLM engine expanded the image placeholders of prompt 0"):
+        backend.generate(model, [[5, 9, 6]], images=ImagePrompts([[5, 9, 6]], rows[:1]))
     backend.generate(model, [[5, 6]] * 2)
     assert all("multi_modal_data" not in request and not hasattr(params, "logit_bias")
                for request, params in backend.llm.requests)  # fmt: skip
@@ -179,7 +201,7 @@ class _ImageBackend:
     takes_images = True
 
     def generate(self, model, prompt_ids, images=None):
-        self.images = images
+        self.prompt_ids, self.images = prompt_ids, images
         return Completions([[1, 2]] * len(prompt_ids))
 
 
@@ -194,9 +216,14 @@ def test_sample_rollout_gives_a_vllm_backend_the_images_and_keeps_the_vision_inp
     args = GRPOConfig(output_dir="unused", per_device_train_batch_size=4, num_generations=2, max_completion_length=4)
     backend = _ImageBackend()
     rollout, _ = sample_rollout(inputs, backend, None, processor, [2], args)
-    assert backend.images[0][0] is backend.images[1][0]  # a group's rows share their images
-    assert backend.images[0][0].tobytes() == row0["image"].convert("RGB").tobytes()
-    assert backend.images[2][0] is not backend.images[0][0]
+    sent = backend.images.images
+    assert sent[0][0] is sent[1][0] and sent[2][0] is not sent[0][0]  # a group's rows share their images
+    assert sent[0][0].tobytes() == row0["image"].convert("RGB").tobytes()
+    # vLLM gets each prompt with one placeholder per image: what the processor expands into the trainer's ids.
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for unexpanded, expanded in zip(backend.images.prompt_ids, backend.prompt_ids):
+        assert unexpanded.count(pad) == 1 and expanded.count(pad) > 1
+        assert [t for t in expanded if t != pad] == [t for t in unexpanded if t != pad]
     assert rollout.vision is not None and "pixel_values" in rollout.vision[0]  # the log-prob passes still get them
 
 

@@ -195,7 +195,14 @@ class VLLMGeneration:
         return Completions(ids, [row for _, run_logprobs in samples for row in run_logprobs])
 
     def _check_images(self) -> None:
-        """A server that cannot take images: one from before images were served, or one whose model reads none."""
+        """A server that cannot take images: one from before images were served, or one whose model reads none; and
+        LoRA adapter sync, not built for vision-language models."""
+        if self.mode == "adapter":
+            raise VLLMServerError(
+                f"The data has images, and the vLLM server at {self.client.base_url} was started with --enable-lora: "
+                "syncing a vision-language model's LoRA adapter alone is not supported yet. Restart the server "
+                "without --enable-lora: the trainer then sends merged weights (docs/vlm.md#vllm-with-images)."
+            )
         info = self.client.info or {}
         if not info.get("multimodal"):
             served = f"serves {info.get('model')!r}, which takes no images" if "multimodal" in info else "takes no images"
