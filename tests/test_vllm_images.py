@@ -27,8 +27,8 @@ from grpo.generation.vllm.images import (
 from grpo.generation.vllm.serve import _generate_jobs, _request_images
 from grpo.generation.vllm.server_backend import VLLMGeneration
 from grpo.testing import squares_image, tiny_vlm
-from tests.test_vllm_colocate_unit import _backend as colocate_backend
 from tests.test_vllm_colocate_unit import FakeLLM, fake_vllm  # noqa: F401 (a fixture)
+from tests.test_vllm_colocate_unit import _backend as colocate_backend
 
 
 def test_an_image_crosses_as_png_with_its_pixels_unchanged():
@@ -150,9 +150,13 @@ def test_the_server_backend_sends_one_image_list_per_group_with_unexpanded_promp
 def test_the_server_backend_refuses_what_would_train_on_another_prompt():
     a, b = squares_image(1), squares_image(3)
     with pytest.raises(ValueError, match="prompt rows with their images do not come as groups of 2"):
-        _server_backend(_RecordingClient()).generate(None, [[5]] * 4, images=ImagePrompts([[5]] * 4, [[a], [b], [a], [a]]))
+        _server_backend(_RecordingClient()).generate(
+            None, [[5]] * 4, images=ImagePrompts([[5]] * 4, [[a], [b], [a], [a]])
+        )
     with pytest.raises(RuntimeError, match="serves 'tiny-vlm', which takes no images"):
-        _server_backend(_RecordingClient(multimodal=False)).generate(None, [[5]] * 2, images=ImagePrompts([[5]] * 2, [[a], [a]]))
+        _server_backend(_RecordingClient(multimodal=False)).generate(
+            None, [[5]] * 2, images=ImagePrompts([[5]] * 2, [[a], [a]])
+        )
     # The server's processor expanded the image into another number of tokens than the trainer's.
     client = _RecordingClient(expand=lambda ids: [t for token in ids for t in [token] * (1 + 2 * (token == 9))])
     with pytest.raises(ValueError, match="prompt 0 into a prompt of 5 tokens, where the trainer's processor made 4"):
@@ -165,7 +169,9 @@ class _ExpandingLLM(FakeLLM):
     def generate(self, requests, params, use_tqdm):
         outputs = super().generate(requests, params, use_tqdm)
         for request, output in zip(requests, outputs):
-            output.prompt_token_ids = [t for token in request["prompt_token_ids"] for t in [token] * (1 + (token == 9))]
+            output.prompt_token_ids = [
+                t for token in request["prompt_token_ids"] for t in [token] * (1 + (token == 9))
+            ]
         return outputs
 
 
@@ -178,7 +184,9 @@ def test_the_colocated_engine_gets_each_runs_images_and_never_samples_placeholde
     rows = open_rows([[a], [a], [a], [b]])
     out = backend.generate(model, [[5, 9, 9, 6]] * 4, images=ImagePrompts([[5, 9, 6]] * 4, rows))
     requests = backend.llm.requests
-    assert [(request["prompt_token_ids"], request["multi_modal_data"]["image"], params.n) for request, params in requests] == [
+    assert [
+        (request["prompt_token_ids"], request["multi_modal_data"]["image"], params.n) for request, params in requests
+    ] == [
         ([5, 9, 6], [rows[0][0]], 3),
         ([5, 9, 6], [rows[3][0]], 1),
     ]

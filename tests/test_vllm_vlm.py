@@ -117,7 +117,12 @@ def test_a_colocated_engine_generates_from_the_image_as_model_generate_does(vlm)
 
 
 def _start_server(path, port, log_path):
-    env = {**os.environ, "GRPO_VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {
+        **os.environ,
+        "GRPO_VLLM_API_KEY": KEY,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(path), "--port", str(port)]
     command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
     log = open(log_path, "w")

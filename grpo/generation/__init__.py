@@ -183,7 +183,9 @@ def sample_rollout(
         prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
         prompt_cut = [False] * len(prompts)
         if getattr(backend, "takes_images", False):  # vLLM runs the processor itself, on the images
-            raw = backend.generate(model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs))
+            raw = backend.generate(
+                model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs)
+            )
         else:
             raw = backend.generate(model, prompt_ids, vision=vision)
     else:

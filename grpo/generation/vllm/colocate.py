@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from grpo.data.vision import ImagePrompts, placeholder_token_ids
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import checkpoint_tensors
-from grpo.data.vision import ImagePrompts, placeholder_token_ids
 from grpo.generation.vllm.engine_processes import structured_outputs
 from grpo.generation.vllm.images import check_expanded, multimodal_request, placeholder_bias
 
@@ -258,7 +258,9 @@ class VLLMColocateGeneration:
             start += count
         outputs = llm.generate(requests, params, use_tqdm=False)
         if images is not None:
-            check_expanded([run[0] for run, _ in runs], [o.prompt_token_ids for o in outputs], "The colocated vLLM engine")
+            check_expanded(
+                [run[0] for run, _ in runs], [o.prompt_token_ids for o in outputs], "The colocated vLLM engine"
+            )
         ids, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:

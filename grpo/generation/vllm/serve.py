@@ -206,7 +206,9 @@ def _generate_jobs(
     return [{"prompts": p, "seeds": s, **sampling, **({} if i is None else {"images": i})} for p, s, i in jobs if p]
 
 
-def _request_images(prompts: list, images: list | None, multimodal: bool) -> tuple[list | None, tuple[int, str] | None]:
+def _request_images(
+    prompts: list, images: list | None, multimodal: bool
+) -> tuple[list | None, tuple[int, str] | None]:
     """A /generate request's images decoded (grpo/generation/vllm/images.py) and None, or None and the (status,
     detail) that refuses them: 409 when the served model takes no images, 422 for a malformed or oversized one."""
     from grpo.generation.vllm.images import ImageRequestError, decode_rows
@@ -221,6 +223,18 @@ def _request_images(prompts: list, images: list | None, multimodal: bool) -> tup
         return decode_rows(images), None
     except ImageRequestError as e:
         return None, (422, f"images: {e}")
+
+
+def _joined(results: list[dict], logprobs: bool, images: bool) -> dict:
+    """The engines' answers to one /generate, joined in prompt order; with `images`, each prompt as its engine
+    expanded it (`prompt_ids`)."""
+    answer = {
+        "completion_ids": [ids for result in results for ids in result["completion_ids"]],
+        "logprobs": [lp for result in results for lp in result["logprobs"]] if logprobs else None,
+    }
+    if images:
+        answer["prompt_ids"] = [ids for result in results for ids in result["prompt_ids"]]
+    return answer
 
 
 def _adapter_refusal(adapter: dict | None, lora_enabled: bool) -> tuple[int, str] | None:
@@ -274,14 +288,7 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
         sampling = request.model_dump(exclude={"prompts", "seed", "images"})
         jobs = _generate_jobs(request.prompts, request.seed, request.n, len(engines.conns), sampling, images)
         results = run("generate", "generate", f"{len(request.prompts)} prompts x n={request.n} ", per_engine=jobs)
-        answer = {
-            "weights_version": state["weights_version"],
-            "completion_ids": [ids for result in results for ids in result["completion_ids"]],
-            "logprobs": [lp for result in results for lp in result["logprobs"]] if request.logprobs else None,
-        }
-        if images is not None:  # each prompt as the engine expanded its images
-            answer["prompt_ids"] = [ids for result in results for ids in result["prompt_ids"]]
-        return answer
+        return {"weights_version": state["weights_version"], **_joined(results, request.logprobs, images is not None)}
 
     @app.post("/init_communicator")
     def init_communicator(request: InitRequest):

@@ -138,7 +138,9 @@ class VLLMGeneration:
         self.accelerator.wait_for_everyone()
         self.synced_version = version
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None) -> Completions:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None
+    ) -> Completions:
         """`images`: the rows' images and their prompts with one placeholder per image (vision-language models),
         sent as PNG once per group (grpo/generation/vllm/images.py); the rows of a group must then share their
         images too, and the prompts the server expanded must be `prompt_ids`."""
@@ -156,7 +158,9 @@ class VLLMGeneration:
             G = next((g for g in sizes if _whole_groups(rows, g)), None)
             if G is None:
                 what = "prompt rows" if images is None else "prompt rows with their images"
-                raise ValueError(f"{what} do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows")
+                raise ValueError(
+                    f"{what} do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows"
+                )
             firsts = [rows[i] for i in range(0, len(rows), G)]
             prompts, sent = (firsts, None) if images is None else ([f[1] for f in firsts], [f[2] for f in firsts])
             if images is not None:
@@ -168,7 +172,9 @@ class VLLMGeneration:
             reply = self.client.generate(prompts, n=G, seed=seed, images=sent, **self.sampling)
             self._check_version(reply)
             if images is not None:
-                check_expanded([f[0] for f in firsts], reply["prompt_ids"], f"The vLLM server at {self.client.base_url}")
+                check_expanded(
+                    [f[0] for f in firsts], reply["prompt_ids"], f"The vLLM server at {self.client.base_url}"
+                )
             answer = [(reply["completion_ids"], reply["logprobs"])]
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
@@ -205,7 +211,9 @@ class VLLMGeneration:
             )
         info = self.client.info or {}
         if not info.get("multimodal"):
-            served = f"serves {info.get('model')!r}, which takes no images" if "multimodal" in info else "takes no images"
+            served = (
+                f"serves {info.get('model')!r}, which takes no images" if "multimodal" in info else "takes no images"
+            )
             raise VLLMServerError(
                 f"The data has images, and the vLLM server at {self.client.base_url} {served} (its /health says "
                 "multimodal: false or nothing). Start `grpo vllm-serve --model` with the vision-language model being "
