@@ -2,6 +2,7 @@
 saved with its processor, on a real `grpo vllm-serve` and in a colocated engine; one trainer step on images with
 each. Runs in the vLLM environment: `make test-vllm`."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -14,7 +15,13 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo.data.vision import encode_vision_prompts, image_prompts, open_rows, placeholder_token_ids  # noqa: E402
+from grpo.data.vision import (  # noqa: E402
+    encode_vision_prompts,
+    image_prompts,
+    open_rows,
+    placeholder_token_ids,
+    vision_batch,
+)
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
@@ -39,11 +46,28 @@ def cpu_engine_settings():
         yield
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    """(model, processor, path): the tiny Qwen2-VL model and its processor, saved together for vLLM to load."""
-    model, processor = tiny_vlm(kind="qwen2_vl")
-    path = tmp_path_factory.mktemp("tiny-vlm")
+# vLLM's Qwen2-VL module imports transformers' torchvision image processor (`smart_resize`), and vLLM's CPU build
+# here has no torchvision: the registry's torchvision wheels are CUDA builds, which fail on the CPU torch
+# ("operator torchvision::nms does not exist"), so the Makefile removes them (docs/vlm.md#vllm-with-images).
+NO_TORCHVISION = (
+    "vLLM 0.32's Qwen2-VL module imports transformers.models.qwen2_vl.image_processing_qwen2_vl, which needs "
+    "torchvision (ModuleNotFoundError: No module named 'torchvision'); this vLLM environment has none"
+)
+KINDS = [
+    pytest.param(
+        "qwen2_vl",
+        marks=pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason=NO_TORCHVISION),
+    ),
+    "idefics3",
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def vlm(request, tmp_path_factory):
+    """(model, processor, path): a tiny vision-language model of each kind and its processor, saved together for vLLM
+    to load."""
+    model, processor = tiny_vlm(kind=request.param)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model, processor, path
@@ -58,9 +82,7 @@ def _prompts(processor, images):
 
 def _transformers_greedy(model, processor, image):
     """`model.generate`'s greedy completion for PROMPT with `image`, placeholders suppressed as the trainer does."""
-    rows = open_rows([[image]])
-    ids, vision = encode_vision_prompts([PROMPT], rows, processor, None)
-    inputs = {name: value[None] if name == "mm_token_type_ids" else value for name, value in vision[0].items()}
+    ids, vision = encode_vision_prompts([PROMPT], open_rows([[image]]), processor, None)
     input_ids = torch.tensor(ids)
     with torch.no_grad():
         out = model.generate(
@@ -69,7 +91,7 @@ def _transformers_greedy(model, processor, image):
             max_new_tokens=TOKENS,
             do_sample=False,
             suppress_tokens=placeholder_token_ids(model.config),
-            **inputs,
+            **vision_batch(vision, input_ids.shape[1], 0),
         )
     return _cut(out[0, input_ids.shape[1] :].tolist(), processor)
 
@@ -187,7 +209,7 @@ def _trainer(model, processor, tmp_path, **settings):
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_one_training_step_on_images_with_vllm(vlm, server, tmp_path, mode):
     _, processor, path = vlm
-    model, _ = tiny_vlm(kind="qwen2_vl")  # a fresh copy: the step moves its weights
+    model, _ = tiny_vlm(kind=type(vlm[0]).__name__.startswith("Qwen2") and "qwen2_vl" or "idefics3")  # a fresh copy
     settings = {"vllm_mode": "colocate", "vllm_max_model_length": 256}
     if mode == "server":
         settings = {"vllm_server_port": server[0], "vllm_group_port": free_port(), "vllm_server_timeout": 60}
