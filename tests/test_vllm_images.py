@@ -14,6 +14,7 @@ from PIL import Image
 from grpo.data import InputError
 from grpo.data.vision import ImagePrompts, check_vision_run, open_rows
 from grpo.generation import Completions, sample_rollout
+from grpo.generation.policy_weights import checkpoint_tensors
 from grpo.generation.vllm import images as vllm_images
 from grpo.generation.vllm.images import (
     ImageRequestError,
@@ -244,3 +245,13 @@ def test_a_run_with_images_takes_use_vllm_but_not_async_generation():
     Args.async_generation = True
     with pytest.raises(InputError, match="images are not supported with async_generation yet"):
         check_vision_run(Args(), processor, True, None, None)
+
+
+def test_a_qwen2_vl_policy_syncs_under_the_names_vllms_loader_maps():
+    """transformers 5 names Qwen2-VL's modules model.language_model.* and model.visual.*; vLLM 0.32's
+    Qwen2VLForConditionalGeneration maps exactly these prefixes (and lm_head.) onto its own modules."""
+    model, _ = tiny_vlm(kind="qwen2_vl")
+    names = [name for name, _ in checkpoint_tensors(model)]
+    prefixes = ("model.language_model.", "model.visual.", "lm_head.")
+    assert names and all(name.startswith(prefixes) for name in names)
+    assert {prefix for prefix in prefixes for name in names if name.startswith(prefix)} == set(prefixes)

@@ -64,13 +64,13 @@ KINDS = [
 
 @pytest.fixture(scope="module", params=KINDS)
 def vlm(request, tmp_path_factory):
-    """(model, processor, path): a tiny vision-language model of each kind and its processor, saved together for vLLM
-    to load."""
+    """(model, processor, path, kind): a tiny vision-language model of each kind and its processor, saved together
+    for vLLM to load."""
     model, processor = tiny_vlm(kind=request.param)
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    return model, processor, path
+    return model, processor, path, request.param
 
 
 def _prompts(processor, images):
@@ -119,7 +119,7 @@ def _colocated(model, processor, temperature):
 
 
 def test_a_colocated_engine_generates_from_the_image_as_model_generate_does(vlm):
-    model, processor, _ = vlm
+    model, processor, _, _ = vlm
     images = [squares_image(1, seed=0), squares_image(4, seed=5, colour="blue")]
     expanded, sent = _prompts(processor, images)
     backend = _colocated(model, processor, temperature=0.0)
@@ -169,7 +169,7 @@ def server(vlm, tmp_path_factory):
 
 
 def test_the_server_generates_from_the_image(vlm, server):
-    model, processor, _ = vlm
+    model, processor, _, _ = vlm
     _, client = server
     assert client.info["multimodal"] is True
     images = [squares_image(1, seed=0), squares_image(4, seed=5, colour="blue")]
@@ -208,8 +208,8 @@ def _trainer(model, processor, tmp_path, **settings):
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_one_training_step_on_images_with_vllm(vlm, server, tmp_path, mode):
-    _, processor, path = vlm
-    model, _ = tiny_vlm(kind=type(vlm[0]).__name__.startswith("Qwen2") and "qwen2_vl" or "idefics3")  # a fresh copy
+    _, processor, _, kind = vlm
+    model, _ = tiny_vlm(kind=kind)  # a fresh copy: the step moves its weights
     settings = {"vllm_mode": "colocate", "vllm_max_model_length": 256}
     if mode == "server":
         settings = {"vllm_server_port": server[0], "vllm_group_port": free_port(), "vllm_server_timeout": 60}
@@ -223,4 +223,5 @@ def test_one_training_step_on_images_with_vllm(vlm, server, tmp_path, mode):
     assert torch.isfinite(torch.tensor(logs["loss"]))
     # The engine's log-probs are the trainer's, up to the placeholder tokens vLLM may not sample (their
     # probability under the random model, a few in a thousand, is renormalised away).
-    assert logs["sampling/sampling_logp_difference/max"] < 0.05
+    assert abs(logs["sampling/importance_sampling_ratio/mean"] - 1) < 0.01
+    assert logs["sampling/sampling_logp_difference/max"] < 0.01  # 0.004 measured with the tiny Idefics3 model
