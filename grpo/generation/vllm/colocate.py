@@ -14,7 +14,8 @@ Where this departs from the server backend (grpo/generation/vllm/client.py):
 - The engine is built from the policy's config alone (written to a temporary folder) with dummy weights; the real
   ones arrive with the first `sync_weights`. So a model built in code, a PEFT model (its base config) and a hub id
   all take one path, nothing is read from disk twice, and no tokenizer is needed: prompts are token ids and the
-  trainer's EOS ids are the stop tokens.
+  trainer's EOS ids are the stop tokens. A vision-language model's processor is written beside the config: vLLM
+  runs it on the images rows bring (docs/vlm.md#vllm-with-images).
 - The engine runs in the dtype of the policy's weights, which are what it receives.
 """
 
