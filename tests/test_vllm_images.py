@@ -158,6 +158,10 @@ def test_the_server_backend_refuses_what_would_train_on_another_prompt():
         _server_backend(_RecordingClient(multimodal=False)).generate(
             None, [[5]] * 2, images=ImagePrompts([[5]] * 2, [[a], [a]])
         )
+    adapters = _server_backend(_RecordingClient())
+    adapters.mode = "adapter"  # the server was started with --enable-lora
+    with pytest.raises(RuntimeError, match="was started with --enable-lora: syncing a vision-language model's LoRA"):
+        adapters.generate(None, [[5]] * 2, images=ImagePrompts([[5]] * 2, [[a], [a]]))
     # The server's processor expanded the image into another number of tokens than the trainer's.
     client = _RecordingClient(expand=lambda ids: [t for token in ids for t in [token] * (1 + 2 * (token == 9))])
     with pytest.raises(ValueError, match="prompt 0 into a prompt of 5 tokens, where the trainer's processor made 4"):
