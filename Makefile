@@ -94,7 +94,7 @@ test: $(STAMP) ## every tier this machine runs: unit, slow, distributed, docs, T
 
 # A real `grpo vllm-serve` on vLLM's CPU build, with the trainer (tests/test_vllm.py).
 test-vllm: $(VLLM_STAMP) ## the vLLM tier only
-	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_colocate.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_colocate.py tests/test_vllm_vlm.py
 
 # The fast unit tier, for edit-test loops (under a minute).
 test-fast: $(STAMP) ## the fast unit tier (under a minute)

@@ -208,7 +208,6 @@ def test_full_fine_tuning_freezes_the_vision_tower_unless_asked():
 @pytest.mark.parametrize(
     "settings, tokenizer, message",
     [
-        (dict(use_vllm=True), False, "images are not supported with use_vllm yet"),
         (dict(padding_free=True), False, "padding_free=True"),
         (dict(async_generation=True), False, "async_generation"),
         (dict(use_transformers_continuous_batching=True), False, "use_transformers_continuous_batching"),

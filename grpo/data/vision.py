@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,6 +82,21 @@ def open_image(value: Any, where: str = "an image"):
     )
 
 
+def open_rows(images: Sequence[list]) -> list[list]:
+    """Each row's images as RGB PIL images (`open_image`). An image object that several rows share (the G copies of a
+    row share one list) is opened once, so those rows keep sharing one object: what `encode_vision_prompts` and the
+    vLLM backends (grpo/generation/vllm/images.py) recognise a group's images by."""
+    opened: dict[int, Any] = {}
+    rows = []
+    for i, row in enumerate(images):
+        for j, image in enumerate(row):
+            if id(image) not in opened:
+                pil = open_image(image, f"Image {j} of row {i}")
+                opened[id(image)] = pil.convert("RGB") if pil.mode != "RGB" else pil
+        rows.append([opened[id(image)] for image in row])
+    return rows
+
+
 def with_image_blocks(prompt: list[dict], num_images: int) -> list[dict]:
     """`prompt`'s messages with their text as `{"type": "text"}` blocks and `num_images` `{"type": "image"}` blocks
     before the text of the first user message (TRL's convention). A prompt whose contents are already block lists
@@ -126,7 +141,7 @@ def encode_vision_prompts(
             "processor.chat_template, or pass the model's own processor (AutoProcessor.from_pretrained(...))."
         )
     ids, rows, cache = [], [], {}
-    for i, (prompt, row) in enumerate(zip(prompts, images)):
+    for i, (prompt, row) in enumerate(zip(prompts, open_rows(images))):
         if not is_conversational(prompt):
             raise InputError(
                 "A row with images needs a conversational prompt (a list of {'role', 'content'} messages): the "
@@ -137,19 +152,10 @@ def encode_vision_prompts(
                 f"Row {i} of the batch has an empty image column. In a data set with an `image` or `images` column "
                 "every row needs at least one image; train text-only rows in a data set without that column."
             )
-        opened = [open_image(image, f"Image {j} of row {i}") for j, image in enumerate(row)]
-        opened = [image.convert("RGB") if image.mode != "RGB" else image for image in opened]
         key = (id(prompt), tuple(id(image) for image in row))
         if key not in cache:  # the G copies of a row share one dict and one list of images
-            prefill = prompt[-1]["role"] == "assistant"
-            text = processor.apply_chat_template(
-                with_image_blocks(prompt, len(opened)),
-                tokenize=False,
-                add_generation_prompt=not prefill,
-                continue_final_message=prefill,
-                **(chat_template_kwargs or {}),
-            )
-            encoded = processor(text=[text], images=[opened], return_tensors="pt")
+            text = _render(prompt, len(row), processor, chat_template_kwargs)
+            encoded = processor(text=[text], images=[row], return_tensors="pt")
             cache[key] = _split_row(encoded)
         row_ids, vision = cache[key]
         if max_prompt_length is not None and len(row_ids) > max_prompt_length:
@@ -161,6 +167,41 @@ def encode_vision_prompts(
         ids.append(list(row_ids))
         rows.append(vision)
     return ids, rows
+
+
+def _render(prompt: list[dict], num_images: int, processor, chat_template_kwargs: dict | None) -> str:
+    """A prompt's text with one placeholder per image, as the processor's chat template writes it."""
+    prefill = prompt[-1]["role"] == "assistant"
+    return processor.apply_chat_template(
+        with_image_blocks(prompt, num_images),
+        tokenize=False,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        **(chat_template_kwargs or {}),
+    )
+
+
+class ImagePrompts(NamedTuple):
+    """Rows with images, as a sampler that runs the processor itself (vLLM) takes them: the ids of each prompt
+    with one placeholder per image, which it expands against the images, and each row's images."""
+
+    prompt_ids: list[list[int]]
+    images: list[list]
+
+
+def image_prompts(
+    prompts: Sequence[list[dict]], images: Sequence[list], processor, chat_template_kwargs: dict | None = None
+) -> ImagePrompts:
+    """`ImagePrompts` of rows that `encode_vision_prompts` encoded (`images` from `open_rows`): each prompt rendered
+    the same way and tokenized by the processor's tokenizer alone, so its placeholders are not expanded. vLLM
+    expands the placeholders of a token prompt whether or not they already are, so it must get them unexpanded."""
+    tokenizer, ids, cache = text_tokenizer(processor), [], {}
+    for prompt, row in zip(prompts, images):
+        key = (id(prompt), len(row))
+        if key not in cache:
+            cache[key] = tokenizer(_render(prompt, len(row), processor, chat_template_kwargs))["input_ids"]
+        ids.append(list(cache[key]))
+    return ImagePrompts(ids, [list(row) for row in images])
 
 
 def _split_row(encoded) -> tuple[list[int], VisionRow]:
@@ -236,11 +277,10 @@ def check_vision_run(args, processing_class, images: bool, tools: Any, offline: 
         raise InputError(NOT_A_PROCESSOR)
     problems = [
         (
-            args.use_vllm,
-            "images are not supported with use_vllm yet: generate with the policy's own model.generate "
-            "(use_vllm=False)",
+            args.async_generation,
+            "images are not supported with async_generation yet: set async_generation=False (use_vllm without it "
+            "takes images)",
         ),
-        (args.async_generation, "images are not supported with async_generation yet: set async_generation=False"),
         (
             args.use_transformers_continuous_batching,
             "images are not supported with use_transformers_continuous_batching yet: set it to False",
@@ -258,7 +298,8 @@ def check_vision_run(args, processing_class, images: bool, tools: Any, offline: 
         raise InputError(f"The data set has an image column, and {found[0]}.")
     logger.info(
         "Images in the data: the log-prob passes run padded, each row with its own prompt and images (padding-free "
-        "packing and the shared-prompt forward are off for vision inputs)."
+        "packing and the shared-prompt forward are off for vision inputs)%s.",
+        "; vLLM is given the images themselves and runs the processor on them" if args.use_vllm else "",
     )
 
 

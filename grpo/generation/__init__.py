@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from grpo.data import InputError, decode_completions, encode_prompts
-from grpo.data.vision import encode_vision_prompts, is_processor, row_images, text_tokenizer
+from grpo.data.vision import (
+    encode_vision_prompts,
+    image_prompts,
+    is_processor,
+    open_rows,
+    row_images,
+    text_tokenizer,
+)
 from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cut_at_eos
 from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
@@ -49,9 +56,11 @@ def make_generation_backend(
     (`vllm_mode="server"`) or an engine in this process (`vllm_mode="colocate"`); docs/vllm.md. With `stored`
     (offline training's `OfflineGroups`), nothing samples: `StoredCompletions` replays them. `rng`: the trainer's
     sampling stream, which every sampler draws from (base.py). `tokenizer`: the policy's (its padding token; a
-    colocated engine loads it to apply `vllm_structured_outputs_regex`)."""
+    colocated engine loads it to apply `vllm_structured_outputs_regex`), or a vision-language model's processor (whose
+    tokenizer that is; a colocated engine runs the processor on the images)."""
     if stored is not None:
         return StoredCompletions(stored, accelerator)
+    processor, tokenizer = (tokenizer if is_processor(tokenizer) else None), text_tokenizer(tokenizer)
     sampling = dict(
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
@@ -89,10 +98,10 @@ def make_generation_backend(
             rng=rng,
             **sampling,
         )
-    return _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling)
+    return _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling, processor)
 
 
-def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: dict) -> GenerationBackend:
+def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: dict, processor) -> GenerationBackend:
     """`use_vllm`'s sampler: an engine in this process (`vllm_mode="colocate"`) or a `grpo vllm-serve` server."""
     if args.vllm_mode == "colocate":
         from grpo.generation.vllm.colocate import VLLMColocateGeneration
@@ -108,6 +117,7 @@ def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: di
             model_impl=args.vllm_model_impl,
             structured_outputs_regex=args.vllm_structured_outputs_regex,
             tokenizer=tokenizer,
+            processor=processor,
             **sampling,
         )
     from grpo.generation.vllm.client import VLLMClient
@@ -150,7 +160,8 @@ def sample_rollout(
     backend, `StoredCompletions`, makes the rollout of its drawn groups itself. With an `agent` (tools or
     environments), each row is a multi-turn episode (`AgentLoop.rollout`, episodes.py; `lockstep` there).
     Rows with an `image` or `images` column (vision-language models; `tokenizer` is then the model's processor) are
-    rendered and tokenized with their images (grpo/data/vision.py), and the rollout carries their vision inputs."""
+    rendered and tokenized with their images (grpo/data/vision.py), and the rollout carries their vision inputs; a
+    backend with `takes_images` (vLLM's) is given the images themselves instead (`ImagePrompts`)."""
     if isinstance(backend, StoredCompletions):
         return backend.rollout(inputs, tokenizer, eos_token_ids)
     if agent is not None:
@@ -168,9 +179,15 @@ def sample_rollout(
                 "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
                 "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
             )
+        images = open_rows(images)
         prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
         prompt_cut = [False] * len(prompts)
-        raw = backend.generate(model, prompt_ids, vision=vision)
+        if getattr(backend, "takes_images", False):  # vLLM runs the processor itself, on the images
+            raw = backend.generate(
+                model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs)
+            )
+        else:
+            raw = backend.generate(model, prompt_ids, vision=vision)
     else:
         prompt_ids, prompt_cut = encode_prompts(
             prompts,

@@ -177,7 +177,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         # The sampler (offline: stored completions replayed), with a random stream of its own (generation/base.py).
         rng = self.sampling_rng = SamplingRNG(args.seed + self.accelerator.process_index, self.accelerator.device)
         self.generation = make_generation_backend(
-            args, self.accelerator, tokenizer, self.eos_token_ids, self.offline_data, rng
+            args, self.accelerator, processing_class, self.eos_token_ids, self.offline_data, rng
         )
         # With async_generation, rounds made ahead in a background thread on a shared sampler (grpo/training/async_rounds.py).
         self._async = AsyncRounds(self) if args.async_generation else None

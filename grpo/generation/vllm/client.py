@@ -218,10 +218,15 @@ class VLLMClient:
         self.info = self.request("/health", waiting=True)
         return self.info
 
-    def generate(self, prompts: list[list[int]], n: int, **sampling) -> dict:
+    def generate(self, prompts: list[list[int]], n: int, images: list[list[str]] | None = None, **sampling) -> dict:
         """`n` completions for each token-id prompt, grouped by prompt: {"completion_ids", "logprobs",
-        "weights_version"}. `sampling`: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed."""
-        return self.request("/generate", {"prompts": prompts, "n": n, **sampling})
+        "weights_version"}. `sampling`: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed.
+        `images`: each prompt's images, base64 PNG (grpo/generation/vllm/images.py `encode_rows`); sent only when
+        given, so a text request reaches a server of any version."""
+        payload = {"prompts": prompts, "n": n, **sampling}
+        if images is not None:
+            payload["images"] = images
+        return self.request("/generate", payload)
 
     def reset_prefix_cache(self) -> None:
         self.request("/reset_prefix_cache", {})

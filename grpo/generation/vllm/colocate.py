@@ -14,7 +14,8 @@ Where this departs from the server backend (grpo/generation/vllm/client.py):
 - The engine is built from the policy's config alone (written to a temporary folder) with dummy weights; the real
   ones arrive with the first `sync_weights`. So a model built in code, a PEFT model (its base config) and a hub id
   all take one path, nothing is read from disk twice, and no tokenizer is needed: prompts are token ids and the
-  trainer's EOS ids are the stop tokens.
+  trainer's EOS ids are the stop tokens. A vision-language model's processor is written beside the config: vLLM
+  runs it on the images rows bring (docs/vlm.md#vllm-with-images).
 - The engine runs in the dtype of the policy's weights, which are what it receives.
 """
 
@@ -32,9 +33,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from grpo.data.vision import ImagePrompts, placeholder_token_ids
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import checkpoint_tensors
 from grpo.generation.vllm.engine_processes import structured_outputs
+from grpo.generation.vllm.images import check_expanded, multimodal_request, placeholder_bias
 
 INSTALL_HINT = (
     "vllm_mode='colocate' runs vLLM inside the training process, so vLLM must be installed in the trainer's "
@@ -50,6 +53,26 @@ def _reload(worker, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.reload_weights(weights_iterator=tensors)
 
 
+def _base(model: nn.Module) -> nn.Module:
+    """The model a PEFT model wraps, or `model`."""
+    return model.get_base_model() if getattr(model, "peft_config", None) is not None else model
+
+
+def _runs(prompt_ids: list[list[int]], images: ImagePrompts | None) -> list[tuple[tuple, int]]:
+    """Maximal runs of consecutive rows with equal prompts and, with `images`, the same image objects (the G copies
+    of a row share them, grpo/data/vision.py `open_rows`), as ((prompt, prompt sent to vLLM, images), length)."""
+    if images is None:
+        return [((prompt, prompt, None), count) for prompt, count in equal_runs(prompt_ids)]
+    runs: list = []
+    for prompt, sent, row in zip(prompt_ids, images.prompt_ids, images.images):
+        last = runs[-1][0] if runs else None
+        if last and last[0] == list(prompt) and list(map(id, last[2])) == list(map(id, row)):
+            runs[-1] = (last, runs[-1][1] + 1)
+        else:
+            runs.append(((list(prompt), list(sent), list(row)), 1))
+    return runs
+
+
 class VLLMColocateGeneration:
     """`GenerationBackend` on a vLLM engine in this process (`use_vllm=True, vllm_mode="colocate"`).
 
@@ -63,7 +86,11 @@ class VLLMColocateGeneration:
         model_impl: the model code vLLM runs ('vllm', 'transformers' or 'auto'; GRPOConfig.vllm_model_impl).
         structured_outputs_regex: every completion must match it (vLLM's structured outputs); the engine then loads
             `tokenizer`, which the grammar is compiled against.
+        processor: a vision-language model's processor (docs/vlm.md#vllm-with-images): saved beside the config, since
+            vLLM runs it on the images each prompt brings (`generate`'s `images`).
     """
+
+    takes_images = True  # `sample_rollout` gives `generate` each row's images, not the processed vision inputs
 
     def __init__(
         self,
@@ -84,6 +111,7 @@ class VLLMColocateGeneration:
         model_impl: str = "vllm",
         structured_outputs_regex: str | None = None,
         tokenizer=None,
+        processor=None,
     ):
         if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
             raise ImportError(INSTALL_HINT)
@@ -102,7 +130,7 @@ class VLLMColocateGeneration:
             raise ValueError(
                 "structured_outputs_regex needs the tokenizer: the engine compiles the pattern against it"
             )
-        self.regex, self.tokenizer = structured_outputs_regex, tokenizer
+        self.regex, self.tokenizer, self.processor = structured_outputs_regex, tokenizer, processor
         self.llm = None  # built at the first sync_weights or generate, from the policy's config
         self.asleep = False
         self.synced_version: int | None = None  # the trainer step whose weights the engine holds
@@ -129,17 +157,19 @@ class VLLMColocateGeneration:
                 "vllm_enable_sleep_mode=False; on CPU the engine's memory is its KV cache, sized by "
                 "VLLM_CPU_KVCACHE_SPACE (GiB)."
             )
-        base = model.get_base_model() if getattr(model, "peft_config", None) is not None else model
+        base = _base(model)
         config = copy.deepcopy(base.config)
         config.architectures = config.architectures or [type(base).__name__]
         self._config_dir = tempfile.TemporaryDirectory(prefix="grpo-colocate-")
         config.save_pretrained(self._config_dir.name)
         if self.regex is not None:  # structured outputs compile the pattern against the tokenizer's vocabulary
             self.tokenizer.save_pretrained(self._config_dir.name)
+        if self.processor is not None:  # vLLM processes the images itself, with the model's processor
+            self.processor.save_pretrained(self._config_dir.name)
         settings = dict(
             model=self._config_dir.name,
             load_format="dummy",  # random weights until the first sync_weights, which loads every tensor
-            skip_tokenizer_init=self.regex is None,
+            skip_tokenizer_init=self.regex is None and self.processor is None,
             dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
             tensor_parallel_size=1,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -200,7 +230,12 @@ class VLLMColocateGeneration:
         self.synced_version = version
         self.last_sync = {"seconds": time.perf_counter() - start}
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None
+    ) -> Completions:
+        """`images` (vision-language models): each row's images and its prompt with one placeholder per image,
+        which vLLM expands against the images (into `prompt_ids`, which is checked); the image placeholder tokens
+        are never sampled (`placeholder_bias`)."""
         from vllm import SamplingParams
 
         if self.synced_version is None:
@@ -211,14 +246,22 @@ class VLLMColocateGeneration:
         # checkpoints): runs are reproducible and no two calls, or processes, share samples. Row r draws with seed
         # + r (vLLM gives the i-th of n samples seed + i).
         seed, start = request_seed(self.rng), 0
-        constraint = {} if self.regex is None else {"structured_outputs": structured_outputs(self.regex)}
+        settings = dict(self.sampling)
+        if self.regex is not None:
+            settings["structured_outputs"] = structured_outputs(self.regex)
+        if images is not None:
+            settings["logit_bias"] = placeholder_bias(placeholder_token_ids(_base(model).config))
+        runs = _runs(prompt_ids, images)
         requests, params = [], []
-        for prompt, count in equal_runs(prompt_ids):
-            requests.append({"prompt_token_ids": prompt})
-            settings = {**self.sampling, **constraint}
+        for (_, sent, row_images), count in runs:
+            requests.append(multimodal_request(sent, row_images))
             params.append(SamplingParams(n=count, seed=seed + start, logprobs=0, detokenize=False, **settings))
             start += count
         outputs = llm.generate(requests, params, use_tqdm=False)
+        if images is not None:
+            check_expanded(
+                [run[0] for run, _ in runs], [o.prompt_token_ids for o in outputs], "The colocated vLLM engine"
+            )
         ids, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:

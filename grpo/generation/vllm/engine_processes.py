@@ -29,6 +29,8 @@ import shutil
 import threading
 from typing import Any
 
+from grpo.data.vision import placeholder_token_ids
+from grpo.generation.vllm.images import multimodal_request, placeholder_bias
 from grpo.generation.vllm.lora_sync import write_adapter
 from grpo.generation.vllm.weight_sync import check_token, open_group, receive_weights
 
@@ -119,6 +121,8 @@ class _Engine:
             **engine_kwargs,
         )
         self.adapter_dir, self.lora_request, self.next_lora_id = adapter_dir, None, 1
+        # The image placeholder tokens a completion must not hold (docs/vlm.md): kept out of prompts with images.
+        self.placeholders = placeholder_token_ids(self.llm.llm_engine.vllm_config.model_config.hf_config)
 
     def info(self) -> dict:
         config = self.llm.llm_engine.vllm_config
@@ -126,24 +130,31 @@ class _Engine:
             "dtype": str(config.model_config.dtype).removeprefix("torch."),
             "device": config.device_config.device_type,
             "max_model_len": config.model_config.max_model_len,
+            "multimodal": bool(config.model_config.is_multimodal_model),
         }
 
-    def generate(self, prompts, seeds, n, logprobs, structured_outputs_regex=None, **sampling) -> dict:
+    def generate(self, prompts, seeds, n, logprobs, structured_outputs_regex=None, images=None, **sampling) -> dict:
+        """`images`: each prompt's PIL images (decoded by the server process), given to vLLM as its
+        `multi_modal_data`; the image placeholder tokens are then never sampled."""
         from vllm import SamplingParams
 
         if structured_outputs_regex is not None:
             sampling["structured_outputs"] = structured_outputs(structured_outputs_regex)
+        if images is not None:
+            sampling["logit_bias"] = placeholder_bias(self.placeholders)
         params = [SamplingParams(n=n, seed=seed, logprobs=0 if logprobs else None, **sampling) for seed in seeds]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
-        )
+        requests = [multimodal_request(p, None if images is None else images[i]) for i, p in enumerate(prompts)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         ids, logps = [], []
         for output in outputs:
             for sample in output.outputs:
                 ids.append(list(sample.token_ids))
                 if logprobs:
                     logps.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
-        return {"completion_ids": ids, "logprobs": logps if logprobs else None}
+        result = {"completion_ids": ids, "logprobs": logps if logprobs else None}
+        if images is not None:  # the prompts as vLLM expanded their images, for the trainer to check
+            result["prompt_ids"] = [list(output.prompt_token_ids) for output in outputs]
+        return result
 
     def update_weights(self, adapter: dict | None = None) -> None:
         if adapter is None:

@@ -10,8 +10,10 @@ methods that receive weights, LoRA adapters) are grpo/generation/vllm/engine_pro
 
 Endpoints (JSON in, JSON out; a malformed request gets a 4xx with the reason):
     GET  /health               the server's settings: model, dtype, device, parallel sizes, weight-sync world size,
-                               LoRA (lora, max_lora_rank)
-    POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs
+                               LoRA (lora, max_lora_rank), whether the model takes images (multimodal)
+    POST /generate             token-id prompts -> n completions each, with the sampled tokens' log-probs; for a
+                               vision-language model each prompt may bring its images (base64 PNG), and the
+                               answer then has each prompt as the engine expanded it (prompt_ids)
     POST /init_communicator    open the weight-sync process group (grpo/generation/vllm/weight_sync.py) with the trainer
     POST /update_weights       receive buckets of weights over that group, load them, reset the prefix cache; with
                                "adapter" (a LoraConfig's JSON), a LoRA adapter that every later /generate uses
@@ -156,6 +158,8 @@ def _request_models():
         logprobs: bool = True
         # vLLM's structured outputs: every completion matches this pattern (GRPOConfig.vllm_structured_outputs_regex).
         structured_outputs_regex: str | None = Field(None, min_length=1)
+        # Each prompt's images, base64 PNG (grpo/generation/vllm/images.py; limits checked when decoded).
+        images: list[list[str]] | None = None
 
     class InitRequest(Strict):
         port: int = Field(ge=1, le=65535)
@@ -189,13 +193,48 @@ def _require_key(app, api_key: str) -> None:
         return await call_next(request)
 
 
-def _generate_jobs(prompts: list, seed: int | None, n: int, num_engines: int, sampling: dict) -> list[dict]:
-    """One /generate request cut into the engines' shares. Seeds are per prompt, from its index in the request, so
-    the split among engines does not change them (vLLM gives the n samples of a prompt seeds seed ... seed + n - 1);
-    engines with no prompt of their own (fewer prompts than engines) get no job."""
+def _generate_jobs(
+    prompts: list, seed: int | None, n: int, num_engines: int, sampling: dict, images: list | None = None
+) -> list[dict]:
+    """One /generate request cut into the engines' shares (each prompt with its `images`, if any). Seeds are per
+    prompt, from its index in the request, so the split among engines does not change them (vLLM gives the n samples
+    of a prompt seeds seed ... seed + n - 1); engines with no prompt of their own (fewer prompts than engines) get no
+    job."""
     seeds = [None if seed is None else seed + i * n for i in range(len(prompts))]
-    jobs = zip(_split(prompts, num_engines), _split(seeds, num_engines))
-    return [{"prompts": p, "seeds": s, **sampling} for p, s in jobs if p]
+    shares = _split(images, num_engines) if images is not None else [None] * num_engines
+    jobs = zip(_split(prompts, num_engines), _split(seeds, num_engines), shares)
+    return [{"prompts": p, "seeds": s, **sampling, **({} if i is None else {"images": i})} for p, s, i in jobs if p]
+
+
+def _request_images(
+    prompts: list, images: list | None, multimodal: bool
+) -> tuple[list | None, tuple[int, str] | None]:
+    """A /generate request's images decoded (grpo/generation/vllm/images.py) and None, or None and the (status,
+    detail) that refuses them: 409 when the served model takes no images, 422 for a malformed or oversized one."""
+    from grpo.generation.vllm.images import ImageRequestError, decode_rows
+
+    if images is None:
+        return None, None
+    if not multimodal:
+        return None, (409, "images were sent, and this server's model takes no images: serve a vision-language model")
+    if len(images) != len(prompts):
+        return None, (422, f"images: {len(images)} image lists for {len(prompts)} prompts (one list per prompt)")
+    try:
+        return decode_rows(images), None
+    except ImageRequestError as e:
+        return None, (422, f"images: {e}")
+
+
+def _joined(results: list[dict], logprobs: bool, images: bool) -> dict:
+    """The engines' answers to one /generate, joined in prompt order; with `images`, each prompt as its engine
+    expanded it (`prompt_ids`)."""
+    answer = {
+        "completion_ids": [ids for result in results for ids in result["completion_ids"]],
+        "logprobs": [lp for result in results for lp in result["logprobs"]] if logprobs else None,
+    }
+    if images:
+        answer["prompt_ids"] = [ids for result in results for ids in result["prompt_ids"]]
+    return answer
 
 
 def _adapter_refusal(adapter: dict | None, lora_enabled: bool) -> tuple[int, str] | None:
@@ -243,14 +282,13 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
     def generate(request: GenerateRequest):
         if any(not prompt for prompt in request.prompts):
             raise HTTPException(status_code=422, detail="every prompt needs at least one token id")
-        sampling = request.model_dump(exclude={"prompts", "seed"})
-        jobs = _generate_jobs(request.prompts, request.seed, request.n, len(engines.conns), sampling)
+        images, refusal = _request_images(request.prompts, request.images, bool(engines.info.get("multimodal")))
+        if refusal is not None:
+            raise HTTPException(status_code=refusal[0], detail=refusal[1])
+        sampling = request.model_dump(exclude={"prompts", "seed", "images"})
+        jobs = _generate_jobs(request.prompts, request.seed, request.n, len(engines.conns), sampling, images)
         results = run("generate", "generate", f"{len(request.prompts)} prompts x n={request.n} ", per_engine=jobs)
-        return {
-            "weights_version": state["weights_version"],
-            "completion_ids": [ids for result in results for ids in result["completion_ids"]],
-            "logprobs": [lp for result in results for lp in result["logprobs"]] if request.logprobs else None,
-        }
+        return {"weights_version": state["weights_version"], **_joined(results, request.logprobs, images is not None)}
 
     @app.post("/init_communicator")
     def init_communicator(request: InitRequest):

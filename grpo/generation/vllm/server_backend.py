@@ -11,10 +11,12 @@ import logging
 
 from torch import nn
 
+from grpo.data.vision import ImagePrompts
 from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
 from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
 from grpo.generation.vllm import lora_sync
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError
+from grpo.generation.vllm.images import check_expanded, encode_rows
 from grpo.models import is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -38,9 +40,12 @@ class VLLMGeneration:
     """`GenerationBackend` on a `grpo vllm-serve` server (`use_vllm=True`).
 
     Every process hands in its rows; the main process sends each group's prompt once with n = G (the engine shares
-    the prompt's prefill among the G samples), then every process takes its rows of the answer. Weights go to the
+    the prompt's prefill among the G samples), then every process takes its rows of the answer. Rows with images
+    (`takes_images`) send them with their group's prompt, as PNG (grpo/generation/vllm/images.py). Weights go to the
     server in `sync_weights`, from the main process; sharded weights are gathered by all processes together.
     """
+
+    takes_images = True  # `sample_rollout` gives `generate` each row's images, not the processed vision inputs
 
     def __init__(
         self,
@@ -133,10 +138,18 @@ class VLLMGeneration:
         self.accelerator.wait_for_everyone()
         self.synced_version = version
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None
+    ) -> Completions:
+        """`images`: the rows' images and their prompts with one placeholder per image (vision-language models),
+        sent as PNG once per group (grpo/generation/vllm/images.py); the rows of a group must then share their
+        images too, and the prompts the server expanded must be `prompt_ids`."""
         from accelerate.utils import broadcast_object_list, gather_object
 
-        rows = gather_object(prompt_ids)  # every process's rows, in process order
+        local = prompt_ids
+        if images is not None:  # [expanded ids, ids with one placeholder per image, PNG images] per row
+            local = [list(row) for row in zip(prompt_ids, images.prompt_ids, encode_rows(images.images))]
+        rows = gather_object(local)  # every process's rows, in process order
         answer = [None]
         if self.accelerator.is_main_process:
             # A training round comes in groups of num_generations, an evaluation batch of num_generations_eval. Any
@@ -144,16 +157,24 @@ class VLLMGeneration:
             sizes = dict.fromkeys([self.num_generations, self.num_generations_eval])
             G = next((g for g in sizes if _whole_groups(rows, g)), None)
             if G is None:
+                what = "prompt rows" if images is None else "prompt rows with their images"
                 raise ValueError(
-                    f"prompt rows do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows"
+                    f"{what} do not come as groups of {' or '.join(map(str, sizes))} equal consecutive rows"
                 )
-            groups = [rows[i : i + G] for i in range(0, len(rows), G)]
+            firsts = [rows[i] for i in range(0, len(rows), G)]
+            prompts, sent = (firsts, None) if images is None else ([f[1] for f in firsts], [f[2] for f in firsts])
+            if images is not None:
+                self._check_images()
             # A fresh seed per call from the trainer's sampling stream, seeded by `args.seed` and saved in checkpoints:
             # runs are reproducible, a resumed run draws the seeds the uninterrupted one would, no two calls share
             # samples, and a reward that reseeds torch cannot make every call send the same seed.
             seed = request_seed(self.rng)
-            reply = self.client.generate([group[0] for group in groups], n=G, seed=seed, **self.sampling)
+            reply = self.client.generate(prompts, n=G, seed=seed, images=sent, **self.sampling)
             self._check_version(reply)
+            if images is not None:
+                check_expanded(
+                    [f[0] for f in firsts], reply["prompt_ids"], f"The vLLM server at {self.client.base_url}"
+                )
             answer = [(reply["completion_ids"], reply["logprobs"])]
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
@@ -178,6 +199,26 @@ class VLLMGeneration:
                 samples[i] = (reply["completion_ids"][rows], reply["logprobs"][rows])
         ids = [row for run_ids, _ in samples for row in run_ids]
         return Completions(ids, [row for _, run_logprobs in samples for row in run_logprobs])
+
+    def _check_images(self) -> None:
+        """A server that cannot take images: one from before images were served, or one whose model reads none; and
+        LoRA adapter sync, not built for vision-language models."""
+        if self.mode == "adapter":
+            raise VLLMServerError(
+                f"The data has images, and the vLLM server at {self.client.base_url} was started with --enable-lora: "
+                "syncing a vision-language model's LoRA adapter alone is not supported yet. Restart the server "
+                "without --enable-lora: the trainer then sends merged weights (docs/vlm.md#vllm-with-images)."
+            )
+        info = self.client.info or {}
+        if not info.get("multimodal"):
+            served = (
+                f"serves {info.get('model')!r}, which takes no images" if "multimodal" in info else "takes no images"
+            )
+            raise VLLMServerError(
+                f"The data has images, and the vLLM server at {self.client.base_url} {served} (its /health says "
+                "multimodal: false or nothing). Start `grpo vllm-serve --model` with the vision-language model being "
+                "trained, from this version of grpo (docs/vlm.md#vllm-with-images)."
+            )
 
     def _check_version(self, reply: dict) -> None:
         if reply["weights_version"] != self.synced_version:
