@@ -17,6 +17,14 @@ from grpo.testing import VLM_KINDS, squares_image, tiny_model, tiny_tokenizer, t
 from tests.helpers.scripted import TINY
 from tests.helpers.vlm import ScriptedVisionGeneration, squares_dataset
 
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Each test runs in its own temporary folder: the trainers' placeholder output_dir ("unused-vlm", which building
+    a trainer may create) lands there, not in the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 PROMPTS = [[{"role": "user", "content": "How many squares?"}], [{"role": "user", "content": "Count them, please."}]]
 
 
