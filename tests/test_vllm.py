@@ -12,8 +12,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +30,7 @@ from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E40
 from grpo.testing import save_tiny_model  # noqa: E402
 from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer  # noqa: E402
 from tests.helpers.net import free_port, launch_two_processes  # noqa: E402
+from tests.helpers.vllm_server import start_server, stop_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -48,33 +47,6 @@ def api_key_in_the_environment():
         yield
 
 
-def _start_server(model_path, port, log_path, *extra):
-    # Every server requires the test's key (GRPO_VLLM_API_KEY, or --api-key in `extra`): one given no key would make
-    # its own, which the clients here, sending the test's key, could not use.
-    env = {**os.environ, "GRPO_VLLM_API_KEY": KEY}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(model_path), "--port", str(port)]
-    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", *extra]
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = VLLMClient(port=port, timeout=180)
-    try:
-        client.wait_until_ready()
-    except VLLMServerError:
-        process.kill()
-        raise AssertionError(f"the server did not start; its log:\n{open(log_path).read()[-3000:]}") from None
-    return process, client
-
-
-def _stop(process):
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
@@ -84,9 +56,9 @@ def model_path(tmp_path_factory):
 def server(model_path, tmp_path_factory, api_key_in_the_environment):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    process, client = _start_server(model_path, port, log_path, "--api-key", KEY)
+    process, client = start_server(model_path, port, log_path, KEY, "--api-key", KEY)
     yield port, client
-    _stop(process)
+    stop_server(process)
 
 
 def _config(tmp_path, port, **overrides):
@@ -268,9 +240,9 @@ def lora_server(model_path, tmp_path):
     # Stopped after its test: a third engine kept alive beside the later tests' own servers starves them on CPU.
     port = free_port()
     log_path = tmp_path / "lora-server.log"
-    process, client = _start_server(model_path, port, log_path, "--enable-lora", "--max-lora-rank", "8")
+    process, client = start_server(model_path, port, log_path, KEY, "--enable-lora", "--max-lora-rank", "8")
     yield port, client
-    _stop(process)
+    stop_server(process)
 
 
 def _lora_model(model_path, seed):
@@ -344,7 +316,7 @@ def test_a_lora_server_gets_the_adapter_alone_and_generates_with_it(
 
 def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, tmp_path):
     port = free_port()
-    process, client = _start_server(model_path, port, tmp_path / "server.log", "--data-parallel-size", "2")
+    process, client = start_server(model_path, port, tmp_path / "server.log", KEY, "--data-parallel-size", "2")
     try:
         assert client.info["weight_sync_world_size"] == 3  # the trainer and one worker per engine
         # Prompt i's samples use seeds 9 + 2i whichever engine runs it: the third prompt (engine 1 here) gives the
@@ -364,7 +336,7 @@ def test_two_engines_share_the_prompts_and_both_receive_the_weights(model_path, 
         assert reply["completion_ids"] == [_trainer_greedy(model)] * 3
         assert reply["weights_version"] == 1
     finally:
-        _stop(process)
+        stop_server(process)
 
 
 def test_two_trainer_processes_share_one_server(server, model_path, tmp_path):
@@ -424,7 +396,7 @@ class _KillServer(TrainerCallback):
 
 def test_a_server_killed_mid_run_gives_a_clear_error(model_path, tokenizer, tmp_path):
     port = free_port()
-    process, _ = _start_server(model_path, port, tmp_path / "server.log")
+    process, _ = start_server(model_path, port, tmp_path / "server.log", KEY)
     try:
         args = _config(tmp_path, port, max_steps=3, vllm_server_timeout=3)
         trainer = GRPOTrainer(
@@ -439,7 +411,7 @@ def test_a_server_killed_mid_run_gives_a_clear_error(model_path, tokenizer, tmp_
         assert time.monotonic() - start < 60  # an error within the timeout, not a hang
         assert trainer.state.global_step == 1
     finally:
-        _stop(process)
+        stop_server(process)
 
 
 def test_multi_turn_episodes_on_the_server(server, tmp_path):
@@ -486,7 +458,7 @@ def test_a_server_running_the_transformers_implementation(model_path, tokenizer,
     # `--model-impl transformers` reaches the engine (vLLM runs the transformers modeling code); a trainer whose
     # vllm_model_impl matches syncs and samples the policy's greedy completion, one that does not is stopped.
     port = free_port()
-    process, client = _start_server(model_path, port, tmp_path / "server.log", "--model-impl", "transformers")
+    process, client = start_server(model_path, port, tmp_path / "server.log", KEY, "--model-impl", "transformers")
     try:
         assert client.info["model_impl"] == "transformers"
         args = _config(tmp_path, port, vllm_model_impl="transformers")
@@ -503,4 +475,4 @@ def test_a_server_running_the_transformers_implementation(model_path, tokenizer,
         with pytest.raises(ValueError, match="runs --model-impl transformers, but vllm_model_impl='vllm'"):
             trainer.generation.sync_weights(policy, version=0)
     finally:
-        _stop(process)
+        stop_server(process)

@@ -3,10 +3,6 @@ saved with its processor, on a real `grpo vllm-serve` and in a colocated engine;
 each. Runs in the vLLM environment: `make test-vllm`."""
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 import types
 
 import pytest
@@ -23,11 +19,11 @@ from grpo.data.vision import (  # noqa: E402
     vision_batch,
 )
 from grpo.generation import cut_at_eos  # noqa: E402
-from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.generation.vllm.images import encode_rows  # noqa: E402
 from grpo.testing import squares_image, tiny_vlm  # noqa: E402
 from tests.helpers.net import free_port  # noqa: E402
+from tests.helpers.vllm_server import start_server, stop_server  # noqa: E402
 from tests.helpers.vlm import squares_dataset  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -138,34 +134,13 @@ def test_a_colocated_engine_generates_from_the_image_as_model_generate_does(vlm)
     assert not banned & {token for row in first.ids for token in row}
 
 
-def _start_server(path, port, log_path):
-    env = {
-        **os.environ,
-        "GRPO_VLLM_API_KEY": KEY,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-    command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", str(path), "--port", str(port)]
-    command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = VLLMClient(port=port, timeout=240)
-    try:
-        client.wait_until_ready()
-    except VLLMServerError:
-        process.kill()
-        raise AssertionError(f"the server did not start; its log:\n{open(log_path).read()[-4000:]}") from None
-    return process, client
-
-
 @pytest.fixture(scope="module")
 def server(vlm, tmp_path_factory):
     port = free_port()
-    process, client = _start_server(vlm[2], port, tmp_path_factory.mktemp("server") / "server.log")
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    process, client = start_server(vlm[2], port, log_path, KEY, max_model_len=512, timeout=240)
     yield port, client
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+    stop_server(process)
 
 
 def test_the_server_generates_from_the_image(vlm, server):
