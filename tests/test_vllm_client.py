@@ -41,6 +41,9 @@ from grpo.testing import tiny_model, tiny_tokenizer
 from tests.helpers.net import free_port, stand_in_server
 
 TOKEN = bytes(range(32))
+# Seconds each side waits for the other: the spawned receiver imports torch and grpo before it connects, which on a
+# loaded 2-core machine has taken more than 30 s. Only a failing test waits this long.
+WAIT = 180
 
 
 def _weights():
@@ -57,7 +60,7 @@ def _weights():
 def _receiver(ports, queue):
     """The server's side: a group on each port, kept only if rank 0 sends TOKEN; then the weights it sends."""
     for port in ports:
-        group = open_group("127.0.0.1", port, 1, 2, "gloo", 30)
+        group = open_group("127.0.0.1", port, 1, 2, "gloo", WAIT)
         try:
             check_token(group, TOKEN, torch.device("cpu"))
         except PermissionError as e:
@@ -76,17 +79,17 @@ def test_weights_cross_processes_in_buckets_unchanged_from_the_rank_0_with_the_t
     receiver = context.Process(target=_receiver, args=(ports, queue))
     receiver.start()
     # First a stranger who reached the store's port: it does not know the token, and is refused before any weights.
-    stranger = open_group("127.0.0.1", ports[0], 0, 2, "gloo", 30)
+    stranger = open_group("127.0.0.1", ports[0], 0, 2, "gloo", WAIT)
     send_token(stranger, bytes(32), torch.device("cpu"))
-    refused = queue.get(timeout=60)
+    refused = queue.get(timeout=2 * WAIT)
     assert isinstance(refused, PermissionError) and "handshake failed" in str(refused)
 
-    group = open_group("127.0.0.1", ports[1], 0, 2, "gloo", 30)
+    group = open_group("127.0.0.1", ports[1], 0, 2, "gloo", WAIT)
     send_token(group, TOKEN, torch.device("cpu"))
     # 4 KiB buckets: a.weight (8 KiB) is a bucket of its own, the four small tensors share the second.
     buckets, sent = send_weights(group, iter(_weights()), 4096, torch.device("cpu"))
-    received = torch.load(io.BytesIO(queue.get(timeout=60)), weights_only=True)
-    receiver.join(timeout=30)
+    received = torch.load(io.BytesIO(queue.get(timeout=2 * WAIT)), weights_only=True)
+    receiver.join(timeout=WAIT)
     assert [name for name, _ in received] == [name for name, _ in _weights()]
     for (_, got), (_, want) in zip(received, _weights()):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
