@@ -183,7 +183,7 @@ def test_multi_turn_episodes_equal_those_of_model_generate(tmp_path):
     # the two give the same episodes, token for token, with the same masks.
     trainer = _agent_trainer(tmp_path)
     assert isinstance(trainer.generation, ContinuousBatchingGeneration)
-    model = trainer.model.to(torch.float64)
+    trainer.model.to(torch.float64)  # in place: sample_round samples with trainer.model
     common = dict(max_completion_length=240, pad_token_id=trainer.processing_class.pad_token_id, greedy=True)
     rows = [trainer.train_dataset[i] for i in range(4)]
     results = []

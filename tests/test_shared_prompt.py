@@ -4,6 +4,7 @@ call of the model, with gradient checkpointing too, and must step aside where th
 
 import importlib.util
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,28 @@ def test_shared_prompt_equals_the_plain_forward_in_one_call(tokenizer, attention
     assert plain[3] == [(6, 5 + 5)]  # every row whole: prompt width 5, completion width 5
     assert shared[3] == [(3, 10)]  # one call, one row per run of prompts
     _assert_same(shared, plain, batch[3])
+
+
+@pytest.mark.slow  # flex attention compiles its kernel first: about 10 s on a CPU
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler"
+)
+def test_flex_attention_takes_the_grouped_layout_as_a_block_mask(tokenizer):
+    # transformers builds a BlockMask from the same mask function. On a CPU, flex attention runs forward only (no
+    # backward) and in float32 at most: the reference pass's case; the gradients are checked with sdpa and eager.
+    batch = _batch()
+    settings = dict(temperature=0.7, with_entropy=True)
+    flex = tiny_model(tokenizer, seed=2, attn_implementation="flex_attention")
+    calls = []
+    flex.model.embed_tokens.register_forward_hook(lambda m, a, out: calls.append(tuple(a[0].shape)))
+    with torch.no_grad():
+        plain = completion_logprobs(tiny_model(tokenizer, seed=2), *batch, share_prompt=False, **settings)
+        shared = completion_logprobs(flex, *batch, share_prompt=True, **settings)
+    assert calls == [(3, 10)]  # one call in the grouped layout
+    for got, want, what in zip(shared, plain, ("log-probs", "entropies")):
+        difference = (got - want).abs().max().item()
+        assert difference <= 1e-5 * want.abs().max().item(), f"{what}: {difference:.3g}"  # float32 rounding
+    assert (shared[0][batch[3] == 0] == 0).all()
 
 
 def test_padding_free_with_a_mask_kernel_shares_the_prompt_too(tokenizer):
