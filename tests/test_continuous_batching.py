@@ -177,6 +177,7 @@ def _agent_trainer(tmp_path, **kwargs):
     return trainer
 
 
+@pytest.mark.slow  # whole episodes through the engine: several seconds
 def test_multi_turn_episodes_equal_those_of_model_generate(tmp_path):
     # Each turn of an episode is one engine call on the conversation so far (the earlier turns and the tool
     # answers); `model.generate` instead carries its KV cache from turn to turn. Greedy and in float64 (as above),
@@ -197,6 +198,7 @@ def test_multi_turn_episodes_equal_those_of_model_generate(tmp_path):
     assert engine.completions == generate.completions
 
 
+@pytest.mark.slow  # whole episodes through the engine: several seconds
 def test_async_generation_samples_the_episodes_with_the_engine(tmp_path):
     # The engine in the producer thread of async generation, episodes and all: each round's rows are full episodes.
     trainer = _agent_trainer(tmp_path, async_generation=True, max_staleness=0, max_steps=2)
