@@ -202,6 +202,8 @@ def test_multi_turn_episodes_equal_those_of_model_generate(tmp_path):
 def test_async_generation_samples_the_episodes_with_the_engine(tmp_path):
     # The engine in the producer thread of async generation, episodes and all: each round's rows are full episodes.
     trainer = _agent_trainer(tmp_path, async_generation=True, max_staleness=0, max_steps=2)
+    # The shared engine's sampler: the engine on a copy of the policy, which the trainer updates meanwhile.
+    assert isinstance(trainer.generation.backend.sampler, ContinuousBatchingGeneration)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
