@@ -6,13 +6,12 @@ import warnings
 
 import pytest
 import torch
-from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import tokenize_prompts
 from grpo.generation import ContinuousBatchingGeneration, SamplingRNG, TransformersGeneration, cut_at_eos
 from grpo.testing import tiny_model
-from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer
+from tests.helpers.agents import talkative_add_trainer
 from tests.helpers.scripted import TINY, reward_len
 
 EOS, PAD = 258, 256
@@ -151,11 +150,7 @@ def test_the_trainer_samples_with_it(tmp_path, tiny_model_path, prompt_dataset):
 
 
 def _agent_trainer(tmp_path, **kwargs):
-    """A trainer of episodes with one tool on the talkative tiny model (its turns end after a few tokens), whose
-    every turn is read as a call of `add` (the random model writes no JSON): episodes of three policy turns and two
-    tool answers."""
-    tokenizer = tool_tokenizer()
-    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    """Episodes of three policy turns and two tool answers (`talkative_add_trainer`), sampled by the engine."""
     settings = dict(
         use_transformers_continuous_batching=True,
         max_completion_length=240,
@@ -164,17 +159,7 @@ def _agent_trainer(tmp_path, **kwargs):
         num_generations=2,
         per_device_train_batch_size=4,
     )
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
-    trainer = GRPOTrainer(
-        str(path),
-        last_turn_length,
-        args=config(tmp_path / "out", **{**settings, **kwargs}),
-        train_dataset=data,
-        processing_class=tokenizer,
-        tools=[add],
-    )
-    trainer.agent.parser = always_add
-    return trainer
+    return talkative_add_trainer(tmp_path, config(tmp_path / "out", **{**settings, **kwargs}))
 
 
 @pytest.mark.slow  # whole episodes through the engine: several seconds

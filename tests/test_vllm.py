@@ -28,7 +28,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation.policy_weights import checkpoint_tensors  # noqa: E402
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer  # noqa: E402
+from tests.helpers.agents import talkative_add_trainer  # noqa: E402
 from tests.helpers.net import free_port, launch_two_processes  # noqa: E402
 from tests.helpers.vllm_server import start_server, stop_server  # noqa: E402
 
@@ -419,14 +419,8 @@ def test_multi_turn_episodes_on_the_server(server, tmp_path):
     policy's tokens, conditioned on the whole conversation so far, equal the trainer's over the same row, so the
     ids the trainer trains on are the ids the engine sampled and conditioned on."""
     port, _ = server
-    tokenizer = tool_tokenizer()
-    path = save_talkative_model(tmp_path / "talkative", tokenizer)
     args = _config(tmp_path, port, max_completion_length=240, max_prompt_length=None, max_tool_calling_iterations=2)
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
-    trainer = GRPOTrainer(
-        str(path), last_turn_length, args=args, train_dataset=data, processing_class=tokenizer, tools=[add]
-    )
-    trainer.agent.parser = always_add
+    trainer = talkative_add_trainer(tmp_path, args)
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2

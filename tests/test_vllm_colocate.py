@@ -22,7 +22,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.helpers.agents import add, always_add, last_turn_length, save_talkative_model, tool_tokenizer  # noqa: E402
+from tests.helpers.agents import talkative_add_trainer  # noqa: E402
 from tests.helpers.net import launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -227,8 +227,6 @@ def test_two_trainer_processes_each_with_an_engine(model_path, tmp_path):
 def test_multi_turn_episodes_with_a_colocated_engine(tokenizer, tmp_path):
     """As on the server (tests/test_vllm.py): three policy turns and two tool answers per episode, sampled by this
     process's engine, whose log-probs of the policy's tokens equal the trainer's."""
-    tokenizer = tool_tokenizer()
-    path = save_talkative_model(tmp_path / "talkative", tokenizer)
     args = _training_config(
         tmp_path / "out",
         max_steps=1,
@@ -238,11 +236,7 @@ def test_multi_turn_episodes_with_a_colocated_engine(tokenizer, tmp_path):
         max_tool_calling_iterations=2,
         vllm_max_model_length=1024,  # the tools' schemas make long prompts in byte tokens
     )
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
-    trainer = GRPOTrainer(
-        str(path), last_turn_length, args=args, train_dataset=data, processing_class=tokenizer, tools=[add]
-    )
-    trainer.agent.parser = always_add
+    trainer = talkative_add_trainer(tmp_path, args)
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2

@@ -144,6 +144,20 @@ def save_talkative_model(path, tokenizer):
     return path
 
 
+def talkative_add_trainer(tmp_path, args: GRPOConfig) -> GRPOTrainer:
+    """A trainer of `args` on episodes of three policy turns and two tool answers whatever the random model writes:
+    the talkative tiny model (saved under `tmp_path`), 8 rows of two "Add i." conversations, the tool `add`, and
+    `always_add` reading every turn as a call (with `max_tool_calling_iterations=2` in `args`)."""
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    trainer = GRPOTrainer(
+        str(path), last_turn_length, args=args, train_dataset=data, processing_class=tokenizer, tools=[add]
+    )
+    trainer.agent.parser = always_add
+    return trainer
+
+
 def always_add(text, tool_names):
     """A tool-call parser that reads every turn as a call of `add(1, 2)` (the random model writes no JSON)."""
     from grpo.generation.tool_calls import ToolCall
