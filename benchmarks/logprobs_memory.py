@@ -31,6 +31,7 @@ import torch
 
 from grpo.objective.logprobs import auto_chunk_size, chunked_logprobs, selective_log_softmax
 from grpo.objective.loss import policy_loss
+from grpo.objective.settings import LossSettings
 
 BATCH, LENGTH, HIDDEN = 8, 512, 896
 TEMPERATURE = 0.9
@@ -63,7 +64,7 @@ def _loss(impl: str, hidden, weight, targets, mask, old_shift, ref_shift, advant
         values, _ = chunked_logprobs(hidden[rows], weight, targets[rows], temperature=TEMPERATURE)
         logps = torch.zeros(mask.shape, device=values.device).masked_scatter(rows, values)
     old, ref = logps.detach() + old_shift, logps.detach() + ref_shift
-    loss, _ = policy_loss(logps, old, ref, advantages, mask, beta=0.04)
+    loss, _ = policy_loss(logps, old, ref, advantages, mask, LossSettings(beta=0.04))
     return loss
 
 

@@ -183,7 +183,7 @@ def child(settings: dict) -> dict | None:
         trainer.generation = FixedGeneration(low, high)
         trainer.add_callback(Measure())
         trainer.train()
-        shared = trainer.share_prompt
+        shared = trainer.logprobs.share_prompt
     if trainer.accelerator.process_index != 0:
         return None
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

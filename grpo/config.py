@@ -27,9 +27,7 @@ from transformers import GenerationConfig, GenerationMixin, TrainingArguments
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from grpo.data import TRUNCATION_SIDES
-from grpo.objective.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
-from grpo.objective.loss import IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTIONS, spans_the_step
-from grpo.objective.loss_types import LOSS_TYPE_TABLE, LOSS_TYPES
+from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
 # The largest learning_rate taken without `allow_large_learning_rate`. Fine-tuning uses 1e-6 to 1e-4 (TRL's default
@@ -1057,10 +1055,10 @@ class GRPOConfig(TrainingArguments):
         self._check_rendering_and_logging()
         self._check_continuous_batching()
         self._check_vllm_engine()
-        self._check_entropy_control()
-        self._resolve_sampling_bounds()
+        self._resolve_sampling_cap()
+        settings = self.stage_settings()  # the objective's checks run as its settings are built
         self._check_steps_and_prompts()
-        self._resolve_generation_batch()
+        self._resolve_generation_batch(settings.loss.spans_the_step)
 
     def _check_fields(self):
         """Type, finiteness and range of every field in `_field_kinds()`: an int field takes only integers, a float
@@ -1095,13 +1093,16 @@ class GRPOConfig(TrainingArguments):
                     f"{': ' + interval.why if interval.why else ''}."
                 )
 
+    def stage_settings(self) -> ObjectiveSettings:
+        """The objective's settings as typed values (grpo/objective/settings.py: advantages, log-probs, the loss),
+        built from the fields as they are now; each refuses what its stage cannot run with. `__post_init__` builds
+        them once, so every such check runs when the config is built; the trainer builds them again from the config
+        it is given."""
+        return objective_settings(self)
+
     def _check_values(self):
-        """Choices among strings, and what depends on more than one field (numbers alone: `_check_fields`)."""
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
-        self._check_aggregation()
+        """Choices among strings, and what depends on more than one field (numbers alone: `_check_fields`; the
+        objective's own: `stage_settings`)."""
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if (self.sync_ref_model or self.ref_model_reset_steps is not None) and self.beta == 0:
@@ -1116,17 +1117,6 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 "sync_ref_model=True (soft updates) and ref_model_reset_steps (hard resets) both move the reference; "
                 "pick one."
-            )
-        self._check_loss_type()
-        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
-            raise ValueError(
-                f"delta={self.delta} must be > 1 + epsilon_high = {1 + self.epsilon_high}: it caps ratios above the "
-                "clipping range. Raise delta, or set None to turn two-sided clipping off."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
-                f"{IMPORTANCE_SAMPLING_LEVELS}."
             )
         self._check_generation_kwargs()
         if self.remove_unused_columns:
@@ -1157,11 +1147,6 @@ class GRPOConfig(TrainingArguments):
                 "`grpo vllm-serve` process, 'colocate' on a vLLM engine inside each training process (docs/vllm.md)."
             )
         self._check_async()
-        if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTIONS:
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
-                f"{SAMPLING_CORRECTIONS}."
-            )
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)):
                 raise TypeError(
@@ -1204,8 +1189,9 @@ class GRPOConfig(TrainingArguments):
                 "a long prompt (and its system message), 'right' keeps its start."
             )
 
-    def _resolve_sampling_bounds(self):
-        """The importance-sampling bounds under TRL's names; the old `vllm_importance_sampling_cap` fills clip_max."""
+    def _resolve_sampling_cap(self):
+        """The old `vllm_importance_sampling_cap` fills TRL's `vllm_importance_sampling_clip_max` (the bounds
+        themselves are checked by `SamplingCorrection`, grpo/objective/settings.py)."""
         if self.vllm_importance_sampling_cap is not None:
             warnings.warn(
                 f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} is deprecated: it is used as "
@@ -1214,17 +1200,6 @@ class GRPOConfig(TrainingArguments):
                 stacklevel=4,  # the GRPOConfig(...) call
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}: "
-                "they bound the importance-sampling ratio from below and above. Lower clip_min or raise clip_max."
-            )
-        if low is None and high is None and self.vllm_importance_sampling_mode.endswith("truncate"):
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio to "
-                "[clip_min, clip_max], but both are None. Set vllm_importance_sampling_clip_max (e.g. 2.0)."
-            )
 
     def _check_rendering_and_logging(self):
         """The fields TRL 1.16 has for chat templates, padding, the KV cache and the completions log: strings from a
@@ -1300,67 +1275,6 @@ class GRPOConfig(TrainingArguments):
                 "on AWS Trainium, else no padding) or None."
             )
         self.pad_to_multiple_of = value
-
-    def _check_aggregation(self):
-        """How several reward functions are combined (objective/advantages.py)."""
-        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            raise ValueError(
-                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
-                f"{MULTI_OBJECTIVE_AGGREGATIONS}: sum the rewards then normalise, or normalise each then sum (GDPO)."
-            )
-        if self.multi_objective_aggregation == "normalize_then_sum" and self.offline_baseline is not None:
-            raise ValueError(
-                "offline_baseline gives a lone stored completion the advantage reward - baseline, but "
-                "multi_objective_aggregation='normalize_then_sum' normalises each reward function on its own, where a "
-                "lone row has no spread. Set offline_baseline=None (lone rows then get 0), or sum_then_normalize."
-            )
-
-    def _check_loss_type(self):
-        """What each loss type's own term needs (objective/loss_types.py)."""
-        name, term = self.loss_type, LOSS_TYPE_TABLE[self.loss_type].term
-        if term != "clipped" and self.delta is not None:
-            raise ValueError(
-                f"delta={self.delta} caps the ratio of PPO's clipped term, which loss_type={name!r} does not use. Set "
-                "delta=None, or pick a loss_type with the clipped term (grpo, bnpo, dr_grpo, dapo, luspo)."
-            )
-        if name == "cispo" and self.epsilon_high < 1:
-            raise ValueError(
-                f"loss_type='cispo' caps its importance weight at epsilon_high={self.epsilon_high}, below the ratio 1 "
-                "of every on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, "
-                "e.g. epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
-            )
-        if name == "luspo" and self.importance_sampling_level != "sequence":
-            raise ValueError(
-                "loss_type='luspo' is GSPO with each sequence's loss scaled by its length: it is defined on the "
-                "sequence ratio. Set importance_sampling_level='sequence'."
-            )
-        if name == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError(
-                "loss_type='vespo' builds its own sequence weight from the token ratios; importance_sampling_level="
-                "'sequence' would change only the KL term's ratio. Leave importance_sampling_level='token'."
-            )
-        sampler = self.use_vllm or self.async_generation
-        if name == "vespo" and sampler and self.vllm_importance_sampling_correction:
-            if self.vllm_importance_sampling_mode.startswith("sequence"):
-                raise ValueError(
-                    f"loss_type='vespo' folds the sampler's per-token correction weights into its sequence weight; "
-                    f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} gives one per sequence. "
-                    "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
-                )
-
-    def _check_entropy_control(self):
-        """The adaptive entropy coefficient's bounds (objective/regularizers.py)."""
-        low, high = self.entropy_coef_min, self.entropy_coef_max
-        if low > high:
-            raise ValueError(
-                f"entropy_coef_min={low} is above entropy_coef_max={high}: they bound the adaptive entropy "
-                "coefficient from below and above. Lower entropy_coef_min or raise entropy_coef_max."
-            )
-        if self.use_adaptive_entropy and not low <= self.entropy_coef <= high:
-            raise ValueError(
-                f"use_adaptive_entropy=True starts from entropy_coef={self.entropy_coef}, outside [entropy_coef_min, "
-                f"entropy_coef_max] = [{low}, {high}]. Set entropy_coef within the bounds (e.g. {low})."
-            )
 
     def _check_launch(self):
         """A process that a launcher started as one of several (`WORLD_SIZE` > 1) but that would train alone: every
@@ -1550,9 +1464,10 @@ class GRPOConfig(TrainingArguments):
                 "'typical_p', 'no_repeat_ngram_size')."
             )
 
-    def _resolve_generation_batch(self):
+    def _resolve_generation_batch(self, spans_the_step: bool):
         """Resolve `generation_batch_size` from `steps_per_generation` or the other way round, then check that a
-        generation round splits into whole micro-batches on every process and holds whole groups."""
+        generation round splits into whole micro-batches on every process and holds whole groups (and, where the
+        loss type normalises over the whole optimizer step, `spans_the_step`, covers whole optimizer steps)."""
         rows_per_step = self.per_device_train_batch_size * self.world_size  # rows of one micro-step, all processes
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError(
@@ -1579,7 +1494,7 @@ class GRPOConfig(TrainingArguments):
                 "round must hold whole groups. Change num_generations, per_device_train_batch_size or "
                 "gradient_accumulation_steps / steps_per_generation."
             )
-        if spans_the_step(self.loss_type) and self.steps_per_generation % self.gradient_accumulation_steps != 0:
+        if spans_the_step and self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"loss_type={self.loss_type!r} with steps_per_generation={self.steps_per_generation} and "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: {self.loss_type} divides by the "

@@ -216,7 +216,7 @@ def test_staleness_zero_gives_the_synchronous_updates(tmp_path, layout):
         trainer.train()
         params[name] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         if name == "async":
-            assert trainer._async.producer is None  # closed at the end of training
+            assert trainer.rounds.async_rounds.producer is None  # closed at the end of training
             staleness = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
             assert staleness and max(staleness) == 0
     initial = dict(tiny_model(tiny_tokenizer()).named_parameters())  # _trainer's model before training
@@ -250,14 +250,14 @@ def test_staleness_one_trains_each_round_against_the_weights_that_sampled_it(tmp
     trainer.add_callback(snapshots)
     batches = capture_batches(trainer)
     versions = []
-    take = trainer._async.take
+    take = trainer.rounds.async_rounds.take
 
-    def recording_take(inputs, step):
-        rollout, columns, scores = take(inputs, step)
+    def recording_take(inputs, context):
+        rollout, columns, scores = take(inputs, context)
         versions.append(rollout.weights_version)
         return rollout, columns, scores
 
-    trainer._async.take = recording_take
+    trainer.rounds.async_rounds.take = recording_take
     trainer.train()
     assert versions == [0, 0, 1, 2]
     assert len(batches) == 4  # one micro-batch per round
@@ -294,7 +294,7 @@ def test_a_round_older_than_max_staleness_is_dropped_and_made_again(tmp_path, mo
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                assert _wait_for(lambda: trainer._async.producer.next_round >= 4)
+                assert _wait_for(lambda: trainer.rounds.async_rounds.producer.next_round >= 4)
 
     trainer.add_callback(HoldStepOne())
     trainer.train()
@@ -308,7 +308,7 @@ def test_a_stale_round_without_sampler_logprobs_stops_training(tmp_path):
     use_sampler(trainer, ScriptedGeneration(4, 8))  # reports no log-probs
     with pytest.raises(RuntimeError, match="reported no log-probs"):
         trainer.train()
-    assert trainer._async.producer is None  # the producer was stopped on the way out
+    assert trainer.rounds.async_rounds.producer is None  # the producer was stopped on the way out
 
 
 @pytest.mark.parametrize(

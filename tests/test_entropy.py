@@ -10,11 +10,12 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.objective.logprobs import chunked_logprobs, completion_logprobs
-from grpo.objective.loss import policy_loss, spans_the_step
+from grpo.objective.loss import spans_the_step
 from grpo.objective.loss_types import LOSS_TYPES
 from grpo.objective.regularizers import EntropyControl, adaptive_entropy_coef
 from grpo.testing import tiny_model
 from tests.helpers.compare import assert_close_to_scale
+from tests.helpers.losses import loss_with
 from tests.helpers.naive import naive_policy_loss
 
 F64 = dict(rtol=0, atol=1e-11)
@@ -175,7 +176,7 @@ def test_entropy_bonus_matches_naive_loop(loss_type, level, masked):
             entropy_coef=0.03,
         )  # fmt: skip
         want = torch.autograd.grad(expected, [logps, entropy])
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, epsilon_high=knobs["epsilon_high"],
             importance_sampling_level=level, policy_mask=keep, max_completion_length=9, normalizer=17.0,
             bias_correction_kl=True, entropy=entropy, entropy_coef=0.03,
@@ -197,12 +198,12 @@ def test_entropy_bonus_hand_worked():
     zero = torch.zeros(1, dtype=torch.float64)
     for loss_type, expected in (("grpo", -0.2), ("dr_grpo", -0.1), ("luspo", -0.4)):
         level = "sequence" if loss_type == "luspo" else "token"
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps, None, None, zero, mask, loss_type=loss_type, entropy=entropy, entropy_coef=0.1,
             max_completion_length=4, importance_sampling_level=level,
         )  # fmt: skip
         assert loss.item() == pytest.approx(expected, abs=1e-15)
-    (grad,) = torch.autograd.grad(policy_loss(logps, None, None, zero, mask, loss_type="grpo", entropy=entropy,
+    (grad,) = torch.autograd.grad(loss_with(logps, None, None, zero, mask, loss_type="grpo", entropy=entropy,
                                               entropy_coef=0.1)[0], entropy)  # fmt: skip
     assert grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0], abs=1e-15)
 
@@ -212,7 +213,7 @@ def test_entropy_bonus_is_weighted_by_the_sampler_correction():
     weights = 0.5 + torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected = naive_policy_loss(logps, old, ref, advantages, mask, "dapo", 0.04, 0.2, 0.2, sampling_weights=weights,
                                  entropy=entropy, entropy_coef=0.05)  # fmt: skip
-    loss, _ = policy_loss(logps, old, ref, advantages, mask, beta=0.04, sampling_weights=weights, entropy=entropy,
+    loss, _ = loss_with(logps, old, ref, advantages, mask, beta=0.04, sampling_weights=weights, entropy=entropy,
                           entropy_coef=0.05)  # fmt: skip
     torch.testing.assert_close(loss, expected, **F64)
     torch.testing.assert_close(torch.autograd.grad(loss, entropy)[0], torch.autograd.grad(expected, entropy)[0], **F64)
@@ -223,7 +224,7 @@ def _accumulated(loss_type, logps, old, ref, entropy, advantages, mask, num_micr
     rows, total = logps.shape[0] // num_micro, 0
     for k in range(num_micro):
         s = slice(k * rows, (k + 1) * rows)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps[s], old[s], ref[s], advantages[s], mask[s], loss_type=loss_type, beta=0.04,
             max_completion_length=7, normalizer=mask.sum(), entropy=entropy[s], entropy_coef=0.02,
             **_knobs(loss_type),
@@ -246,7 +247,7 @@ def test_entropy_bonus_is_accumulation_invariant(loss_type):
 def test_entropy_bonus_needs_the_entropy():
     logps, old, ref, _, advantages, mask = _random_case(0)
     with pytest.raises(ValueError, match="entropy_coef != 0 needs the per-token entropy"):
-        policy_loss(logps, old, ref, advantages, mask, entropy_coef=0.1)
+        loss_with(logps, old, ref, advantages, mask, entropy_coef=0.1)
 
 
 # ---- Adaptive control (Skywork-OR1) ----
@@ -390,7 +391,7 @@ def test_trainer_logs_and_moves_the_adaptive_coefficient(tokenizer, tmp_path):
         tokenizer, tmp_path, use_adaptive_entropy=True, entropy_coef=0.0, entropy_target=10.0, entropy_coef_delta=0.1
     )
     assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.1, 0.2, 0.3])
-    assert trainer.entropy_control.last_entropy == pytest.approx(logs[-1]["entropy"], rel=1e-5)
+    assert trainer.step_loss.entropy_control.last_entropy == pytest.approx(logs[-1]["entropy"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -16,17 +16,15 @@ from grpo.objective.advantages import (
 from grpo.objective.loss import (
     accumulation,
     aggregate,
-    entropy_threshold,
     kl_k3,
     masked_mean,
-    off_policy_sequence_mask,
-    policy_loss,
-    sampling_correction,
     spans_the_step,
     window_token_totals,
 )
 from grpo.objective.loss_types import LOSS_TYPES as ALL_LOSS_TYPES
 from grpo.objective.loss_types import TERM_DEFAULTS, vespo_weights
+from grpo.objective.token_weights import entropy_threshold, off_policy_sequence_mask, sampling_correction
+from tests.helpers.losses import loss_with
 from tests.helpers.naive import (
     naive_decoupled_advantages,
     naive_group_advantages,
@@ -261,7 +259,7 @@ def _hand_case():
 )
 def test_policy_loss_hand_worked(loss_type, kwargs, expected):
     logps, old, advantages, mask = _hand_case()
-    loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type=loss_type, epsilon_low=0.2, **kwargs)
+    loss, stats = loss_with(logps, old, None, advantages, mask, loss_type=loss_type, epsilon_low=0.2, **kwargs)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     # One of three loss tokens was clipped from below, none from above.
     assert stats["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)
@@ -302,7 +300,7 @@ def test_policy_loss_matches_naive_loop(loss_type, level, beta, bias_correction_
         kwargs = dict(max_len=9, normalizer=17.0, level=level, delta=delta, bias_correction_kl=bias_correction_kl)
         expected = naive_policy_loss(logps, old, ref, advantages, mask, loss_type, beta, 0.2, eps_high, **kwargs)
         (expected_grad,) = torch.autograd.grad(expected, logps)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps,
             old,
             ref,
@@ -331,7 +329,7 @@ def test_bias_corrected_kl_hand_worked():
     for correction, want_grad in [(False, 0.393469), (True, 0.5)]:
         logps = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
         ref = torch.tensor([[-1.5]], dtype=torch.float64)
-        loss, stats = policy_loss(
+        loss, stats = loss_with(
             logps,
             None,
             ref,
@@ -380,7 +378,7 @@ def test_off_policy_masking_matches_naive_loop(level, threshold):
             sampling_logps=sampling, off_policy_threshold=threshold,
         )  # fmt: skip
         (expected_grad,) = torch.autograd.grad(expected, logps)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps,
             old,
             ref,
@@ -405,7 +403,7 @@ def test_policy_loss_accepts_token_level_advantages_and_a_policy_mask(level):
         expected = naive_policy_loss(
             logps, old, ref, advantages, mask, loss_type, 0.1, 0.2, 0.2, 9, 17.0, level, policy_mask=policy_mask
         )
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps,
             old,
             ref,
@@ -420,7 +418,7 @@ def test_policy_loss_accepts_token_level_advantages_and_a_policy_mask(level):
         )
         torch.testing.assert_close(loss, expected, **F64)
     # With beta = 0, the tokens outside the policy mask get no gradient at all.
-    loss, _ = policy_loss(logps, old, None, advantages, mask, policy_mask=policy_mask)
+    loss, _ = loss_with(logps, old, None, advantages, mask, policy_mask=policy_mask)
     (grad,) = torch.autograd.grad(loss, logps)
     assert (grad[~policy_mask] == 0).all() and (grad[policy_mask & mask.bool()] != 0).any()
 
@@ -444,7 +442,7 @@ def test_policy_loss_accepts_token_level_advantages_and_a_policy_mask(level):
 )
 def test_sequence_level_policy_loss_hand_worked(loss_type, kwargs, expected):
     logps, old, advantages, mask = _hand_case()
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         logps, old, None, advantages, mask, loss_type=loss_type, importance_sampling_level="sequence", **kwargs
     )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -457,8 +455,8 @@ def test_on_policy_sequence_ratio_has_the_gradient_of_token_level_grpo():
     # On-policy, ratio_i = 1 with gradient mean_t d logp_it, so GSPO under grpo aggregation, -mean_i(A_i ratio_i),
     # has exactly the gradient of token-level GRPO, -mean_i(A_i mean_t ratio_it).
     logps, _, _, advantages, mask = _random_case(4)
-    token, _ = policy_loss(logps, None, None, advantages, mask, loss_type="grpo")
-    sequence, _ = policy_loss(
+    token, _ = loss_with(logps, None, None, advantages, mask, loss_type="grpo")
+    sequence, _ = loss_with(
         logps, None, None, advantages, mask, loss_type="grpo", importance_sampling_level="sequence"
     )
     torch.testing.assert_close(sequence, token, **F64)
@@ -473,7 +471,7 @@ def test_clip_higher_and_two_sided_clipping_hand_worked():
     mask = torch.ones(3, 1)
 
     def run(**kwargs):
-        loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type="bnpo", **kwargs)
+        loss, stats = loss_with(logps, old, None, advantages, mask, loss_type="bnpo", **kwargs)
         (grad,) = torch.autograd.grad(loss, logps)
         return loss.item(), grad.view(-1).tolist(), stats
 
@@ -507,7 +505,7 @@ def test_clip_ratios_count_exactly_the_tokens_whose_gradient_is_cut():
     logps, old, _, advantages, mask = _random_case(7, B=8, T=6, token_advantages=True)
     # (Token level only: at sequence level a token's gradient also flows through its row's shared ratio.)
     for delta in (None, 1.3):
-        loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type="bnpo", epsilon_high=0.28, delta=delta)
+        loss, stats = loss_with(logps, old, None, advantages, mask, loss_type="bnpo", epsilon_high=0.28, delta=delta)
         (grad,) = torch.autograd.grad(loss, logps)
         cut = (grad == 0) & mask.bool()
         assert stats["clip_ratio/region_mean"].item() == pytest.approx(cut.sum().item() / mask.sum().item())
@@ -521,9 +519,7 @@ def test_masked_tokens_get_zero_gradient_even_with_extreme_values():
     old[mask == 0] = -1e4  # exp(logp - old) would overflow if masked positions reached exp
     ref[mask == 0] = 1e4
     for loss_type in LOSS_TYPES + NEW_LOSS_TYPES:
-        loss, _ = policy_loss(
-            logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, max_completion_length=7
-        )
+        loss, _ = loss_with(logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, max_completion_length=7)
         (grad,) = torch.autograd.grad(loss, logps)
         assert torch.isfinite(grad).all()
         assert (grad[mask == 0] == 0).all()
@@ -538,13 +534,13 @@ def test_beta_zero_on_policy_grpo_loss_is_minus_mean_advantage_with_nonzero_grad
     logps = (-torch.rand(8, 5) * 2).requires_grad_(True)
     mask = torch.ones(8, 5, dtype=torch.long)
     mask[1, 3:] = 0
-    loss, _ = policy_loss(logps, None, None, advantages, mask, loss_type="grpo", beta=0.0)
+    loss, _ = loss_with(logps, None, None, advantages, mask, loss_type="grpo", beta=0.0)
     assert loss.item() == pytest.approx(-advantages.mean().item(), abs=1e-7)
     assert abs(loss.item()) < 1e-6
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad.abs().sum() > 0.1
     # bnpo weights rows by length, so its value is not 0 in general.
-    bnpo, _ = policy_loss(logps, None, None, advantages, mask, loss_type="bnpo")
+    bnpo, _ = loss_with(logps, None, None, advantages, mask, loss_type="bnpo")
     assert abs(bnpo.item()) > 1e-3
 
 
@@ -583,7 +579,7 @@ def test_every_loss_type_is_tested_here():
 )
 def test_new_loss_types_hand_worked(loss_type, kwargs, expected):
     logps, old, advantages, mask = _hand_case()
-    loss, stats = policy_loss(logps, old, None, advantages, mask, loss_type=loss_type, **kwargs)
+    loss, stats = loss_with(logps, old, None, advantages, mask, loss_type=loss_type, **kwargs)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert ("clip_ratio/low_mean" in stats) == (loss_type == "luspo")  # PPO's clip counts only for its own term
     if loss_type == "cispo":
@@ -623,7 +619,7 @@ def test_new_loss_types_match_naive_loop(loss_type, level, beta, bias_correction
             vespo=(1.3, 2.7, 3.3, 1.7),
         )  # fmt: skip
         (expected_grad,) = torch.autograd.grad(expected, logps)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps,
             old,
             ref,
@@ -651,7 +647,7 @@ def test_new_loss_types_with_a_policy_mask_match_naive_loop():
         expected = naive_policy_loss(
             logps, old, ref, advantages, mask, loss_type, 0.04, 0.2, 1.2, level=level, policy_mask=keep
         )
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps, old, ref, advantages, mask, loss_type=loss_type, beta=0.04, epsilon_high=1.2,
             importance_sampling_level=level, policy_mask=keep,
         )  # fmt: skip
@@ -665,8 +661,8 @@ def test_on_policy_each_term_has_the_plain_policy_gradient(loss_type, same_as):
     # vespo's phi(1) = exp(lambda + 0 - lambda) = 1. Each then has the gradient -A d logp of its aggregation's
     # clipped loss (whose ratio is 1 too), though cispo's and vespo's values (A logp) differ from it.
     logps, _, _, advantages, mask = _random_case(5)
-    loss, _ = policy_loss(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0, normalizer=17.0)
-    plain, _ = policy_loss(logps, None, None, advantages, mask, loss_type=same_as, normalizer=17.0)
+    loss, _ = loss_with(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0, normalizer=17.0)
+    plain, _ = loss_with(logps, None, None, advantages, mask, loss_type=same_as, normalizer=17.0)
     (expected,) = torch.autograd.grad(plain, logps)
     torch.testing.assert_close(torch.autograd.grad(loss, logps)[0], expected, **F64)
     assert expected.abs().sum() > 0.1
@@ -677,7 +673,7 @@ def test_off_policy_each_term_departs_from_the_clipped_gradient():
     logps, old, _, advantages, mask = _random_case(6)
     grads = {}
     for loss_type in ("dapo", "cispo", "grpo", "sapo"):
-        loss, _ = policy_loss(logps, old, None, advantages, mask, loss_type=loss_type, epsilon_high=0.2)
+        loss, _ = loss_with(logps, old, None, advantages, mask, loss_type=loss_type, epsilon_high=0.2)
         grads[loss_type] = torch.autograd.grad(loss, logps)[0]
     cut = (grads["dapo"] == 0) & mask.bool()  # tokens PPO's clip gives no gradient
     assert cut.any() and (grads["cispo"][cut] != 0).all()
@@ -688,8 +684,8 @@ def test_luspo_is_dr_grpo_times_the_length_budget():
     # luspo: mean_i sum_t l m; dr_grpo: sum l m / (B L). Same clipped term, so luspo = L x dr_grpo, value and gradient.
     logps, old, ref, advantages, mask = _random_case(8)
     settings = dict(beta=0.04, importance_sampling_level="sequence", max_completion_length=7)
-    luspo, _ = policy_loss(logps, old, ref, advantages, mask, loss_type="luspo", **settings)
-    dr_grpo, _ = policy_loss(logps, old, ref, advantages, mask, loss_type="dr_grpo", **settings)
+    luspo, _ = loss_with(logps, old, ref, advantages, mask, loss_type="luspo", **settings)
+    dr_grpo, _ = loss_with(logps, old, ref, advantages, mask, loss_type="dr_grpo", **settings)
     torch.testing.assert_close(luspo, 7 * dr_grpo, **F64)
     torch.testing.assert_close(torch.autograd.grad(luspo, logps)[0], 7 * torch.autograd.grad(dr_grpo, logps)[0], **F64)
 
@@ -720,7 +716,7 @@ def _accumulated(loss_type, logps, old, ref, advantages, mask, num_micro):
     total = 0
     for k in range(num_micro):
         s = slice(k * rows, (k + 1) * rows)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps[s],
             old[s],
             ref[s],
@@ -763,7 +759,7 @@ def test_aggregate_and_masked_mean_edge_cases():
     with pytest.raises(ValueError, match="max_completion_length"):
         aggregate(torch.ones(2, 2), torch.ones(2, 2), "dr_grpo")
     with pytest.raises(ValueError, match="ref_logps"):
-        policy_loss(torch.zeros(1, 1), None, None, torch.ones(1), torch.ones(1, 1), beta=0.1)
+        loss_with(torch.zeros(1, 1), None, None, torch.ones(1), torch.ones(1, 1), beta=0.1)
 
 
 # ---- dapo's window, the sampler's correction ----

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
+from grpo.objective.step_loss import token_metric_totals
 from grpo.objective.token_weights import sampling_summary
 from grpo.training.metrics import (
     MetricsWindow,
     add_round_metrics,
     add_sampling_metrics,
     add_token_metrics,
-    token_metric_totals,
 )
 
 

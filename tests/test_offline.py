@@ -181,7 +181,7 @@ def test_rollout_tokens_rewards_and_functions(tmp_path):
     tokenizer = trainer.processing_class
     assert rollout.completion_lists()[0] == tokenizer("ab", add_special_tokens=False)["input_ids"] + [258]
     assert rollout.group_sizes == [2, 3] and not rollout.is_truncated.any()
-    scored = trainer.score_round(rollout, columns, None)
+    scored = trainer.rounds.score_round(rollout, columns, None, trainer.state)
     combined = trainer.rewards.columns(scored.rewards_per_func, scored.step_rewards)[1]
     lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32)
     assert combined.tolist() == pytest.approx((torch.tensor([0.0, 1, 0, 1, 2]) + 0.5 * lengths).tolist())

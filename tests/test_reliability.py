@@ -16,7 +16,6 @@ from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError, cut_prompt, encode_prompts
-from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model
 from grpo.training.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.training.metrics import MetricsWindow, add_round_metrics
@@ -31,6 +30,7 @@ from grpo.training.nonfinite import (
     reward_overflow_message,
     terms_finite,
 )
+from tests.helpers.losses import loss_with
 from tests.helpers.scripted import TINY, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 
@@ -193,7 +193,7 @@ class InfiniteReference(TrainerCallback):
 
     def __init__(self, trainer, step, row):
         self.after = {}
-        logprobs = trainer.logprobs
+        logprobs = trainer.rounds.logprobs  # the round maker's log-prob pass: it makes the reference's
 
         def with_minus_inf(model, batch, **kwargs):
             logps, entropy = logprobs(model, batch, **kwargs)
@@ -202,7 +202,7 @@ class InfiniteReference(TrainerCallback):
                 logps[row, 0] = -math.inf
             return logps, entropy
 
-        trainer.logprobs = with_minus_inf
+        trainer.rounds.logprobs = with_minus_inf
         trainer.add_callback(self)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -255,7 +255,7 @@ def loss_record(logps, old_logps=None, ref_logps=None, advantages=None, **settin
     does; returns the loss (with its graph) and the record."""
     mask = torch.ones_like(logps)
     advantages = torch.ones(logps.shape[0]) if advantages is None else advantages
-    loss, stats = policy_loss(logps, old_logps, ref_logps, advantages, mask, **settings)
+    loss, stats = loss_with(logps, old_logps, ref_logps, advantages, mask, **settings)
     level = settings.get("importance_sampling_level", "token")
     record = LossRecord(
         {"loss": loss.detach(), **stats}, logps.detach(), old_logps, ref_logps, advantages, mask, level

@@ -261,11 +261,11 @@ def test_resume_continues_the_same_sequence_of_prompts(tmp_path, tokenizer, prom
 def test_padding_free_and_chunk_size_leave_the_update_unchanged(tmp_path):
     # Packing sequences and the projection's chunking change how the log-probs are computed, not what they are.
     reference, trainer = sgd_step_update(tmp_path / "ref", loss_type="dapo", beta=0.04, num_iterations=2)
-    assert trainer.padding_free is False  # sdpa on CPU: packing is off unless asked for
+    assert trainer.logprobs.padding_free is False  # sdpa on CPU: packing is off unless asked for
     packed, trainer = sgd_step_update(
         tmp_path / "packed", loss_type="dapo", beta=0.04, num_iterations=2, padding_free=True, logprobs_chunk_size=3
     )
-    assert trainer.padding_free is True
+    assert trainer.logprobs.padding_free is True
     assert sum(d.abs().sum() for d in reference.values()) > 0
     assert_same_update(packed, reference, dict(trainer.model.named_parameters()), what="padding-free")
 

@@ -36,8 +36,8 @@ from grpo.generation.vllm.weight_sync import (
     send_token,
     send_weights,
 )
-from grpo.objective.loss import policy_loss
 from grpo.testing import tiny_model, tiny_tokenizer
+from tests.helpers.losses import loss_with
 from tests.helpers.net import free_port, stand_in_server
 
 TOKEN = bytes(range(32))
@@ -386,7 +386,7 @@ def test_sampling_weights_scale_each_tokens_loss_and_gradient():
     logps = torch.randn(2, 4, requires_grad=True)
     advantages, mask = torch.tensor([1.0, -0.5]), torch.ones(2, 4)
     weights = torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.5, 1.0, 1.0, 2.0]])
-    loss, _ = policy_loss(logps, None, None, advantages, mask, loss_type="dapo", sampling_weights=weights)
+    loss, _ = loss_with(logps, None, None, advantages, mask, loss_type="dapo", sampling_weights=weights)
     loss.backward()
     # On-policy the ratio is 1 with gradient d logp, so dL/dlogp_it = -A_i w_it / (tokens = 8).
     torch.testing.assert_close(logps.grad, -advantages[:, None] * weights / 8)

@@ -58,7 +58,7 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
     for start in range(0, count, size):
         rows = [dataset[i] for i in range(start, min(start + size, count))]
         rollout, columns = trainer.sample_round(rows, greedy)
-        rollout = trainer.score_round(rollout, columns, mode=None)
+        rollout = trainer.rounds.score_round(rollout, columns, None, trainer.state)
         # All processes' rows (a round may span processes), then this process's.
         per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
         local = rollout.local_slice(trainer.accelerator.process_index)

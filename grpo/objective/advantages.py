@@ -15,19 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
-# TRL's `multi_objective_aggregation` values: sum the weighted rewards, then normalise (GRPO); or normalise each reward
-# function within its group, then sum (GDPO).
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-
-
-def advantage_settings(args) -> dict:
-    """The `mixed_advantages` settings a `GRPOConfig` fixes for a whole run."""
-    return {
-        "scale_rewards": args.scale_rewards,
-        "baseline": args.offline_baseline,
-        "aggregation": args.multi_objective_aggregation,
-    }
+from grpo.objective.settings import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from grpo.data import content_widths, round_up
 from grpo.data.vision import vision_batch
 from grpo.models import unwrap_parallel
+from grpo.objective.settings import LogProbSettings
 from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, unsupported_reason
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
@@ -253,18 +254,6 @@ def output_projection(model: nn.Module) -> tuple[nn.Module, float, float | None]
     return head, scale, getattr(config, "final_logit_softcapping", None)
 
 
-def logprob_settings(args, share_prompt: bool = True) -> dict:
-    """The `completion_logprobs` settings fixed for a whole run (policy, old and reference alike): a `GRPOConfig`'s,
-    and `share_prompt`, the trainer's decision (`shared_prompt.shares_prompt`: the config's switch and the model)."""
-    return {
-        "temperature": args.temperature,
-        "chunk_size": args.logprobs_chunk_size,
-        "head_fp32": args.cast_lm_head_to_fp32,
-        "pad_to_multiple_of": args.pad_to_multiple_of,
-        "share_prompt": share_prompt,
-    }
-
-
 def _check_head_for_fp32(head: nn.Module) -> None:
     """`cast_lm_head_to_fp32` projects with the head's own weight (and bias): an adapter on the head would not be in
     it, and a ZeRO-3 partitioned weight is gathered only inside the model's forward, which runs the head as is."""
@@ -374,54 +363,103 @@ def completion_logprobs(
        `padding_free` packed into one row with positions restarting per sequence (for variable-length kernels).
        Position ids count only real tokens, as `generate` does for left-padded prompts.
     2. The final hidden states of the positions that predict completion tokens, and only those, go through
-       `chunked_logprobs` with the model's own output projection, logit scaling and soft cap.
+       `chunked_logprobs` with the model's own output projection, logit scaling and soft cap (`_projected`).
     `batch_size` splits the rows into separate forward passes (for no-grad passes); `chunk_size` is the row chunk of
     the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`);
-    `pad_to_multiple_of` rounds the widths the forward sees up (`_forward_columns`; not a packed row). Under FSDP2
-    the projection's weight is read after the forward: whole if its module keeps it gathered for the backward (the
-    root module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed
-    ZeRO-3 it can only be gathered inside the model's forward, so the logits of the completion positions are built
-    there instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight.
-    `vision`: each row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`);
-    rows with images run padded and whole: never packed, never in the grouped layout.
+    `pad_to_multiple_of` rounds the widths the forward sees up (`_forward_columns`; not a packed row). `vision`: each
+    row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`); rows with
+    images run padded and whole: never packed, never in the grouped layout.
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
-        settings.update(padding_free=padding_free, head_fp32=head_fp32, share_prompt=share_prompt)
-        settings.update(pad_to_multiple_of=pad_to_multiple_of, entropy_grad=entropy_grad)
-        return _in_row_batches(model, tensors, vision, batch_size, aux_losses=aux_losses, **settings)
+        settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, head_fp32=head_fp32)
+        settings.update(padding_free=padding_free, share_prompt=share_prompt, entropy_grad=entropy_grad)
+        settings.update(pad_to_multiple_of=pad_to_multiple_of, aux_losses=aux_losses)
+        return _in_row_batches(model, tensors, vision, batch_size, **settings)
 
     padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
     batch = _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, multiple)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
-    extra = vision_batch(vision, prompt_ids.shape[1], completion_ids.shape[1], prompt_ids.device) if vision else {}
+    extra = vision_batch(vision, batch[0].shape[1], batch[2].shape[1], prompt_ids.device) if vision else {}
     # No grouped layout with pad_to_multiple_of (its widths would not be the padded ones), nor with images (the model
     # merges their features into each row's prompt inside its own forward), nor for a router's loss (a mean over one
     # forward's tokens, where each prompt counts once per row).
     plain = pad_to_multiple_of or extra or aux_losses is not None
     layout = _grouped(model, *batch) if share_prompt and not plain else None
+    forward = (padding_free, layout, extra, aux_losses)
+    logps, entropy = _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad)
+    widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
+    return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+
+
+def _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad):
+    """Step 2 of `completion_logprobs` on `batch` (its four tensors at the forward's widths): (logps, entropy or
+    None), (B, T'). `forward`: how step 1 runs (padding_free, the grouped layout or None, the vision keyword
+    arguments, the list collecting a router's loss or None). Under FSDP2 the
+    projection's weight is read after the forward: whole if its module keeps it gathered for the backward (the root
+    module of accelerate's wrapping), else a DTensor, gathered once per call (`_whole`). Under DeepSpeed ZeRO-3 it
+    can only be gathered inside the model's forward, so the logits of the completion positions are built there
+    instead; so are they when a PEFT adapter wraps the head, whose update is not in the head's weight."""
+    padding_free, layout, extra, aux_losses = forward
     head, scale, softcap = output_projection(model)
     if head_fp32:
         _check_head_for_fp32(head)
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
-        logps, entropy = _logprobs_from_full_logits(
+        return _logprobs_from_full_logits(
             model, *batch, temperature, with_entropy, layout, extra, entropy_grad, aux_losses
         )
-    else:
-        # 2. Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
-        hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra, aux_losses)
-        mask = completion_mask.bool()
-        values = chunked_logprobs(
-            hidden, _whole(head.weight, hidden.dtype), completion_ids[mask], bias=_whole(head.bias, hidden.dtype),
-            temperature=temperature, scale=scale, softcap=softcap, chunk_size=chunk_size, with_entropy=with_entropy,
-            head_fp32=head_fp32, entropy_grad=entropy_grad,
-        )  # fmt: skip
-        logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
-    widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
-    return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+    # Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
+    hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra, aux_losses)
+    mask = batch[3].bool()
+    values = chunked_logprobs(
+        hidden,
+        _whole(head.weight, hidden.dtype),
+        batch[2][mask],
+        bias=_whole(head.bias, hidden.dtype),
+        temperature=temperature,
+        scale=scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        head_fp32=head_fp32,
+        entropy_grad=entropy_grad,
+    )
+    logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
+    return logps, entropy
+
+
+class LogProbs:
+    """The log-prob pass of a run, the same for the policy, pi_old and pi_ref: `completion_logprobs` of a batch (a
+    `Rollout`, `MicroBatch` or `TokenBatch`: its four token tensors and its images) with the run's `LogProbSettings`
+    and forward layout (`padding_free`, `share_prompt`: shared_prompt.py decides), inside `autocast()` (mixed
+    precision: the head in bf16 unless `head_fp32`; each weight cast once)."""
+
+    def __init__(self, settings: LogProbSettings, padding_free: bool, share_prompt: bool, autocast=None):
+        self.settings, self.padding_free, self.share_prompt = settings, padding_free, share_prompt
+        self.autocast = autocast or contextlib.nullcontext
+
+    def __call__(self, model, batch, with_entropy: bool = False, batch_size: int | None = None, **extra):
+        """(logps, entropy or None) of `batch` under `model`; `extra`: `entropy_grad`, `aux_losses`."""
+        s = self.settings
+        with self.autocast():
+            return completion_logprobs(
+                model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                temperature=s.temperature,
+                with_entropy=with_entropy,
+                batch_size=batch_size,
+                chunk_size=s.chunk_size,
+                padding_free=self.padding_free,
+                head_fp32=s.head_fp32,
+                pad_to_multiple_of=s.pad_to_multiple_of,
+                share_prompt=self.share_prompt,
+                vision=getattr(batch, "vision", None),  # images (vision-language models), or None
+                **extra,
+            )
 
 
 def _in_row_batches(model, tensors, vision, batch_size: int, **settings):

@@ -11,14 +11,12 @@ each one with a naive loop over the same inputs (tests/helpers/naive.py) and wit
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from grpo.objective.loss_types import TERM_DEFAULTS, loss_type_of, policy_term
+from grpo.objective.loss_types import loss_type_of, policy_term
+from grpo.objective.settings import IMPORTANCE_SAMPLING_LEVELS, LossSettings
 
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+DEFAULT_LOSS = LossSettings()  # dapo, no KL term, PPO's clip at 0.2 on both sides
 
 
 def window_token_totals(tokens_per_micro_batch: torch.Tensor, window: int) -> torch.Tensor:
@@ -112,126 +110,21 @@ def accumulation(
     return None, 1.0 / micro_steps
 
 
-def entropy_threshold(entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:
-    """The entropy above which a token is among the `top_quantile` fraction of highest-entropy tokens
-    ("Beyond the 80/20 Rule", Wang et al., arXiv:2506.01939): the (1 - top_quantile) quantile of `entropies`.
-
-    `entropies` is 1-D: the entropy of every loss token the threshold is taken over (NaN entries, e.g. padding from
-    gathering ragged processes, are ignored). Returns a 0-d tensor; +inf when there is no entropy at all."""
-    entropies = entropies.float().reshape(-1)
-    if torch.isnan(entropies).all():
-        return entropies.new_tensor(torch.inf)
-    return torch.nanquantile(entropies, 1.0 - top_quantile, interpolation="linear")
-
-
-def sampling_correction(
-    old_logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token_truncate",
-    cap: float | None = 2.0,
-    floor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Importance weights that correct for sampling with an engine whose log-probs differ from the trainer's.
-
-    An inference engine (vLLM) samples o ~ pi_sampler, close to but not equal to the trainer's pi_old (other kernels,
-    other precision). Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training") reweights each token's loss by the capped ratio:
-
-        rho_it = exp(old_it - sampling_it)
-        w_it   = clamp(rho_it, c, C)                             "token_truncate"
-        w_it   = rho_it if c <= rho_it <= C else 0                "token_mask"
-        rho_i  = exp( sum_t (old_it - sampling_it) m_it )        "sequence_*": the sequence's likelihood ratio,
-        w_i    = clamp(rho_i, c, C)  or  rho_i if c <= rho_i <= C else 0        one weight for every token of the row
-
-    C = `cap` (TRL's `vllm_importance_sampling_clip_max`) and c = `floor` (`..._clip_min`); None leaves that side
-    unbounded.
-
-    Shapes: old_logps, sampling_logps, mask (B, T). Returns (weights (B, T), stats) with the weights detached and 1 at
-    masked positions. stats, over the loss tokens (rows without one count as empty): `logp_difference` (B, T) =
-    |old - sampling| and `ratio`, the weights before the cap, (B, T) for token modes or (B, 1) for sequence modes.
-    """
-    if mode not in SAMPLING_CORRECTIONS:
-        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {SAMPLING_CORRECTIONS}")
-    mask = mask.bool()
-    log_ratio = torch.where(mask, old_logps - sampling_logps, 0.0).detach()  # (B, T)
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
-    ratio = torch.exp(log_ratio)
-    if mode.endswith("truncate"):
-        weights = ratio if cap is None and floor is None else torch.clamp(ratio, min=floor, max=cap)
-    else:
-        inside = (ratio <= (torch.inf if cap is None else cap)) & (ratio >= (0.0 if floor is None else floor))
-        weights = torch.where(inside, ratio, 0.0)
-    weights = torch.where(mask, weights.expand_as(mask), 1.0)
-    difference = torch.where(mask, (old_logps - sampling_logps).abs(), 0.0).detach()
-    return weights, {"logp_difference": difference, "ratio": ratio}
-
-
-def off_policy_sequence_mask(
-    advantages: torch.Tensor,
-    logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    mask: torch.Tensor,
-    threshold: float,
-) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556, eq. 9): a completion with a negative advantage
-    whose tokens have drifted far from the policy that sampled them is dropped from the policy term.
-
-        d_i   = sum_t (sampling_it - logp_it) m_it / |o_i|       mean log(pi_sampler / pi_theta) over the row
-        M_i   = 1 if A_i >= 0 or d_i <= threshold, else 0
-
-    d_i estimates KL(pi_sampler || pi_theta) from the sampler's own tokens. A positive-advantage row is always kept:
-    reinforcing a sampled token is safe however stale it is; pushing down a token the policy has already moved away
-    from is where stale samples do harm. Tokens with a NaN sampler log-prob (the engine could not score them) count
-    as 0. Shapes: advantages (B,) or (B, T) (a row's sign is read from its first token), logps, sampling_logps, mask
-    (B, T). Returns M (B, 1), detached, in logps' dtype; rows without a loss token are kept.
-    """
-    mask = mask.bool()
-    drift = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
-    drift = torch.where(mask, drift, 0.0).sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
-    sign = advantages if advantages.dim() == 1 else advantages[:, 0]
-    return ((sign[:, None] >= 0) | (drift <= threshold)).to(logps.dtype)  # (B, 1)
-
-
-def loss_settings(args) -> dict[str, Any]:
-    """The `policy_loss` settings a `GRPOConfig` fixes for a whole run."""
-    return {
-        "loss_type": args.loss_type,
-        "beta": args.beta,
-        "epsilon_low": args.epsilon,
-        "epsilon_high": args.epsilon_high,
-        "delta": args.delta,
-        "importance_sampling_level": args.importance_sampling_level,
-        "max_completion_length": args.max_completion_length,
-        "bias_correction_kl": args.use_bias_correction_kl,
-        **{name: getattr(args, name) for name in TERM_DEFAULTS},
-    }
-
-
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
     ref_logps: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings = DEFAULT_LOSS,
     *,
-    loss_type: str = "dapo",
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
     policy_mask: torch.Tensor | None = None,
-    max_completion_length: int | None = None,
     normalizer: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
-    bias_correction_kl: bool = False,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
-    **term_knobs: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective of `loss_type` with a k3 KL penalty, aggregated by `loss_type` (docs/method.md).
+    """The GRPO objective of `settings.loss_type` with a k3 KL penalty, aggregated by the loss type (docs/method.md).
 
         ratio_it = exp(logp_it - old_it)                                   importance_sampling_level="token"
         ratio_i  = exp( sum_t (logp_it - old_it) m_it / |o_i| )            "sequence" (GSPO, arXiv:2507.18071)
@@ -240,53 +133,42 @@ def policy_loss(
         l_it     = -(s_it * h_it - beta * k_it + c * H_it * h_it) * w_it
         loss     = aggregate(l, m, loss_type)        one normaliser for the policy, KL and entropy terms
 
-    `bias_correction_kl` (DeepSeek-V3.2): d(ratio * k3) = d logp * log(pi_theta / pi_ref) at theta = old, unbiased
-    for the reverse KL's gradient, unlike k3's own d logp * (1 - pi_ref / pi_theta) (docs/method.md).
+    `settings` (`LossSettings`) fixes the loss type, beta, the clipping range, `delta` (two-sided clipping,
+    INTELLECT-2, arXiv:2505.07291: it bounds the update of a token with A < 0 whose ratio has grown large), the
+    ratio's level, dr_grpo's `max_completion_length` and `bias_correction_kl` (DeepSeek-V3.2: d(ratio * k3) =
+    d logp * log(pi_theta / pi_ref) at theta = old, unbiased for the reverse KL's gradient, docs/method.md). cispo,
+    sapo and vespo replace s with terms of their own (loss_types.py `policy_term`); vespo folds w into its weight.
+    The keywords are the micro-batch's: `policy_mask` h (B, T) keeps the policy term only where it is 1 (the KL term
+    and the normaliser still cover every loss token); `normalizer` replaces the micro-batch's token count
+    (`accumulation`); `sampling_weights` w (B, T) reweights each token's loss, for samples of another engine
+    (`sampling_correction`); `entropy` H (B, T) and `entropy_coef` c: the entropy bonus. None means h = 1, w = 1.
 
-    `delta` (two-sided clipping, INTELLECT-2, arXiv:2505.07291) caps the unclipped ratio, which bounds the update of
-    a token with A < 0 whose ratio has grown large; None leaves it uncapped. `policy_mask` h (B, T) keeps the policy
-    term only where it is 1 (e.g. the highest-entropy tokens); the KL term and the normaliser still cover every
-    loss token. None means h = 1. `sampling_weights` w (B, T) reweights each token's whole loss, for samples drawn by
-    another engine (`sampling_correction`); None means w = 1. `entropy` H (B, T) and `entropy_coef` c: the entropy
-    bonus (`penalty_terms`). cispo, sapo and vespo replace s with terms of their own (loss_types.py `policy_term`,
-    whose knobs `term_knobs` are: `TERM_DEFAULTS`); vespo folds w into its weight.
+    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None`: on-policy, old =
+    logp.detach() (ratio 1, gradient d logp; at sequence level the row's mean d logp). `ref_logps`: only for beta
+    != 0. Masked positions may hold anything: they are neutralised before exp, so no inf or NaN reaches a gradient.
 
-    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,) or (B, T). `old_logps=None` means the batch is
-    on-policy: old = logp.detach(), so ratio is 1 in value while its gradient is d logp (at sequence level, the
-    mean of d logp over the row). `ref_logps` is needed only when beta != 0. Masked positions may hold any value
-    (they are neutralised before exp, so no inf or NaN leaks into the gradient).
-
-    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0); for PPO's clip the
-    fraction of tokens where the min() picked a clipped term, so that the token's gradient is cut:
-    `clip_ratio/low_mean` (ratio < 1 - eps_low with A < 0), `clip_ratio/high_mean` (ratio > 1 + eps_high with
-    A > 0) and `clip_ratio/region_mean` (either, or ratio > delta with A < 0); the other terms' own (`policy_term`).
+    Returns (loss, stats); stats are detached means over the loss tokens: `kl` (when beta != 0), PPO's clip
+    fractions (`clip_fractions`: where the min() took a clipped term and cut the token's gradient), and the other
+    terms' own (`policy_term`).
     """
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    if (clipped := loss_type_of(loss_type).term == "clipped") and delta is not None and delta <= 1 + epsilon_high:
-        raise ValueError(f"delta={delta} must be > 1 + epsilon_high = {1 + epsilon_high}, or None")
     mask = mask.bool()
     old_logps = logps.detach() if old_logps is None else old_logps
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
-
-    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
-    surrogate, stats = policy_term(
-        loss_type, ratio, logps, old_logps, advantages, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        delta=delta, sampling_weights=sampling_weights, **term_knobs,
-    )  # (B, T), times w  # fmt: skip
+    ratio = importance_ratio(logps, old_logps, mask, settings.importance_sampling_level)  # (B, T) or (B, 1)
+    surrogate, stats = policy_term(ratio, logps, old_logps, advantages, mask, settings, sampling_weights)  # (B, T)
     if policy_mask is not None:
         surrogate = surrogate * policy_mask.to(surrogate.dtype)
     penalty, penalty_stats = penalty_terms(
-        logps, ref_logps, ratio, mask, beta=beta, bias_correction_kl=bias_correction_kl, entropy=entropy,
-        entropy_coef=entropy_coef, policy_mask=policy_mask,
-    )  # (B, T) or 0  # fmt: skip
+        logps, ref_logps, ratio, mask, settings, entropy=entropy, entropy_coef=entropy_coef, policy_mask=policy_mask
+    )  # (B, T) or 0
     per_token_loss = -surrogate + (penalty if sampling_weights is None else penalty * sampling_weights)
     stats.update(penalty_stats)
-    loss = aggregate(
-        per_token_loss, mask, loss_type, max_completion_length=max_completion_length, normalizer=normalizer
-    )
-    if clipped:
-        stats.update(clip_fractions(ratio.detach(), advantages, mask, epsilon_low, epsilon_high, delta, policy_mask))
+    length, kind = settings.max_completion_length, settings.loss_type
+    loss = aggregate(per_token_loss, mask, kind, max_completion_length=length, normalizer=normalizer)
+    if loss_type_of(kind).term == "clipped":
+        epsilons = (settings.epsilon_low, settings.epsilon_high, settings.delta)
+        stats.update(clip_fractions(ratio.detach(), advantages, mask, *epsilons, policy_mask))
     return loss, stats
 
 
@@ -295,9 +177,8 @@ def penalty_terms(
     ref_logps: torch.Tensor | None,
     ratio: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings,
     *,
-    beta: float = 0.0,
-    bias_correction_kl: bool = False,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     policy_mask: torch.Tensor | None = None,
@@ -306,11 +187,13 @@ def penalty_terms(
 
         beta * k_it (* ratio with `bias_correction_kl`) - c * H_it * h_it
 
-    The KL penalty (beta != 0, `ref_logps` needed) over every loss token; the entropy bonus (c = `entropy_coef` != 0,
-    `entropy` H needed: regularizers.py decides c) over the tokens the policy term trains (`policy_mask` h, None = 1),
-    which raises their entropy, its gradient flowing into H (`completion_logprobs(entropy_grad=True)`). Shapes:
+    The KL penalty (beta = `settings.beta` != 0, `ref_logps` needed) over every loss token; the entropy bonus
+    (c = `entropy_coef` != 0, `entropy` H needed: regularizers.py decides c) over the tokens the policy term trains
+    (`policy_mask` h, None = 1), which raises their entropy, its gradient flowing into H
+    (`completion_logprobs(entropy_grad=True)`). Shapes:
     logps, ref_logps, entropy, mask, policy_mask (B, T); ratio (B, T) or (B, 1). Returns ((B, T), or 0 with neither
     term; stats: `kl`, its mean over the loss tokens, detached)."""
+    beta = settings.beta
     if beta != 0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps (the reference policy's log-probs)")
     if entropy_coef != 0 and entropy is None:
@@ -319,7 +202,7 @@ def penalty_terms(
     if beta != 0:
         # Masked positions become kl(0, 0) = 0 before exp, so their value and gradient are exactly 0.
         kl = kl_k3(torch.where(mask, logps, 0.0), torch.where(mask, ref_logps, 0.0))  # (B, T)
-        kl = kl * ratio if bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
+        kl = kl * ratio if settings.bias_correction_kl else kl  # ratio (B, T) or (B, 1): 1 where masked, where kl is 0
         stats["kl"] = masked_mean(kl.detach(), mask)
         penalty = beta * kl
     if entropy_coef != 0:

@@ -1,6 +1,7 @@
 """Everything a `loss_type` decides, in one table: the per-token policy term it trains, how its per-token losses become
-one number, and whether that number's normaliser spans the micro-batch or the whole optimizer step. `loss.py` reads
-the table (`aggregate`, `accumulation`, `policy_loss`); nothing else names a loss type.
+one number, whether that number's normaliser spans the micro-batch or the whole optimizer step, and the settings it
+refuses (`LossType.check`, run when `LossSettings` is built). `loss.py` reads the table (`aggregate`, `accumulation`,
+`policy_loss`), settings.py its rules; nothing else names a loss type.
 
 Notation as in loss.py (docs/method.md): r the importance ratio pi_theta / pi_old (per token, or per row at
 `importance_sampling_level="sequence"`), A the advantages, logp the policy's log-probs, m the loss mask, sg() stop
@@ -17,22 +18,67 @@ import torch
 
 
 class LossType(NamedTuple):
-    """One row of `LOSS_TYPE_TABLE`."""
+    """One row of `LOSS_TYPE_TABLE`: what the loss type computes, then the settings it refuses (`check`)."""
 
     term: str  # the per-token policy term: "clipped", "cispo", "sapo" or "vespo" (`policy_term`)
     reduction: str  # how per-token losses become one number: "sequence_mean", "token_mean", "constant", "sequence_sum"
     normalised_over: str  # "micro_batch": a mean over the micro-batch; "step": over the whole optimizer step
+    level: str | None = None  # the one importance_sampling_level it is defined on (None: either), and why:
+    level_why: str = ""
+    min_epsilon_high: float | None = None  # the lowest epsilon_high its term makes sense with, and why:
+    epsilon_high_why: str = ""
+    token_corrections_only: bool = False  # the sampler's correction weights must be per token
+
+    def check(self, settings) -> None:
+        """Refuse the `LossSettings` this loss type cannot train with, naming the fix."""
+        name = settings.loss_type
+        if self.term != "clipped" and settings.delta is not None:
+            clipped = ", ".join(n for n, row in LOSS_TYPE_TABLE.items() if row.term == "clipped")
+            raise ValueError(
+                f"delta={settings.delta} caps the ratio of PPO's clipped term, which loss_type={name!r} does not use. "
+                f"Set delta=None, or pick a loss_type with the clipped term ({clipped})."
+            )
+        if self.min_epsilon_high is not None and settings.epsilon_high < self.min_epsilon_high:
+            raise ValueError(self.epsilon_high_why.format(epsilon_high=settings.epsilon_high))
+        if self.level is not None and settings.importance_sampling_level != self.level:
+            raise ValueError(self.level_why)
+
+    def check_sampler(self, sampling, other_sampler: bool) -> None:
+        """Refuse a correction of another engine's samples (`SamplingCorrection`, used when `other_sampler`: vLLM or
+        async generation) that this loss type cannot fold in."""
+        corrected = other_sampler and sampling.enabled
+        if self.token_corrections_only and corrected and sampling.mode.startswith("sequence"):
+            raise ValueError(
+                f"loss_type='vespo' folds the sampler's per-token correction weights into its sequence weight; "
+                f"vllm_importance_sampling_mode={sampling.mode!r} gives one per sequence. "
+                "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
+            )
 
 
+CISPO_CAP = (
+    "loss_type='cispo' caps its importance weight at epsilon_high={epsilon_high}, below the ratio 1 of every "
+    "on-policy token, so every token's gradient would shrink. Set epsilon_high to the cap itself, e.g. "
+    "epsilon_high=5.0 (ScaleRL's eps_max; TRL reads it the same way)."
+)
+LUSPO_LEVEL = (
+    "loss_type='luspo' is GSPO with each sequence's loss scaled by its length: it is defined on the sequence ratio. "
+    "Set importance_sampling_level='sequence'."
+)
+VESPO_LEVEL = (
+    "loss_type='vespo' builds its own sequence weight from the token ratios; importance_sampling_level='sequence' "
+    "would change only the KL term's ratio. Leave importance_sampling_level='token'."
+)
 LOSS_TYPE_TABLE = {
     "grpo": LossType("clipped", "sequence_mean", "micro_batch"),  # DeepSeekMath
     "bnpo": LossType("clipped", "token_mean", "micro_batch"),
     "dr_grpo": LossType("clipped", "constant", "micro_batch"),  # Dr. GRPO
     "dapo": LossType("clipped", "token_mean", "step"),  # DAPO
-    "cispo": LossType("cispo", "token_mean", "step"),  # MiniMax-M1
+    "cispo": LossType("cispo", "token_mean", "step", min_epsilon_high=1.0, epsilon_high_why=CISPO_CAP),  # MiniMax-M1
     "sapo": LossType("sapo", "sequence_mean", "micro_batch"),  # SAPO
-    "luspo": LossType("clipped", "sequence_sum", "micro_batch"),  # LUSPO
-    "vespo": LossType("vespo", "token_mean", "step"),  # VESPO
+    "luspo": LossType("clipped", "sequence_sum", "micro_batch", level="sequence", level_why=LUSPO_LEVEL),  # LUSPO
+    "vespo": LossType(
+        "vespo", "token_mean", "step", level="token", level_why=VESPO_LEVEL, token_corrections_only=True
+    ),  # VESPO
 }
 LOSS_TYPES = tuple(LOSS_TYPE_TABLE)
 # The knobs of the terms beyond epsilon: TRL 1.16's GRPOConfig field names and defaults.
@@ -49,7 +95,7 @@ TERM_DEFAULTS = {
 def loss_type_of(name: str) -> LossType:
     """The table's row for `name`, or an error listing the valid names."""
     if name not in LOSS_TYPE_TABLE:
-        raise ValueError(f"loss_type={name!r} is not one of {LOSS_TYPES}")
+        raise ValueError(f"loss_type={name!r} is not one of {LOSS_TYPES}.")
     return LOSS_TYPE_TABLE[name]
 
 
@@ -117,43 +163,35 @@ def vespo_weights(
 
 
 def policy_term(
-    loss_type: str,
     ratio: torch.Tensor,
     logps: torch.Tensor,
     old_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
+    settings,
     sampling_weights: torch.Tensor | None = None,
-    **knobs: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The surrogate s of `loss_type` per token, with the sampler's correction weights c (`sampling_weights`, (B, T)
-    or None) applied: s * c, except for vespo, which folds c into its sequence weight. `knobs`: `TERM_DEFAULTS`'s
-    names. Shapes: ratio (B, T) or (B, 1), logps, old_logps, mask (B, T), advantages (B, 1) or (B, T). Returns
-    (s (B, T), stats of the term's own): `cispo_clip_ratio`, the fraction of loss tokens with A > 0 whose weight
-    the cap bounds (cispo), `vespo/phi_seq_mean`, the mean weight over loss tokens (vespo); the clipped term's
-    clip fractions are `clip_fractions`'."""
-    knobs = TERM_DEFAULTS | knobs
-    term = loss_type_of(loss_type).term
+    """The surrogate s of `settings.loss_type` per token (`LossSettings`: its epsilons, delta and `term_knobs`), with
+    the sampler's correction weights c (`sampling_weights`, (B, T) or None) applied: s * c, except for vespo, which
+    folds c into its sequence weight. Shapes: ratio (B, T) or (B, 1), logps, old_logps, mask (B, T), advantages
+    (B, 1) or (B, T). Returns (s (B, T), stats of the term's own): `cispo_clip_ratio`, the fraction of loss tokens
+    with A > 0 whose weight the cap bounds (cispo), `vespo/phi_seq_mean`, the mean weight over loss tokens (vespo);
+    the clipped term's clip fractions are `clip_fractions`'."""
+    knobs, high = settings.term_knobs, settings.epsilon_high
+    term = loss_type_of(settings.loss_type).term
     stats = {}
     finite_logps = torch.where(mask.bool(), logps, 0.0)  # masked positions may hold anything
     if term == "clipped":
-        surrogate = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+        surrogate = clipped_surrogate(ratio, advantages, settings.epsilon_low, high, settings.delta)
     elif term == "cispo":
-        surrogate = cispo_surrogate(ratio, finite_logps, advantages, epsilon_high)
-        capped = ((ratio > epsilon_high) & (advantages > 0)).expand_as(mask)
+        surrogate = cispo_surrogate(ratio, finite_logps, advantages, high)
+        capped = ((ratio > high) & (advantages > 0)).expand_as(mask)
         stats["cispo_clip_ratio"] = _mean_over(capped.detach(), mask)
     elif term == "sapo":
         surrogate = sapo_surrogate(ratio, advantages, knobs["sapo_temperature_pos"], knobs["sapo_temperature_neg"])
     else:  # vespo
-        phi = vespo_weights(
-            logps, old_logps, mask, advantages, sampling_weights,
-            k_pos=knobs["vespo_k_pos"], lambda_pos=knobs["vespo_lambda_pos"],
-            k_neg=knobs["vespo_k_neg"], lambda_neg=knobs["vespo_lambda_neg"],
-        )  # fmt: skip
+        shape = {name.removeprefix("vespo_"): value for name, value in knobs.items() if name.startswith("vespo_")}
+        phi = vespo_weights(logps, old_logps, mask, advantages, sampling_weights, **shape)
         stats["vespo/phi_seq_mean"] = _mean_over(phi.expand_as(mask), mask)
         return (phi * advantages * finite_logps).expand_as(mask), stats
     surrogate = surrogate.expand_as(mask) if surrogate.shape != mask.shape else surrogate

@@ -57,14 +57,15 @@ class EntropyControl:
         self._window: torch.Tensor | None = None  # (entropy sum, tokens) of the current step's micro-batches
 
     @classmethod
-    def from_args(cls, args) -> EntropyControl:
+    def from_settings(cls, settings) -> EntropyControl:
+        """The control of an `EntropySettings` (settings.py)."""
         return cls(
-            args.entropy_coef,
-            args.use_adaptive_entropy,
-            target=args.entropy_target,
-            delta=args.entropy_coef_delta,
-            minimum=args.entropy_coef_min,
-            maximum=args.entropy_coef_max,
+            settings.coef,
+            settings.adaptive,
+            target=settings.target,
+            delta=settings.delta,
+            minimum=settings.minimum,
+            maximum=settings.maximum,
         )
 
     @property
@@ -109,12 +110,6 @@ class EntropyControl:
         (None: written with a fixed coefficient, or before it was saved) leaves the adaptive control at its start."""
         if self.adaptive and state is not None:
             self.coef, self.last_entropy = state["coef"], state["last_entropy"]
-
-
-def loss_terms(args, model_config) -> tuple[EntropyControl, float]:
-    """A run's terms beside the objective: its entropy bonus's control and its router loss's weight (checked against
-    the model: `router_aux_coef`)."""
-    return EntropyControl.from_args(args), router_aux_coef(model_config, args.router_aux_loss_coef)
 
 
 def router_aux_coef(model_config, coef: float | None) -> float:

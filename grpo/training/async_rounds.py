@@ -1,4 +1,4 @@
-"""The trainer's side of asynchronous generation (`async_generation=True`; the mechanism is in
+"""The round maker's side of asynchronous generation (`async_generation=True`; the mechanism is in
 grpo/generation/async_engine.py, the objective in docs/vllm.md#asynchronous-generation).
 
 `AsyncRounds` starts the producer at the first training round, has it make round r from the rows the trainer's loader
@@ -51,52 +51,52 @@ def shared_engine(backend, args, accelerator, pad_token_id, eos_token_ids, logpr
 
 
 class AsyncRounds:
-    """Rounds made ahead by a `RoundProducer` for `trainer`, a `GRPOTrainer` whose sampler it wraps in a
-    `SharedEngine` (`trainer.generation`)."""
+    """Rounds made ahead by a `RoundProducer` for `rounds`, a `RoundMaker` (rounds.py) whose sampler it wraps in a
+    `SharedEngine` (`rounds.generation`). It never sees the trainer: what a round reads of it comes with `take`."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        args = trainer.args
-        if trainer.offline_data is not None:
+    def __init__(self, rounds):
+        self.rounds, args = rounds, rounds.args
+        if rounds.offline_data is not None:
             raise InputError(
                 "async_generation=True, but train_dataset holds stored completions (offline training): nothing is "
                 "generated. Set async_generation=False."
             )
 
         def logprobs(model, batch):
-            return trainer.logprobs(model, batch, batch_size=args.per_device_train_batch_size)[0]
+            return rounds.logprobs(model, batch, batch_size=args.per_device_train_batch_size)[0]
 
-        pad_id = trainer.tokenizer.pad_token_id
-        trainer.generation = shared_engine(
-            trainer.generation, args, trainer.accelerator, pad_id, trainer.eos_token_ids, logprobs
+        pad_id = rounds.tokenizer.pad_token_id
+        rounds.generation = shared_engine(
+            rounds.generation, args, rounds.accelerator, pad_id, rounds.eos_token_ids, logprobs
         )
         self.per_round = args.micro_steps_per_round
         self.producer: RoundProducer | None = None
+        self.context = None  # the RoundContext of the first round taken: the models and state the producer reads
 
     def first_step(self, round_index: int) -> int:
         """The optimizer step that first trains on round `round_index` (short steps at epoch ends included)."""
-        return self.trainer.step_schedule.optimizer_step(round_index * self.per_round)
+        return self.context.schedule.optimizer_step(round_index * self.per_round)
 
     def produce(self, round_index: int) -> dict[str, Any]:
         """Round `round_index`, generated and scored on this process's rows (in the producer thread)."""
-        trainer = self.trainer
-        accelerator, dataset = trainer.accelerator, trainer.train_dataset
+        rounds = self.rounds
+        accelerator, dataset = rounds.accelerator, rounds.train_dataset
         indices = round_indices(
-            trainer.args, len(dataset), round_index, accelerator.process_index, accelerator.num_processes
+            rounds.args, len(dataset), round_index, accelerator.process_index, accelerator.num_processes
         )
-        sampler = VersionedSampler(trainer.generation)
-        rollout, columns = trainer.sample_round([dataset[i] for i in indices], sampler)
-        scores = trainer.local_scores(rollout, columns, "train")
+        sampler = VersionedSampler(rounds.generation)
+        rollout, columns = rounds.sample_round([dataset[i] for i in indices], sampler, self.context)
+        scores = rounds.local_scores(rollout, columns, "train", self.context.state)
         return {"rollout": replace(rollout, weights_version=sampler.version), "columns": columns, "scores": scores}
 
-    def take(self, inputs: list[dict], step: int) -> tuple[Rollout, dict[str, list], Any]:
-        """The round that starts at micro-step `step`, whose rows the loader gave as `inputs`: (rollout, columns,
-        reward scores), this process's rows, not gathered yet."""
-        trainer, args = self.trainer, self.trainer.args
-        round_index = step // self.per_round
+    def take(self, inputs: list[dict], context) -> tuple[Rollout, dict[str, list], Any]:
+        """The round that starts at micro-step `context.micro_step`, whose rows the loader gave as `inputs`:
+        (rollout, columns, reward scores), this process's rows, not gathered yet."""
+        args, round_index = self.rounds.args, context.micro_step // self.per_round
         if self.producer is None:
+            self.context = context
             first = self.first_step
-            self.producer = RoundProducer(trainer.generation, self.produce, first, args.max_staleness, round_index)
+            self.producer = RoundProducer(self.rounds.generation, self.produce, first, args.max_staleness, round_index)
         item, waited = self.producer.take(round_index)
         rollout = item["rollout"]
         expected = [row["prompt"] for row in inputs]
@@ -105,10 +105,11 @@ class AsyncRounds:
                 f"The async producer made round {round_index} from other prompts than the data loader gave "
                 f"({rollout.prompts[:1]} against {expected[:1]}). This is a bug in grpo: please report it."
             )
-        staleness, dropped = trainer.state.global_step - rollout.weights_version, 0
+        global_step, dropped = context.state.global_step, 0
+        staleness = global_step - rollout.weights_version
         if staleness > args.max_staleness:  # the step count outran first_step's forecast: make it again, now
             dropped, item = rollout.num_rows, self.produce(round_index)
-            rollout, staleness = item["rollout"], trainer.state.global_step - item["rollout"].weights_version
+            rollout, staleness = item["rollout"], global_step - item["rollout"].weights_version
         if staleness > 0 and rollout.sampling_logps is None:
             raise RuntimeError(
                 f"Round {round_index} was sampled {staleness} step(s) ago and its sampler reported no log-probs, so "
@@ -120,11 +121,11 @@ class AsyncRounds:
 
     def _record(self, staleness: int, waited: float, dropped: int) -> None:
         """async/* metrics, over all processes: version lag of the rounds, time the trainer waited, dropped rows."""
-        trainer = self.trainer
-        device = trainer.accelerator.device
-        local = torch.tensor([staleness, waited, dropped, trainer.generation.sync_seconds], device=device)
+        rounds = self.rounds
+        device = rounds.accelerator.device
+        local = torch.tensor([staleness, waited, dropped, rounds.generation.sync_seconds], device=device)
         everyone = gather(local[None]).reshape(-1, 4)
-        window = trainer.metric_windows["train"]
+        window = rounds.metric_windows["train"]
         window.add_mean("async/staleness", everyone[:, 0].mean().item())
         window.add_max("async/staleness_max", everyone[:, 0].max().item())
         window.add_mean("timing/async_wait", everyone[:, 1].max().item())

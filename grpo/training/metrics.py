@@ -159,23 +159,20 @@ def add_sampling_metrics(window: MetricsWindow, summaries: torch.Tensor) -> None
         window.add_min("sampling/importance_sampling_ratio/min", -peaks[2])
 
 
-def token_metric_totals(
-    stats: dict[str, torch.Tensor], entropy: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[torch.Tensor, list[str]]:
-    """This process's share of the token-weighted metrics of one micro-step: [loss tokens, stat_1 x tokens, ...]
-    for the loss statistics (means over the loss tokens) and the mean entropy, with the names in that order; sum
-    it over processes for `add_token_metrics`."""
-    mask = loss_mask.bool()
-    tokens = mask.sum().float()
-    stats = {**stats, "entropy": torch.where(mask, entropy, 0.0).sum() / tokens.clamp(min=1)}
-    names = sorted(stats)
-    return torch.stack([tokens] + [stats[name].float() * tokens for name in names]), names
-
-
 def add_token_metrics(window: MetricsWindow, totals: torch.Tensor, names: list[str]) -> None:
     """Token-weighted means: `totals` is [loss tokens, value_1 * tokens, ...] summed over processes."""
     for name, total in zip(names, totals[1:]):
         window.add_mean(name, total, totals[0])
+
+
+def add_loss_metrics(window: MetricsWindow, result) -> None:
+    """One micro-step's `StepLossResult` (grpo/objective/step_loss.py): its token-weighted statistics and entropy,
+    the sampler's correction (sampling/*) and, at a step's end, the entropy coefficient the next step starts from."""
+    if result.sampling is not None:
+        add_sampling_metrics(window, result.sampling)
+    if result.entropy_coef is not None:
+        window.add_mean("entropy_coef", result.entropy_coef)
+    add_token_metrics(window, result.token_totals, result.token_names)
 
 
 def add_reward_call_metrics(

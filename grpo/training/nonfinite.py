@@ -119,16 +119,17 @@ class LossRecord:
     level: str = "token"  # importance_sampling_level
 
     @classmethod
-    def of(cls, batch: MicroBatch, logps, old_logps, terms: dict[str, torch.Tensor], args) -> LossRecord:
-        """The record of a micro-batch whose training pass gave `logps` (pi_old: `old_logps`) and `terms`."""
+    def of(cls, batch: MicroBatch, logps: torch.Tensor, result, level: str) -> LossRecord:
+        """The record of a micro-batch whose training pass gave `logps` and whose `StepLossResult` is `result`
+        (its terms, and the pi_old its ratio used), at importance-sampling `level`."""
         return cls(
-            terms=terms,
+            terms=result.terms,
             logps=logps.detach(),
-            old_logps=old_logps,
+            old_logps=result.old_logps,
             ref_logps=batch.ref_logps,
             advantages=batch.advantages,
             mask=batch.loss_mask,
-            level=args.importance_sampling_level,
+            level=level,
         )
 
 
