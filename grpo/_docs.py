@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from grpo.config import INHERITED_RANGES, GRPOConfig, _field_kinds, numeric_ranges, options
+from grpo.config import INHERITED_RANGES, GRPOConfig, field_kinds, numeric_ranges, options
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 COMMAND = "python -m grpo._docs"
@@ -59,7 +59,7 @@ def valid_values(f: dataclasses.Field) -> str:
         optional = "None" in str(f.type)
         text = f"{interval}{', or None' if optional else ''}"
         return f"{text}: {interval.why}" if interval.why else text
-    kind, optional = _field_kinds().get(f.name, (None, False))
+    kind, optional = field_kinds().get(f.name, (None, False))
     if kind is bool:
         return f"True or False{', or None' if optional else ''}"
     if f.type == "str":

@@ -140,7 +140,7 @@ INHERITED_RANGES = {
 def numeric_ranges() -> dict[str, Interval]:
     """{field: valid values} for every numeric field `_check_fields` checks: INHERITED_RANGES, then the ranges
     GRPOConfig's fields declare (every int and float field of its own has one; tests/test_bad_inputs.py checks that).
-    Whether a field takes an int or a float, and None, comes from its annotation (`_field_kinds`)."""
+    Whether a field takes an int or a float, and None, comes from its annotation (`field_kinds`)."""
     declared = {name: o.range for name, o in options().items() if o.range is not None}
     return INHERITED_RANGES | declared
 
@@ -157,7 +157,7 @@ def generation_config_fields() -> frozenset[str]:
 
 
 @functools.cache
-def _field_kinds() -> dict[str, tuple[type, bool]]:
+def field_kinds() -> dict[str, tuple[type, bool]]:
     """{field: (int, float or bool, whether None is allowed)} for the fields `_check_fields` covers: those with a
     range in `numeric_ranges()` and every bool field of GRPOConfig's own (a string "false" would otherwise count as
     true)."""
@@ -1061,10 +1061,10 @@ class GRPOConfig(TrainingArguments):
         self._resolve_generation_batch(settings.loss.spans_the_step)
 
     def _check_fields(self):
-        """Type, finiteness and range of every field in `_field_kinds()`: an int field takes only integers, a float
+        """Type, finiteness and range of every field in `field_kinds()`: an int field takes only integers, a float
         field any finite real number, a bool field only True or False."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, (kind, optional) in _field_kinds().items():
+        for name, (kind, optional) in field_kinds().items():
             value = getattr(self, name)
             if value is None and optional:
                 continue

@@ -187,55 +187,64 @@ def tiny_vlm(processor=None, kind: str = "idefics3", seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    if kind == "idefics3":
-        from transformers import Idefics3Config, Idefics3ForConditionalGeneration
-
-        config = Idefics3Config(
-            text_config=dict(model_type="llama", head_dim=32, **text),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=64,
-                patch_size=16,
-            ),
-            image_token_id=ids["<image>"],
-            scale_factor=2,
-            tie_word_embeddings=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        model = Idefics3ForConditionalGeneration(config)
-    else:
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-        # Qwen2-VL's 3-D rotary positions: the 16 frequency pairs of a 32-dimensional head split over time, height
-        # and width.
-        rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
-        config = Qwen2VLConfig(
-            text_config=dict(rope_parameters=rope, **text),
-            vision_config=dict(
-                depth=2,
-                embed_dim=32,
-                hidden_size=64,
-                num_heads=2,
-                mlp_ratio=2,
-                patch_size=14,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                in_channels=3,
-            ),
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-            tie_word_embeddings=False,
-        )
-        model = Qwen2VLForConditionalGeneration(config)
+    model = _tiny_idefics3(text, ids, tokenizer.pad_token_id) if kind == "idefics3" else _tiny_qwen2_vl(text, ids)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
     )
     return model, processor
+
+
+def _tiny_idefics3(text: dict, ids: dict[str, int], pad_token_id: int):
+    """SmolVLM-shaped: a 1-layer vision tower on 64 x 64 images in 16-pixel patches, then the llama text model of
+    `text`; `ids` are the special tokens' ids."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", head_dim=32, **text),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=16,
+        ),
+        image_token_id=ids["<image>"],
+        scale_factor=2,
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
+    )
+    return Idefics3ForConditionalGeneration(config)
+
+
+def _tiny_qwen2_vl(text: dict, ids: dict[str, int]):
+    """Qwen2-VL-shaped: a 2-layer vision tower on 14-pixel patches merged 2 x 2, then the Qwen2 text model of `text`;
+    `ids` are the special tokens' ids."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    # Qwen2-VL's 3-D rotary positions: the 16 frequency pairs of a 32-dimensional head split over time, height
+    # and width.
+    rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
+    config = Qwen2VLConfig(
+        text_config=dict(rope_parameters=rope, **text),
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    return Qwen2VLForConditionalGeneration(config)
 
 
 def squares_image(count: int, size: int = 64, seed: int = 0, colour: str = "red"):

@@ -6,7 +6,7 @@ import torch
 
 from grpo import GRPOConfig
 from grpo._docs import own_fields
-from grpo.config import INHERITED_RANGES, Interval, Section, _field_kinds, numeric_ranges, options
+from grpo.config import INHERITED_RANGES, Interval, Section, field_kinds, numeric_ranges, options
 
 
 def make(**kwargs):
@@ -224,7 +224,7 @@ def outside(interval: Interval, kind: type) -> list:
 @pytest.mark.parametrize("name", list(numeric_ranges()))
 def test_every_declared_range_is_enforced(name):
     interval = numeric_ranges()[name]
-    kind, _ = _field_kinds().get(name, (None, False))
+    kind, _ = field_kinds().get(name, (None, False))
     assert kind in (int, float), f"{name} declares a range but is not an int or float field"
     values = outside(interval, kind)
     if not values:  # unbounded: only the finiteness check applies

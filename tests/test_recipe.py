@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,37 @@ def test_a_reward_module_of_the_same_name_in_another_folder_is_imported_afresh(t
     (tmp_path / "c" / "agent_rewards_twin.py").write_text("def score(:\n")
     with pytest.raises(InputError, match="has a syntax error"):
         resolve_reward(RewardSpec("agent_rewards_twin:score"), [tmp_path / "c"])
+
+
+def test_a_reward_import_leaves_the_import_path_as_it_was(tmp_path, monkeypatch):
+    """The working directory and the recipe's folder are on sys.path only while the module imports: afterwards
+    sys.path is what it was, and the module still works, with the sibling it imported at its top; a package's
+    submodule imported at call time is found through the package, not through sys.path."""
+    recipe = tmp_path / "recipe"
+    (recipe / "path_probe_pkg").mkdir(parents=True)
+    (recipe / "path_probe_limit.py").write_text("LIMIT = 2\n")
+    (recipe / "path_probe_rewards.py").write_text(
+        "import path_probe_limit\n\n\n"
+        "def short(completions, **kwargs):\n"
+        "    return [float(len(c) <= path_probe_limit.LIMIT) for c in completions]\n"
+    )
+    (recipe / "path_probe_pkg" / "__init__.py").write_text(
+        "def short(completions, **kwargs):\n"
+        "    from . import limit\n\n"
+        "    return [float(len(c) <= limit.LIMIT) for c in completions]\n"
+    )
+    (recipe / "path_probe_pkg" / "limit.py").write_text("LIMIT = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the test's own sys.path is put back even when it fails
+    before = list(sys.path)
+    try:
+        top = resolve_reward(RewardSpec("path_probe_rewards:short"), [recipe])
+        package = resolve_reward(RewardSpec("path_probe_pkg:short"), [recipe])
+        assert sys.path == before
+        assert top(["ab", "abc"]) == [1.0, 0.0] and package(["a", "ab"]) == [1.0, 0.0]
+    finally:
+        for name in [name for name in sys.modules if name.startswith("path_probe_")]:
+            del sys.modules[name]
 
 
 def test_worked_examples_sit_between_the_system_prompt_and_each_question(tmp_path):

@@ -374,6 +374,26 @@ def test_process_workers_run_slices_in_other_processes_and_survive_timeouts():
         _score([lambda completions: [0.0] * len(completions)], options=options)
 
 
+def test_a_reward_module_from_a_recipe_folder_runs_in_worker_processes(tmp_path, monkeypatch):
+    """A worker process is spawned with the trainer's sys.path, which no longer holds the recipe's folder once the
+    module is imported (grpo.rewards.names.import_from_folders): the pool puts that folder on its workers' path."""
+    import os
+    import sys
+
+    from grpo.rewards.names import resolve_reward_name
+
+    (tmp_path / "worker_probe_rewards.py").write_text(
+        "import os\n\n\ndef pid(completions, **kwargs):\n    return [float(os.getpid())] * len(completions)\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the test's own sys.path is put back even when it fails
+    try:
+        pid = resolve_reward_name("worker_probe_rewards:pid", search_dirs=[tmp_path])
+        pids = _score([pid], options={"num_workers": 2, "worker_type": "process"})[:, 0].tolist()
+        assert os.getpid() not in pids and len(pids) == 3
+    finally:
+        sys.modules.pop("worker_probe_rewards", None)
+
+
 def _exits_on_row_1(prompts, completions):
     if "p1" in prompts:
         raise SystemExit(0)  # what `sys.exit(0)` raises

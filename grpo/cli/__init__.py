@@ -280,23 +280,30 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
         trainer.save_model(args.output_dir)
     trainer.save_state()
     if main:
-        if held_out is not None:
-            print(f"\n=== {recipe.source.name if recipe.source else 'grpo train'}: held-out prompts ===")
-            print(
-                before_after_report(
-                    before, after, samples_before, samples_after, trainer.reward_names, run.sample_completions
-                )
-            )
-        if run.save_model:
-            print(f"\nmodel saved to {args.output_dir}")
-        if run.plot:
-            from grpo.cli.plot import plot_run
-
-            try:
-                print(f"plot written to {plot_run(args.output_dir)}")
-            except ImportError as e:  # the run itself succeeded; say how to get the plot
-                print(f"no plot: {e} Then run `grpo plot {args.output_dir}`.")
+        _report(trainer, plan, before, after, samples_before, samples_after)
     return {"before": before or {}, "after": after}
+
+
+def _report(trainer, plan, before: dict | None, after: dict, samples_before: list, samples_after: list) -> None:
+    """What `grpo train` prints once the run is saved (step 6): the held-out prompts' metrics and greedy completions
+    before and after training, where the model went, and the plot."""
+    recipe, run, output_dir = plan.recipe, plan.recipe.run, plan.args.output_dir
+    if plan.held_out is not None:
+        print(f"\n=== {recipe.source.name if recipe.source else 'grpo train'}: held-out prompts ===")
+        print(
+            before_after_report(
+                before, after, samples_before, samples_after, trainer.reward_names, run.sample_completions
+            )
+        )
+    if run.save_model:
+        print(f"\nmodel saved to {output_dir}")
+    if run.plot:
+        from grpo.cli.plot import plot_run
+
+        try:
+            print(f"plot written to {plot_run(output_dir)}")
+        except ImportError as e:  # the run itself succeeded; say how to get the plot
+            print(f"no plot: {e} Then run `grpo plot {output_dir}`.")
 
 
 def check(recipe_path: str, overrides: list[str]) -> None:

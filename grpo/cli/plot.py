@@ -105,7 +105,6 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ImportError("Plotting needs matplotlib: pip install 'grpo[plot]' (or pip install matplotlib).") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     training, evaluations = split_history(load_log_history(output_dir))
     out = Path(out) if out is not None else Path(output_dir) / "training.png"
@@ -113,43 +112,8 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = math.ceil(len(chosen) / 2)
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.4 * rows + 0.6), squeeze=False)
     for ax, (title, keys) in zip(axes.flat, chosen):
-        source = evaluations if title.startswith("held-out") else training
-        for key in keys:
-            steps, values = _series(source, key)
-            if not steps:
-                continue
-            line = ax.plot(steps, values, marker="o", markersize=3 if len(steps) > 2 else 6, label=key)[0]
-            if key == "reward":  # the spread of the rewards within a round, one std either side
-                std = dict(zip(*_series(source, "reward_std")))
-                band = [(s, v, std[s]) for s, v in zip(steps, values) if s in std]
-                if band:
-                    xs, ys, sd = zip(*band)
-                    lows, highs = [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)]
-                    ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
-            if source is evaluations:  # the values, the first series' below its points and the next above
-                offset = (0, -13) if key == keys[0] and len(keys) > 1 else (0, 6)
-                for s, v in zip(steps, values):
-                    ax.annotate(
-                        f"{v:.2f}",
-                        (s, v),
-                        textcoords="offset points",
-                        xytext=offset,
-                        ha="center",
-                        fontsize=8,
-                        color=line.get_color(),
-                    )
-        if source is evaluations:
-            ax.margins(x=0.08, y=0.2)  # room for the value labels
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("optimizer step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.ticklabel_format(axis="y", useOffset=False)
-        _at_least_one_percent(ax, [v for key in keys for v in _series(source, key)[1]])
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        else:  # only the reward panel is drawn unconditionally
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        held_out = title.startswith("held-out")
+        _draw_panel(ax, title, keys, evaluations if held_out else training, held_out)
     for ax in list(axes.flat)[len(chosen) :]:
         ax.set_visible(False)
     fig.suptitle(f"GRPO run: {Path(output_dir).resolve().name}")
@@ -158,3 +122,51 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _draw_panel(ax, title: str, keys: list[str], source: list[dict], held_out: bool) -> None:
+    """One panel: each key's curve from `source` (the reward with its `reward_std` band), and for the held-out
+    evaluations each value written beside its point."""
+    from matplotlib.ticker import MaxNLocator
+
+    for key in keys:
+        steps, values = _series(source, key)
+        if not steps:
+            continue
+        line = ax.plot(steps, values, marker="o", markersize=3 if len(steps) > 2 else 6, label=key)[0]
+        if key == "reward":  # the spread of the rewards within a round, one std either side
+            _std_band(ax, source, steps, values, line.get_color())
+        if held_out:  # the values, the first series' below its points and the next above
+            offset = (0, -13) if key == keys[0] and len(keys) > 1 else (0, 6)
+            for s, v in zip(steps, values):
+                ax.annotate(
+                    f"{v:.2f}",
+                    (s, v),
+                    textcoords="offset points",
+                    xytext=offset,
+                    ha="center",
+                    fontsize=8,
+                    color=line.get_color(),
+                )
+    if held_out:
+        ax.margins(x=0.08, y=0.2)  # room for the value labels
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.ticklabel_format(axis="y", useOffset=False)
+    _at_least_one_percent(ax, [v for key in keys for v in _series(source, key)[1]])
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:  # only the reward panel is drawn unconditionally
+        ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+
+
+def _std_band(ax, source: list[dict], steps: list[int], values: list[float], color) -> None:
+    """A band of one `reward_std` either side of the reward curve, at the steps that logged both."""
+    std = dict(zip(*_series(source, "reward_std")))
+    band = [(s, v, std[s]) for s, v in zip(steps, values) if s in std]
+    if band:
+        xs, ys, sd = zip(*band)
+        lows, highs = [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)]
+        ax.fill_between(xs, lows, highs, color=color, alpha=0.2, linewidth=0)

@@ -327,7 +327,7 @@ def code_execution(
     [1.0, 0.5, 0.0]
     """
     # Imported here, not at the top: the sandbox (and ctypes, for its seccomp filters) loads only when asked for.
-    from grpo.rewards.sandbox import Limits, check_isolation, run_cases, run_python, stop_running, stops
+    from grpo.rewards.sandbox import Limits, check_isolation, run_cases, run_python, stops
 
     check_isolation(isolation)  # fail when the reward is built, not at the first training step
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds, memory_mb=memory_mb)
@@ -344,23 +344,37 @@ def code_execution(
         return on_error if result.error is not None else result.passed / result.total
 
     def code_execution(completions, tests=None, cases=None, **kwargs) -> list[float | None]:
-        if tests is None and cases is None:
-            raise TypeError(
-                "code_execution needs a `cases` column (recommended: [{'call': 'add(1, 2)', 'expected': 3}, ...] "
-                "per row) or a `tests` column (assert snippets) in the dataset: docs/rewards.md."
-            )
-        none = [None] * len(completions)
-        rows = [_code_checks(i, t, c) for i, (t, c) in enumerate(zip(tests or none, cases or none))]
+        rows = _code_rows(len(completions), tests, cases)
         if not warned and any(row is not None and row[0] == "tests" for row in rows):
             warned.append(True)
             warnings.warn(_TESTS_WARNING, UserWarning, stacklevel=2)
-        pool = ThreadPoolExecutor(max_workers=max(1, max_parallel))
-        try:
-            return list(pool.map(score, completions, rows, [stops()] * len(rows)))
-        except KeyboardInterrupt:  # Ctrl-C: end the runs in progress and start none, so the threads return now
-            stop_running()
-            raise
-        finally:
-            pool.shutdown(wait=True)
+        return _score_in_threads(score, completions, rows, max_parallel)
 
     return code_execution
+
+
+def _code_rows(count: int, tests, cases) -> list[tuple[str, list] | None]:
+    """Each of the `count` rows' checks (`_code_checks`) for `code_execution`; a TypeError, saying which columns it
+    needs, when the dataset has neither."""
+    if tests is None and cases is None:
+        raise TypeError(
+            "code_execution needs a `cases` column (recommended: [{'call': 'add(1, 2)', 'expected': 3}, ...] "
+            "per row) or a `tests` column (assert snippets) in the dataset: docs/rewards.md."
+        )
+    none = [None] * count
+    return [_code_checks(i, t, c) for i, (t, c) in enumerate(zip(tests or none, cases or none))]
+
+
+def _score_in_threads(score: Callable, completions: list, rows: list, max_parallel: int) -> list[float | None]:
+    """`score(completion, row, stops_before)` for every row, `max_parallel` sandboxed runs at a time. On Ctrl-C the
+    runs in progress are ended and no other starts (`score` compares `stops_before`), so the threads return now."""
+    from grpo.rewards.sandbox import stop_running, stops
+
+    pool = ThreadPoolExecutor(max_workers=max(1, max_parallel))
+    try:
+        return list(pool.map(score, completions, rows, [stops()] * len(rows)))
+    except KeyboardInterrupt:
+        stop_running()
+        raise
+    finally:
+        pool.shutdown(wait=True)

@@ -115,13 +115,29 @@ def import_from_folders(module_name: str, search_dirs: Sequence[Path] = (), what
     how a `module:function` reward, or a recipe's tool, finds a file beside the recipe. Every failure is an
     `InputError` that starts with `what` (e.g. "Reward 'my_rewards:short'") and says which of these it is: the module
     is not found, a module it imports is missing (install it), it has a syntax error (file and line), or its own code
-    raised while it was imported."""
+    raised while it was imported.
+
+    The folders are on `sys.path` only while the module imports, so that no recipe's folder stays on the process's
+    import path, shadowing other modules of its files' names for the rest of the run. What the module imports at its
+    top, siblings beside it included, stays imported and keeps working. A sibling imported only when a
+    function runs is not found then: import it at the module's top, or make the folder a package, whose submodules
+    (`from . import helpers`) are found through the package. Worker processes (reward_worker_type="process") get the
+    module's folder on their own path (grpo/rewards/runner.py)."""
     folders = [Path.cwd(), *search_dirs]
-    for folder in folders:
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
-    _forget_if_from_elsewhere(module_name, folders)
-    what = what or f"Module '{module_name}'"
+    # Searched first, and the recipe's folder before the working directory.
+    added = [str(folder) for folder in reversed(folders) if str(folder) not in sys.path]
+    sys.path[:0] = added
+    try:
+        _forget_if_from_elsewhere(module_name, folders)
+        return _import(module_name, what or f"Module '{module_name}'")
+    finally:
+        for folder in added:  # only what was added here: the module's own code may have changed sys.path too
+            if folder in sys.path:
+                sys.path.remove(folder)
+
+
+def _import(module_name: str, what: str):
+    """`importlib.import_module(module_name)`, its failures as the `InputError`s `import_from_folders` describes."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -33,9 +33,11 @@ import math
 import multiprocessing
 import numbers
 import pickle
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -179,21 +181,45 @@ def _run_sync(call: _Call, stop_at_first: bool, invoke: Callable | None = None) 
     return call.check(values, reward_name(call.func), call.num_rows, call.start), []
 
 
-# Worker-process pools, one per size, kept between rounds (starting a process costs far more than a call).
-_PROCESS_POOLS: dict[int, ProcessPoolExecutor] = {}
+# Worker-process pools, one per size and import path, kept between rounds (starting a process costs far more than
+# a call).
+_PROCESS_POOLS: dict[tuple[int, tuple[str, ...]], ProcessPoolExecutor] = {}
 
 
-def _process_pool(num_workers: int) -> ProcessPoolExecutor:
-    if num_workers not in _PROCESS_POOLS:
+def _process_pool(num_workers: int, folders: tuple[str, ...] = ()) -> ProcessPoolExecutor:
+    """The pool of `num_workers` processes whose import path starts with `folders` (`_module_folders`)."""
+    if (num_workers, folders) not in _PROCESS_POOLS:
         # spawn, not fork: the trainer has threads (and maybe CUDA), which a forked child would inherit broken.
         context = multiprocessing.get_context("spawn")
-        _PROCESS_POOLS[num_workers] = ProcessPoolExecutor(num_workers, mp_context=context)
-    return _PROCESS_POOLS[num_workers]
+        # A standard-library initializer, so that a worker imports no grpo (which loads transformers: seconds).
+        start = f"import sys; sys.path[:0] = {list(folders)!r}"
+        _PROCESS_POOLS[num_workers, folders] = ProcessPoolExecutor(
+            num_workers, mp_context=context, initializer=exec, initargs=(start,)
+        )
+    return _PROCESS_POOLS[num_workers, folders]
 
 
-def _discard_process_pool(num_workers: int) -> None:
+def _module_folders(funcs: Iterable[Callable]) -> tuple[str, ...]:
+    """The folders a spawned worker, which starts with this process's `sys.path`, lacks to import the functions'
+    modules by name: those of modules imported from a folder that is no longer on the path (a recipe's folder,
+    there only while `grpo.rewards.names.import_from_folders` imported the module)."""
+    folders = []
+    for func in funcs:
+        name = getattr(func, "__module__", None) or ""
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if not file or name == "__main__":  # a spawned worker runs the main script itself
+            continue
+        folder = Path(file).absolute().parent
+        for _ in range(name.count(".") + (Path(file).name == "__init__.py")):  # up to the top-level package's parent
+            folder = folder.parent
+        if str(folder) not in sys.path and str(folder) not in folders:
+            folders.append(str(folder))
+    return tuple(folders)
+
+
+def _discard_process_pool(num_workers: int, folders: tuple[str, ...] = ()) -> None:
     """Kill a pool's workers (one may be stuck in a timed-out call) and forget it; the next round starts anew."""
-    pool = _PROCESS_POOLS.pop(num_workers, None)
+    pool = _PROCESS_POOLS.pop((num_workers, folders), None)
     if pool is not None:
         for process in list((getattr(pool, "_processes", None) or {}).values()):
             process.kill()
@@ -254,7 +280,8 @@ async def _run_concurrently(
     calls: list[_Call], timeout: float | None, num_workers: int, worker_type: str, stop_at_first: bool
 ):
     workers = asyncio.Semaphore(num_workers or max(len(calls), 1))  # sync calls running at once
-    pool = _process_pool(num_workers) if worker_type == "process" and num_workers > 0 else None
+    folders = _module_folders(call.func for call in calls)
+    pool = _process_pool(num_workers, folders) if worker_type == "process" and num_workers > 0 else None
     invokers = {id(call): _in_process(call, pool) for call in calls if pool is not None and not is_async(call.func)}
     timed_out = False
 
@@ -272,7 +299,7 @@ async def _run_concurrently(
 
     outcomes = await asyncio.gather(*(run(call) for call in calls))
     if pool is not None and (timed_out or getattr(pool, "_broken", False)):
-        _discard_process_pool(num_workers)  # after every call has finished: none of theirs is killed
+        _discard_process_pool(num_workers, folders)  # after every call has finished: none of theirs is killed
     return outcomes
 
 

@@ -167,14 +167,28 @@ def score_rewards(
             rewards[:, k] = torch.tensor(scores)
         else:
             rewards[:, k] = torch.tensor([math.nan if v is None else v for v in values[k]], dtype=torch.float32)
-    laid_out = [
-        lay_out_steps(values[len(outcome_funcs) + j], completion_ids, completions, tokenizer, width, reward_name(f))
-        for j, f in enumerate(process_funcs)
-    ]
-    step_rewards = torch.stack(laid_out, dim=1) if laid_out else torch.empty(num_rows, 0, width)
+    process_values = values[len(outcome_funcs) :]
+    step_rewards = _step_rewards(process_funcs, process_values, completion_ids, completions, tokenizer, width)
 
     _warn_unscored(rewards, step_rewards, any(failed))
     return RewardScores(rewards, failed, time.perf_counter() - began, step_rewards)
+
+
+def _step_rewards(
+    process_funcs: Sequence[Callable],
+    values: list,
+    completion_ids: list[list[int]],
+    completions: list,
+    tokenizer: Any,
+    width: int,
+) -> torch.Tensor:
+    """The process functions' results (`values`, aligned with them) laid out on the completions' tokens
+    (`lay_out_steps`): (B, K_process, width), NaN where no step ends."""
+    laid_out = [
+        lay_out_steps(step_values, completion_ids, completions, tokenizer, width, reward_name(func))
+        for func, step_values in zip(process_funcs, values)
+    ]
+    return torch.stack(laid_out, dim=1) if laid_out else torch.empty(len(completion_ids), 0, width)
 
 
 class RewardSet:

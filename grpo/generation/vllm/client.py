@@ -149,6 +149,13 @@ class VLLMClient:
             "docs/vllm.md#security."
         )
 
+    def _not_http(self, path: str, error: Exception) -> VLLMServerError:
+        return VLLMServerError(
+            f"The server at {self.base_url} answered {path} with something that is not HTTP "
+            f"({type(error).__name__}: {error}). Is another program listening on port {self.port}? Point the trainer "
+            "at a `grpo vllm-serve` server (vllm_server_base_url, or vllm_server_host and vllm_server_port)."
+        )
+
     def request(self, path: str, payload: dict | None = None, retry: bool = True, waiting: bool = False) -> dict:
         """GET (no payload) or POST `path`; returns the JSON answer. Connection failures are retried with backoff
         for `timeout` seconds when `retry`; an answer with an error status raises at once with its message.
@@ -164,27 +171,8 @@ class VLLMClient:
                 try_seconds = max(min(HEALTH_TRY_SECONDS, self.progress_every, self.timeout - waited), 0.1)
             else:
                 try_seconds = self.request_timeout
-            sent = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
             try:
-                with urllib.request.urlopen(sent, timeout=try_seconds) as response:
-                    body = response.read()
-                try:
-                    return json.loads(body)
-                except ValueError:
-                    raise self._not_json(path, response, body) from None
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")
-                if e.code == 401:
-                    raise self._unauthorized(path, detail) from None
-                raise VLLMServerError(
-                    f"vLLM server {self.base_url}{path} answered {e.code}: {_excerpt(detail, 500)}"
-                ) from None
-            except http.client.HTTPException as e:  # answered, but not in HTTP (another protocol on the port)
-                raise VLLMServerError(
-                    f"The server at {self.base_url} answered {path} with something that is not HTTP "
-                    f"({type(e).__name__}: {e}). Is another program listening on port {self.port}? Point the trainer "
-                    "at a `grpo vllm-serve` server (vllm_server_base_url, or vllm_server_host and vllm_server_port)."
-                ) from None
+                return self._answer(path, data, try_seconds)
             except (urllib.error.URLError, ConnectionError, OSError) as e:
                 waited = time.monotonic() - start
                 # A TimeoutError of its own (not inside a URLError) is a read: the server took the request, then said
@@ -211,6 +199,27 @@ class VLLMClient:
                     )
                 time.sleep(min(delay, max(self.timeout - waited, 0.0)))
                 delay = min(delay * 2, 5.0)
+
+    def _answer(self, path: str, data: bytes | None, try_seconds: float) -> dict:
+        """One try of `request`: the JSON answer, or a VLLMServerError for an answer that is an error status, not
+        JSON or not HTTP. A connection that fails or times out raises as urllib does, for `request` to retry."""
+        sent = urllib.request.Request(self.base_url + path, data=data, headers=self.headers)
+        try:
+            with urllib.request.urlopen(sent, timeout=try_seconds) as response:
+                body = response.read()
+            try:
+                return json.loads(body)
+            except ValueError:
+                raise self._not_json(path, response, body) from None
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            if e.code == 401:
+                raise self._unauthorized(path, detail) from None
+            raise VLLMServerError(
+                f"vLLM server {self.base_url}{path} answered {e.code}: {_excerpt(detail, 500)}"
+            ) from None
+        except http.client.HTTPException as e:  # answered, but not in HTTP (another protocol on the port)
+            raise self._not_http(path, e) from None
 
     def wait_until_ready(self) -> dict:
         """The server's /health answer, once it answers (at most `timeout` seconds, with a line of progress every

@@ -254,15 +254,24 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
     the address the server (and so the weight-sync store) listens on, `api_key` the key every request must carry
     (None: no key). (This module has no `from __future__ import annotations`: FastAPI reads the request models from
     the handlers' annotations, which must be real classes, not strings naming locals.)"""
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI
 
     GenerateRequest, InitRequest, UpdateRequest = _request_models()
     app = FastAPI(title="grpo vllm-serve")
     if api_key:
         _require_key(app, api_key)
-    num_workers = len(engines.conns) * engines.tensor_parallel_size
     # The weight-sync group's size once open; the version of the weights loaded (None: the model's own from disk).
     state: dict[str, Any] = {"world_size": None, "weights_version": None}
+    run = _engine_caller(engines)
+    _add_generation_routes(app, engines, settings, state, run, GenerateRequest)
+    _add_weight_sync_routes(app, engines, settings, state, run, host, InitRequest, UpdateRequest)
+    return app
+
+
+def _engine_caller(engines: Engines):
+    """`run(label, command, detail, **kwargs)`: `engines.call(command, **kwargs)`, timed and logged under `label`;
+    an engine's failure becomes a 400 with its message."""
+    from fastapi import HTTPException
 
     def run(label: str, command: str, detail: str = "", **kwargs):
         start = time.perf_counter()
@@ -274,9 +283,21 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
         logger.info("%s %sin %.3f s", label, detail, time.perf_counter() - start)
         return result
 
+    return run
+
+
+def _weight_sync_world_size(engines: Engines) -> int:
+    """The weight-sync group's size: the trainer (rank 0) and every engine's every device."""
+    return 1 + len(engines.conns) * engines.tensor_parallel_size
+
+
+def _add_generation_routes(app, engines: Engines, settings: dict, state: dict, run, GenerateRequest) -> None:
+    """GET /health and POST /generate."""
+    from fastapi import HTTPException
+
     @app.get("/health")
     def health():
-        return {"status": "ok", **settings, **engines.info, "weight_sync_world_size": 1 + num_workers}
+        return {"status": "ok", **settings, **engines.info, "weight_sync_world_size": _weight_sync_world_size(engines)}
 
     @app.post("/generate")
     def generate(request: GenerateRequest):
@@ -290,9 +311,18 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
         results = run("generate", "generate", f"{len(request.prompts)} prompts x n={request.n} ", per_engine=jobs)
         return {"weights_version": state["weights_version"], **_joined(results, request.logprobs, images is not None)}
 
+
+def _add_weight_sync_routes(
+    app, engines: Engines, settings: dict, state: dict, run, host: str, InitRequest, UpdateRequest
+) -> None:
+    """POST /init_communicator, /update_weights, /reset_prefix_cache and /close_communicator; `state` keeps the open
+    group's size and the version of the weights loaded."""
+    from fastapi import HTTPException
+
     @app.post("/init_communicator")
     def init_communicator(request: InitRequest):
-        world_size, backend = 1 + num_workers, "nccl" if engines.info["device"] == "cuda" else "gloo"
+        world_size = _weight_sync_world_size(engines)
+        backend = "nccl" if engines.info["device"] == "cuda" else "gloo"
         # Rank 1 hosts the store on the server's own address; the trainer dials in there.
         group = {"host": host, "port": request.port, "world_size": world_size, "backend": backend}
         group |= {"timeout": request.timeout, "token": request.token}
@@ -325,8 +355,6 @@ def build_app(engines: Engines, settings: dict, host: str = "127.0.0.1", api_key
             run("close_communicator", "close_weight_group")
             state["world_size"] = None
         return {"status": "ok"}
-
-    return app
 
 
 def serve(args) -> None:

@@ -181,6 +181,8 @@ def _bwrap_problem() -> str | None:
 def _run(
     code: str, tests: list[str], limits: Limits, isolation: str, audit_hook: bool, cases: list[dict] | None = None
 ) -> SandboxResult:
+    """One sandboxed run (`run_python`, `run_cases`): the job and a fresh token sent to the harness, its report read
+    and checked (`_result`); the process group, its pipes and its working directory are gone when it returns."""
     total = len(tests) if cases is None else len(cases)
     report_r, report_w = os.pipe()
     programs = seccomp_programs()
@@ -189,35 +191,15 @@ def _run(
     payload = json.dumps(job).encode()
     payload = str(len(payload)).encode() + b"\n" + payload + token.encode()
     fds, workdir, seccomp_fd = [report_w], None, None
-    interpreter = [sys.executable, "-I", "-S", "-B", "-c", HARNESS]
-    if isolation == "bwrap":
-        if programs is not None:
-            seccomp_fd = os.memfd_create("grpo-seccomp", 0)
-            os.write(seccomp_fd, programs[0])
-            os.lseek(seccomp_fd, 0, os.SEEK_SET)
-            fds.append(seccomp_fd)
-        argv, cwd, env = (
-            bwrap_argv(limits.disk_mb, seccomp_fd) + interpreter[1:],
-            "/",
-            {"PATH": os.environ.get("PATH", "")},
-        )
-    else:
+    if isolation == "bwrap" and programs is not None:
+        seccomp_fd = os.memfd_create("grpo-seccomp", 0)
+        os.write(seccomp_fd, programs[0])
+        os.lseek(seccomp_fd, 0, os.SEEK_SET)
+        fds.append(seccomp_fd)
+    elif isolation == "process":
         workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
-        argv, cwd = interpreter, workdir
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,  # what the code printed, passed on by the supervisor (at most OUTPUT_BYTES)
-            stderr=subprocess.PIPE,  # bwrap's and the supervisor's messages only: the worker's go to its stdout
-            pass_fds=fds,
-            start_new_session=True,  # its own process group, killed as a whole below
-        )
-        with _running_lock:
-            _running.add(proc)
+        proc = _start(*_command(isolation, limits.disk_mb, seccomp_fd, workdir), fds)
         os.close(report_w)
         report_w = None
         report_bytes = RESULT_BYTES + 64 * total + 4096  # the results, a few bytes of each entry, the rest
@@ -229,27 +211,61 @@ def _run(
             _kill_group(proc)
             with _running_lock:
                 _running.discard(proc)
-        parsed = _parse_report(report, token, total, cases is not None)
-        if parsed is not None:
-            passed, _, error, output_bytes, results = parsed
-            failures = ()
-            if cases is not None and error is None:  # the verdict, computed here: the sandbox sent values only
-                passed, failures = judge(cases, results)
-            output = printed[:OUTPUT_BYTES]
-            return SandboxResult(
-                passed, total, error, output.decode(errors="replace"), max(output_bytes, len(output)), failures
-            )
-        reason = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-        detail = stderr.decode(errors="replace").strip()[-500:]
-        return SandboxResult(
-            0, total, f"the sandbox ended without a result ({reason}){': ' + detail if detail else ''}"
-        )
+        return _result(report, token, cases, total, printed, stderr, proc.returncode)
     finally:
         for fd in (report_r, report_w, seccomp_fd):
             if fd is not None:
                 os.close(fd)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _command(isolation: str, disk_mb: int, seccomp_fd: int | None, workdir: str | None) -> tuple[list, str, dict]:
+    """(argv, working directory, environment) of the harness: under bubblewrap, which installs the seccomp filter
+    read from `seccomp_fd`, or as a plain child process in `workdir` ("process")."""
+    interpreter = [sys.executable, "-I", "-S", "-B", "-c", HARNESS]
+    if isolation == "bwrap":
+        return bwrap_argv(disk_mb, seccomp_fd) + interpreter[1:], "/", {"PATH": os.environ.get("PATH", "")}
+    return interpreter, workdir, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+
+
+def _start(argv: list, cwd: str, env: dict, fds: list[int]) -> subprocess.Popen:
+    """The harness started, passed `fds`, and counted among the runs `stop_running` ends."""
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,  # what the code printed, passed on by the supervisor (at most OUTPUT_BYTES)
+        stderr=subprocess.PIPE,  # bwrap's and the supervisor's messages only: the worker's go to its stdout
+        pass_fds=fds,
+        start_new_session=True,  # its own process group, killed as a whole by _kill_group
+    )
+    with _running_lock:
+        _running.add(proc)
+    return proc
+
+
+def _result(
+    report: bytes, token: str, cases: list[dict] | None, total: int, printed: bytes, stderr: bytes, returncode: int
+) -> SandboxResult:
+    """The result of a finished run: its report checked (`_parse_report`) and, with cases, judged here, since the
+    sandbox sent values only; without a valid report, no pass, and the harness's exit status and stderr say why."""
+    parsed = _parse_report(report, token, total, cases is not None)
+    if parsed is None:
+        reason = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+        detail = stderr.decode(errors="replace").strip()[-500:]
+        return SandboxResult(
+            0, total, f"the sandbox ended without a result ({reason}){': ' + detail if detail else ''}"
+        )
+    passed, _, error, output_bytes, results = parsed
+    failures = ()
+    if cases is not None and error is None:
+        passed, failures = judge(cases, results)
+    output = printed[:OUTPUT_BYTES]
+    return SandboxResult(
+        passed, total, error, output.decode(errors="replace"), max(output_bytes, len(output)), failures
+    )
 
 
 def _job(code, tests, cases, limits, isolation, audit_hook, report_fd, programs) -> dict:

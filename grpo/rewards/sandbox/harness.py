@@ -40,10 +40,29 @@ def set_limits(pairs):
             pass
 
 
-def install_hook(job):
+# Audit events the hook refuses outright: sockets, new processes, signals, ctypes, reaching other objects or frames,
+# raising the rlimits, links.
+REFUSED_EVENTS = frozenset(
+    (
+        "socket.__new__ socket.connect socket.bind socket.getaddrinfo socket.gethostbyname os.fork os.forkpty "
+        "os.system os.exec os.posix_spawn os.spawn subprocess.Popen os.kill os.killpg signal.pthread_kill "
+        "ctypes.dlopen ctypes.dlsym ctypes.cdata ctypes.call_function gc.get_objects gc.get_referrers "
+        "gc.get_referents os.chroot sys._current_frames resource.setrlimit resource.prlimit os.symlink os.link"
+    ).split()
+)
+# Audit events that change the file system: allowed on paths inside the working directory only.
+WRITE_EVENTS = frozenset(
+    (
+        "os.remove os.rmdir os.mkdir os.chmod os.chown os.truncate os.utime os.chflags os.lchflags os.setxattr "
+        "os.removexattr shutil.rmtree os.mkfifo os.mknod"
+    ).split()
+)
+
+
+def path_functions():
     # The functions the hook calls, taken now: code that replaces os.path.realpath, os.path.isdir or os.stat (known
     # ways round this hook) changes the modules' names, not these. What realpath calls in turn is still looked up
-    # when it runs: the hook is a layer, not a wall.
+    # when it runs: the hook is a layer, not a wall. Returns (realpath, real, isdir).
     import stat
 
     realpath, fspath, fsdecode, os_stat, is_dir_mode = os.path.realpath, os.fspath, os.fsdecode, os.stat, stat.S_ISDIR
@@ -54,12 +73,6 @@ def install_hook(job):
         except (OSError, ValueError):
             return False
 
-    workdir = realpath(os.getcwd())
-    readable = [workdir] + [realpath(p) for p in job["stdlib"]]
-
-    def inside(path, roots):
-        return any(path == r or path.startswith(r + os.sep) for r in roots)
-
     def real(path):
         if isinstance(path, int):  # an already open descriptor
             return None
@@ -67,20 +80,19 @@ def install_hook(job):
             path = fsdecode(path)
         return realpath(fspath(path))
 
-    refused = set(
-        (
-            "socket.__new__ socket.connect socket.bind socket.getaddrinfo socket.gethostbyname os.fork os.forkpty "
-            "os.system os.exec os.posix_spawn os.spawn subprocess.Popen os.kill os.killpg signal.pthread_kill "
-            "ctypes.dlopen ctypes.dlsym ctypes.cdata ctypes.call_function gc.get_objects gc.get_referrers "
-            "gc.get_referents os.chroot sys._current_frames resource.setrlimit resource.prlimit os.symlink os.link"
-        ).split()
-    )
-    written = set(
-        (
-            "os.remove os.rmdir os.mkdir os.chmod os.chown os.truncate os.utime os.chflags os.lchflags os.setxattr "
-            "os.removexattr shutil.rmtree os.mkfifo os.mknod"
-        ).split()
-    )
+    return realpath, real, isdir
+
+
+def install_hook(job):
+    # Everything the hook uses is bound here, in its closure: the code can rebind this module's names (it is
+    # __main__), not these.
+    realpath, real, isdir = path_functions()
+    refused, written = REFUSED_EVENTS, WRITE_EVENTS
+    workdir = realpath(os.getcwd())
+    readable = [workdir] + [realpath(p) for p in job["stdlib"]]
+
+    def inside(path, roots):
+        return any(path == r or path.startswith(r + os.sep) for r in roots)
 
     def hook(event, args):
         if event in refused:
@@ -127,8 +139,29 @@ def no_new_processes(program):
 
 
 def work(job, out, printed):
-    # The worker: stdin /dev/null, stdout and stderr the supervisor's `printed` pipe, its own pipe to the supervisor
-    # (`out`), no other descriptor; then the untrusted code.
+    # The worker: locked down first, then the untrusted code; its report goes to the supervisor through `out`.
+    lock_down(job, out, printed)
+    try:  # each line reaches the pipe when printed, so stdout and stderr interleave as they were written
+        sys.stdout.reconfigure(line_buffering=True)
+    except Exception:
+        pass
+    import builtins
+
+    # exit() and quit(), which programs call and `site` adds (this interpreter runs with -S)
+    builtins.exit = builtins.quit = sys.exit
+    report = run_code(job)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:  # os._exit below skips the interpreter's own flush
+            stream.flush()
+        except BaseException:
+            pass
+    write_all(out, json.dumps(report).encode())
+    os._exit(0)
+
+
+def lock_down(job, out, printed):
+    # Before any untrusted code: stdin /dev/null, stdout and stderr the supervisor's `printed` pipe, its own pipe to
+    # the supervisor (`out`) and no other descriptor; then the rlimits, the seccomp filter and the audit hook.
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(printed, 1)
     os.dup2(printed, 2)
@@ -154,14 +187,11 @@ def work(job, out, printed):
         no_new_processes(bytes.fromhex(job["worker_seccomp"]))
     if job["hook"]:
         install_hook(job)
-    try:  # each line reaches the pipe when printed, so stdout and stderr interleave as they were written
-        sys.stdout.reconfigure(line_buffering=True)
-    except Exception:
-        pass
-    import builtins
 
-    # exit() and quit(), which programs call and `site` adds (this interpreter runs with -S)
-    builtins.exit = builtins.quit = sys.exit
+
+def run_code(job):
+    # The code, then the tests (counting those that pass) or the cases (what each returned or printed); returns the
+    # report: {"passed", "error"}, or with cases {"results", "error"}.
     namespace = {"__name__": "__main__"}
     cases, error, passed, results = job["cases"], None, 0, None
     try:
@@ -182,14 +212,7 @@ def work(job, out, printed):
                 passed += 1
             except BaseException:
                 pass
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:  # os._exit below skips the interpreter's own flush
-            stream.flush()
-        except BaseException:
-            pass
-    report = {"passed": passed, "error": error} if cases is None else {"results": results, "error": error}
-    write_all(out, json.dumps(report).encode())
-    os._exit(0)
+    return {"passed": passed, "error": error} if cases is None else {"results": results, "error": error}
 
 
 def plain_problem(value, depth=0):
