@@ -7,7 +7,8 @@ the policy's weights), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-se
 vllm/client.py and whose server is vllm/serve.py) and `VLLMColocateGeneration` (vllm/colocate.py, an engine inside
 each training process); offline training replays stored completions through `StoredCompletions` (stored.py). The weights a vLLM engine needs come from policy_weights.py and travel by
 vllm/weight_sync.py (all of them) or vllm/lora_sync.py (the adapter alone); docs/vllm.md. Asynchronous generation's
-engine, shared between the producer thread and the trainer, is async_engine.py.
+engine, shared between the producer thread and the trainer, is async_engine.py. What every backend draws from is one
+`SamplingSettings` (settings.py, beside the checks of the generation fields that `GRPOConfig` runs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cu
 from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
+from grpo.generation.settings import SamplingSettings
 from grpo.generation.stored import StoredCompletions
 from grpo.rollout import Rollout
 
@@ -40,6 +42,7 @@ __all__ = [
     "ContinuousBatchingGeneration",
     "GenerationBackend",
     "SamplingRNG",
+    "SamplingSettings",
     "StoredCompletions",
     "TransformersGeneration",
     "cut_at_eos",
@@ -61,14 +64,8 @@ def make_generation_backend(
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     processor, tokenizer = (tokenizer if is_processor(tokenizer) else None), text_tokenizer(tokenizer)
-    sampling = dict(
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-    )
+    # One value for whichever backend samples; the config ran the generation checks when it was built.
+    sampling = SamplingSettings.from_config(args, check=False)
     if args.use_transformers_continuous_batching:
         if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
             # The engine runs the forward passes in a thread of its own, a different number on each process: a
@@ -81,27 +78,27 @@ def make_generation_backend(
         return ContinuousBatchingGeneration(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
-            generation_kwargs=args.generation_kwargs,
+            sampling=sampling,
             settings=args.transformers_continuous_batching_config,
             rng=rng,
-            **sampling,
         )
     if not args.use_vllm:
         return TransformersGeneration(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
-            generation_kwargs=args.generation_kwargs,
+            sampling=sampling,
             cache_implementation=args.cache_implementation,
             pad_to_multiple_of=args.pad_to_multiple_of,
             cpu_decode_kernel=args.cpu_decode_kernel,
             cpu_inverse_cdf_sampling=args.cpu_inverse_cdf_sampling,
             rng=rng,
-            **sampling,
         )
     return _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling, processor)
 
 
-def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: dict, processor) -> GenerationBackend:
+def _vllm_backend(
+    args, accelerator, tokenizer, eos_token_ids, rng, sampling: SamplingSettings, processor
+) -> GenerationBackend:
     """`use_vllm`'s sampler: an engine in this process (`vllm_mode="colocate"`) or a `grpo vllm-serve` server."""
     if args.vllm_mode == "colocate":
         from grpo.generation.vllm.colocate import VLLMColocateGeneration
@@ -109,16 +106,15 @@ def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: di
         return VLLMColocateGeneration(
             accelerator,
             eos_token_ids=eos_token_ids,
+            sampling=sampling,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             engine_kwargs={"trust_remote_code": args.trust_remote_code},
             rng=rng,
             model_impl=args.vllm_model_impl,
-            structured_outputs_regex=args.vllm_structured_outputs_regex,
             tokenizer=tokenizer,
             processor=processor,
-            **sampling,
         )
     from grpo.generation.vllm.client import VLLMClient
     from grpo.generation.vllm.server_backend import VLLMGeneration
@@ -137,10 +133,9 @@ def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: di
         num_generations=args.num_generations,
         num_generations_eval=args.num_generations_eval,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+        sampling=sampling,
         rng=rng,
         model_impl=args.vllm_model_impl,
-        structured_outputs_regex=args.vllm_structured_outputs_regex,
-        **sampling,
     )
 
 

@@ -26,6 +26,7 @@ from transformers import DynamicCache, GenerationConfig
 from grpo.data import pad, round_up
 from grpo.data.vision import placeholder_token_ids, vision_batch
 from grpo.generation.base import Completions, SamplingRNG, cut_at_eos, equal_runs
+from grpo.generation.settings import SamplingSettings, resolve_sampling
 
 
 class TransformersGeneration:
@@ -35,22 +36,21 @@ class TransformersGeneration:
     def __init__(
         self,
         *,
-        max_completion_length: int,
         pad_token_id: int,
         eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict | None = None,
+        sampling: SamplingSettings | None = None,
         cache_implementation: str | None = None,
         pad_to_multiple_of: int | None = None,
         greedy: bool = False,
         cpu_decode_kernel: bool = False,
         cpu_inverse_cdf_sampling: bool = False,
         rng: SamplingRNG | None = None,
+        **fields,
     ):
+        """`sampling`: what completions are drawn from (`make_generation_backend` passes the config's), or instead
+        its fields as keywords (`max_completion_length=8, top_k=0`) for a sampler built on its own. With `greedy`
+        (evaluation samples, the CLI's check) every setting but the length is ignored."""
+        self.sampling_settings = sampling = resolve_sampling(sampling, fields)
         self.pad_token_id = pad_token_id
         # Inputs padded to a multiple of this width (None: the longest row), for compilers that see each shape anew.
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -61,7 +61,7 @@ class TransformersGeneration:
         self.cpu_decode_kernel = cpu_decode_kernel
         self.cpu_inverse_cdf_sampling = cpu_inverse_cdf_sampling
         settings = {
-            "max_new_tokens": max_completion_length,
+            "max_new_tokens": sampling.max_completion_length,
             "do_sample": not greedy,
             "pad_token_id": pad_token_id,
             "eos_token_id": list(eos_token_ids),
@@ -70,15 +70,15 @@ class TransformersGeneration:
         }
         if not greedy:  # with `greedy` (evaluation samples) every sampling setting is ignored
             settings |= {
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": top_k,  # 0 disables the top-k filter; left unset it would default to 50
-                "min_p": min_p,
-                "repetition_penalty": repetition_penalty,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,  # 0 disables the top-k filter; left unset it would default to 50
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
             }
         # `return_dict_in_generate`: the sequences and the cache `generate` ended with (`CarriedTurns` goes on from it).
         self.generation_config = GenerationConfig(
-            **{**settings, **(generation_kwargs or {}), "return_dict_in_generate": True}
+            **{**settings, **(sampling.generation_kwargs or {}), "return_dict_in_generate": True}
         )
 
     def sync_weights(self, model: nn.Module, version: int) -> None:

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from grpo.data.vision import ImagePrompts, placeholder_token_ids
-from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
+from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed
 from grpo.generation.policy_weights import checkpoint_tensors
+from grpo.generation.settings import SamplingSettings, resolve_sampling
 from grpo.generation.vllm.engine_processes import structured_outputs
 from grpo.generation.vllm.images import check_expanded, multimodal_request, placeholder_bias
 
@@ -77,6 +78,10 @@ class VLLMColocateGeneration:
     """`GenerationBackend` on a vLLM engine in this process (`use_vllm=True, vllm_mode="colocate"`).
 
     Args:
+        sampling: what completions are drawn from (`make_generation_backend` passes the config's), or instead its
+            fields as keywords (`max_completion_length=8, temperature=0.7`); its `structured_outputs_regex`
+            constrains every completion (vLLM's structured outputs), and the engine then loads `tokenizer`, which
+            the grammar is compiled against.
         gpu_memory_utilization: the fraction of the device's memory the engine takes (vLLM's CPU build ignores it
             and reads VLLM_CPU_KVCACHE_SPACE, in GiB).
         max_model_length: the engine's context length; None takes the model's.
@@ -84,8 +89,6 @@ class VLLMColocateGeneration:
             next; an error where vLLM has no sleep mode (its CPU build).
         engine_kwargs: further `vllm.LLM` arguments, over the ones chosen here.
         model_impl: the model code vLLM runs ('vllm', 'transformers' or 'auto'; GRPOConfig.vllm_model_impl).
-        structured_outputs_regex: every completion must match it (vLLM's structured outputs); the engine then loads
-            `tokenizer`, which the grammar is compiled against.
         processor: a vision-language model's processor (docs/vlm.md#vllm-with-images): saved beside the config, since
             vLLM runs it on the images each prompt brings (`generate`'s `images`).
     """
@@ -97,28 +100,24 @@ class VLLMColocateGeneration:
         accelerator,
         *,
         eos_token_ids: Sequence[int],
-        max_completion_length: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        min_p: float | None,
-        repetition_penalty: float,
+        sampling: SamplingSettings | None = None,
         gpu_memory_utilization: float = 0.3,
         max_model_length: int | None = None,
         enable_sleep_mode: bool = False,
         engine_kwargs: dict | None = None,
         rng: SamplingRNG | None = None,
         model_impl: str = "vllm",
-        structured_outputs_regex: str | None = None,
         tokenizer=None,
         processor=None,
+        **fields,
     ):
         if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
             raise ImportError(INSTALL_HINT)
+        self.sampling_settings = sampling = resolve_sampling(sampling, fields)
         self.accelerator = accelerator
         self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
         self.sampling = {
-            **vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty),
+            **sampling.vllm_params(),
             # vLLM has no tokenizer here (prompts are ids), so it knows no EOS of its own: stop at the trainer's.
             "stop_token_ids": list(eos_token_ids),
         }
@@ -126,11 +125,11 @@ class VLLMColocateGeneration:
         self.max_model_length = max_model_length
         self.enable_sleep_mode = enable_sleep_mode
         self.engine_kwargs = {"model_impl": model_impl, **(engine_kwargs or {})}
-        if structured_outputs_regex is not None and tokenizer is None:
+        if sampling.structured_outputs_regex is not None and tokenizer is None:
             raise ValueError(
                 "structured_outputs_regex needs the tokenizer: the engine compiles the pattern against it"
             )
-        self.regex, self.tokenizer, self.processor = structured_outputs_regex, tokenizer, processor
+        self.regex, self.tokenizer, self.processor = sampling.structured_outputs_regex, tokenizer, processor
         self.llm = None  # built at the first sync_weights or generate, from the policy's config
         self.asleep = False
         self.synced_version: int | None = None  # the trainer step whose weights the engine holds
