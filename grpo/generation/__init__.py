@@ -167,37 +167,60 @@ def sample_rollout(
     columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
     images = [row_images(example) for example in inputs]
     vision = None
-    template_kwargs = args.chat_template_kwargs
     if images[0] is not None:  # vision inputs beside the prompt tokens, from the processor
-        if not is_processor(tokenizer):
-            raise TypeError(
-                "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
-                "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
-            )
-        images = open_rows(images)
-        prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
+        images, prompt_ids, vision = _encode_with_images(prompts, images, tokenizer, args)
         prompt_cut = [False] * len(prompts)
-        if getattr(backend, "takes_images", False):  # vLLM runs the processor itself, on the images
-            raw = backend.generate(
-                model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs)
-            )
-        else:
-            raw = backend.generate(model, prompt_ids, vision=vision)
+        raw = _generate_with_images(backend, model, prompt_ids, vision, prompts, images, tokenizer, args)
     else:
         prompt_ids, prompt_cut = encode_prompts(
             prompts,
             text_tokenizer(tokenizer),
             args.max_prompt_length,
             args.truncation_side,
-            chat_template_kwargs=template_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
         raw = backend.generate(model, prompt_ids)
-    tokenizer = text_tokenizer(tokenizer)
+    rollout = _cut_and_decode(prompts, prompt_ids, raw, text_tokenizer(tokenizer), eos_token_ids, args)
+    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
+    rollout.vision = vision
+    if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
+        rollout.images = images
+    return rollout, columns
+
+
+def _encode_with_images(prompts: list, images: list, tokenizer, args) -> tuple[list, list[list[int]], list]:
+    """The rows' images opened, their prompts rendered and tokenized with them by the model's processor
+    (`tokenizer`), and each row's vision inputs (grpo/data/vision.py)."""
+    if not is_processor(tokenizer):
+        raise TypeError(
+            "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
+            "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
+        )
+    images = open_rows(images)
+    prompt_ids, vision = encode_vision_prompts(
+        prompts, images, tokenizer, args.max_prompt_length, args.chat_template_kwargs
+    )
+    return images, prompt_ids, vision
+
+
+def _generate_with_images(backend, model, prompt_ids, vision, prompts, images, processor, args) -> Completions:
+    """Sample rows that have images: a backend with `takes_images` (vLLM's, which runs the processor itself) is given
+    the images, any other the processed vision inputs."""
+    if getattr(backend, "takes_images", False):
+        return backend.generate(
+            model, prompt_ids, images=image_prompts(prompts, images, processor, args.chat_template_kwargs)
+        )
+    return backend.generate(model, prompt_ids, vision=vision)
+
+
+def _cut_and_decode(prompts, prompt_ids, raw: Completions, tokenizer, eos_token_ids, args) -> Rollout:
+    """Step 3: each completion cut after its first EOS (a completion without one is truncated), the sampler's
+    log-probs cut to match, the text decoded, as a `Rollout` not yet scored."""
     completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
     sampling_logps = None
     if raw.logprobs is not None:
         sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
-    rollout = Rollout.from_tokens(
+    return Rollout.from_tokens(
         prompts,
         decode_completions(completion_ids, prompts, tokenizer),
         prompt_ids,
@@ -207,8 +230,3 @@ def sample_rollout(
         mask_truncated=args.mask_truncated_completions,
         sampling_logps=sampling_logps,
     )
-    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
-    rollout.vision = vision
-    if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
-        rollout.images = images
-    return rollout, columns
