@@ -89,12 +89,12 @@ class TransformersGeneration:
         """`vision`: each row's vision inputs (vision-language models, grpo/data/vision.py); then every row is
         prefilled with its images, none shared, and the model's image placeholder tokens are never sampled (a
         completion holding one would ask the log-prob passes for an image that is not there)."""
-        input_ids, attention_mask = self._left_padded(model, prompt_ids)
+        input_ids, attention_mask = self.left_padded(model, prompt_ids)
         if vision is not None:
             inputs = vision_batch(vision, input_ids.shape[1], 0, input_ids.device)
-            sequences, _ = self._run(model, input_ids, attention_mask, vision=inputs)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, vision=inputs)
         else:
-            sequences, _ = self._run(model, input_ids, attention_mask, prompt_ids)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, prompt_ids)
         return Completions(sequences[:, input_ids.shape[1] :].tolist())
 
     def turns(self) -> CarriedTurns:
@@ -102,13 +102,15 @@ class TransformersGeneration:
         next (grpo/generation/episodes.py asks for it at the start of a round)."""
         return CarriedTurns(self)
 
-    def _left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prompt_ids` as (B, P) ids and attention mask on the model's device, left-padded to the longest row (or a
+        multiple of `pad_to_multiple_of`): the layout `generate_from` takes."""
         device = next(model.parameters()).device
         width = round_up(max(map(len, prompt_ids), default=0), self.pad_to_multiple_of)
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left", width=width)
         return input_ids.to(device), attention_mask.to(device)
 
-    def _run(
+    def generate_from(
         self,
         model: nn.Module,
         input_ids: torch.Tensor,
@@ -117,8 +119,8 @@ class TransformersGeneration:
         cache: DynamicCache | None = None,
         vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
-        """`generate` from `input_ids` (B, T), given a `cache` of its first columns or, with `prompt_ids`, sharing
-        the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
+        """`generate` from `input_ids` (B, T) (`generate` calls it for a batch of prompts, `CarriedTurns` for each
+        turn), given a `cache` of its first columns or, with `prompt_ids`, sharing the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
         which the model's image placeholder tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
         its first T + N - 1 columns: the last token sampled was never fed to the model)."""
         device = input_ids.device
@@ -251,11 +253,11 @@ class CarriedTurns:
     def generate(self, model: nn.Module, contexts: list[list[int]]) -> Completions:
         continued = self._continuation(contexts)
         if continued is None:
-            input_ids, attention_mask = self.sampler._left_padded(model, contexts)
-            sequences, cache = self.sampler._run(model, input_ids, attention_mask, prompt_ids=contexts)
+            input_ids, attention_mask = self.sampler.left_padded(model, contexts)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, prompt_ids=contexts)
         else:
             input_ids, attention_mask, cache = continued
-            sequences, cache = self.sampler._run(model, input_ids, attention_mask, cache=cache)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, cache=cache)
         width = input_ids.shape[1]
         new = sequences[:, width:].tolist()
         # Only a dynamic cache of full-attention layers is carried: a static, sliding-window or recurrent cache does
