@@ -74,6 +74,32 @@ def _runs(prompt_ids: list[list[int]], images: ImagePrompts | None) -> list[tupl
     return runs
 
 
+class EnvironmentChanges:
+    """Variables of `os.environ` set for an engine's life, each put back by `restore` as it was before (removed
+    where it was unset): the engine needs them, the rest of the process (a second trainer, user code) must not see
+    them once it is gone."""
+
+    def __init__(self):
+        self.previous: dict[str, str | None] = {}  # name -> its value before the first change (None: unset)
+
+    def set(self, name: str, value: str) -> None:
+        self.previous.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+    def set_default(self, name: str, value: str) -> None:
+        """Set `name` only where the process has no value for it (a launcher's RANK stays as it is)."""
+        if name not in os.environ:
+            self.set(name, value)
+
+    def restore(self) -> None:
+        for name, value in self.previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self.previous.clear()
+
+
 class VLLMColocateGeneration:
     """`GenerationBackend` on a vLLM engine in this process (`use_vllm=True, vllm_mode="colocate"`).
 
@@ -135,15 +161,26 @@ class VLLMColocateGeneration:
         self.synced_version: int | None = None  # the trainer step whose weights the engine holds
         self.last_sync: dict | None = None  # {"seconds"} of the latest sync
         self._config_dir: tempfile.TemporaryDirectory | None = None
+        self.environment = EnvironmentChanges()  # the variables set for the engine, put back by `close`
 
     # ---- The engine ----
 
     def engine(self, model: nn.Module):
-        """This process's `vllm.LLM`, built on first use from `model`'s config with dummy weights."""
+        """This process's `vllm.LLM`, built on first use from `model`'s config with dummy weights. A build that fails
+        leaves nothing behind (`close`)."""
         if self.llm is not None:
             return self.llm
         # The engine core runs in this process: a child process could not take weights without a transport.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.environment.set("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            self.llm = self._build(model)
+        except BaseException:
+            self.close()
+            raise
+        return self.llm
+
+    def _build(self, model: nn.Module):
+        """A new `vllm.LLM` for `model` (`engine` keeps it)."""
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -185,19 +222,29 @@ class VLLMColocateGeneration:
         if self.accelerator.num_processes > 1:
             # Several training processes: vLLM builds its (size-1) parallel groups inside the trainer's process
             # group instead of starting one of its own, which is what its external launcher mode is for.
-            os.environ.setdefault("RANK", str(self.accelerator.process_index))
-            os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
-            os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
+            self.environment.set_default("RANK", str(self.accelerator.process_index))
+            self.environment.set_default("LOCAL_RANK", str(self.accelerator.local_process_index))
+            self.environment.set_default("WORLD_SIZE", str(self.accelerator.num_processes))
             settings["distributed_executor_backend"] = "external_launcher"
         # vLLM seeds the process's random generators with its `seed` and lowers torch's thread count "for serving":
         # the trainer's seeded streams (and a resumed run's) and its threads are put back.
         threads, states = torch.get_num_threads(), (random.getstate(), np.random.get_state())
         with torch.random.fork_rng():
-            self.llm = LLM(**{**settings, **self.engine_kwargs})
+            llm = LLM(**{**settings, **self.engine_kwargs})
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_num_threads(threads)
-        return self.llm
+        return llm
+
+    def close(self) -> None:
+        """Let go of the engine and put back what building it changed in this process: every environment variable
+        it set (to its earlier value, or unset) and the temporary folder of its config. A later `sync_weights`
+        builds a new engine."""
+        self.llm, self.asleep, self.synced_version = None, False, None
+        self.environment.restore()
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+            self._config_dir = None
 
     def _wake(self) -> None:
         if self.asleep:
