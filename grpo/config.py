@@ -9,9 +9,7 @@ message.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
-import inspect
 import json
 import math
 import numbers
@@ -23,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, TrainingArguments
+from transformers import TrainingArguments
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from grpo.data import TRUNCATION_SIDES
+from grpo.generation.settings import SamplingSettings, check_generation_kwargs
 from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
@@ -34,8 +33,6 @@ from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 # is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
 # meant for one. It still admits the 0.5 of plain SGD on toy models, and refuses a lost minus sign (1e5) or 1e30.
 MAX_LEARNING_RATE = 1.0
-# What `vllm_model_impl` may be: the values of vLLM's `--model-impl` for language models.
-VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
 # Below this temperature sampling is close to greedy: at 0.1 a logit gap of 1 becomes one of 10 (odds of e^10), so the
 # G completions of a group come out the same, their rewards tie and every advantage is 0.
 MIN_USEFUL_TEMPERATURE = 0.1
@@ -143,17 +140,6 @@ def numeric_ranges() -> dict[str, Interval]:
     Whether a field takes an int or a float, and None, comes from its annotation (`field_kinds`)."""
     declared = {name: o.range for name, o in options().items() if o.range is not None}
     return INHERITED_RANGES | declared
-
-
-# Keyword arguments of `model.generate` itself: generation_kwargs become a `GenerationConfig`, which would keep
-# these as inert attributes, so they are refused with their own message.
-_GENERATE_ONLY = set(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs"}
-
-
-@functools.cache
-def generation_config_fields() -> frozenset[str]:
-    """The keys `generation_kwargs` may hold with the `model.generate` backend: `GenerationConfig`'s fields."""
-    return frozenset(k for k in vars(GenerationConfig()) if not k.startswith("_") and k != "transformers_version")
 
 
 @functools.cache
@@ -1053,8 +1039,7 @@ class GRPOConfig(TrainingArguments):
         self._check_launch()
         self._check_values()
         self._check_rendering_and_logging()
-        self._check_continuous_batching()
-        self._check_vllm_engine()
+        SamplingSettings.from_config(self)  # the generation stage's checks (grpo/generation/settings.py)
         self._resolve_sampling_cap()
         settings = self.stage_settings()  # the objective's checks run as its settings are built
         self._check_steps_and_prompts()
@@ -1118,7 +1103,7 @@ class GRPOConfig(TrainingArguments):
                 "sync_ref_model=True (soft updates) and ref_model_reset_steps (hard resets) both move the reference; "
                 "pick one."
             )
-        self._check_generation_kwargs()
+        check_generation_kwargs(self)
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the 'prompt' column and the columns reward functions read; "
@@ -1311,157 +1296,6 @@ class GRPOConfig(TrainingArguments):
                 "weights, which is correct only with the truncated importance-sampling correction (the sampler's "
                 "log-probs as the behaviour policy). Set vllm_importance_sampling_correction=True, or "
                 "max_staleness=0."
-            )
-
-    def _check_vllm_engine(self):
-        """vllm_model_impl is one vLLM takes; the structured-outputs regex compiles and has a vLLM engine to apply it."""
-        if self.vllm_model_impl not in VLLM_MODEL_IMPLS:
-            raise ValueError(
-                f"vllm_model_impl={self.vllm_model_impl!r} is not one of {VLLM_MODEL_IMPLS}: 'vllm' runs vLLM's own "
-                "model code, 'transformers' the transformers modeling code."
-            )
-        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_model_impl == "transformers":
-            # vLLM's transformers backend decorates the transformers model class in place (for torch.compile), so
-            # the policy, an instance of the same class in the same process, fails at its next forward.
-            raise ValueError(
-                "vllm_model_impl='transformers' with vllm_mode='colocate': vLLM's transformers backend changes the "
-                "transformers model class in place, which breaks the policy's own forward pass in the same process. "
-                "Use server mode (vllm_mode='server', `grpo vllm-serve --model-impl transformers`), or "
-                "vllm_model_impl='vllm'."
-            )
-        regex = self.vllm_structured_outputs_regex
-        if regex is None:
-            return
-        if not self.use_vllm:
-            raise ValueError(
-                "vllm_structured_outputs_regex is set, but use_vllm=False: only a vLLM engine constrains completions "
-                "to a pattern. Set use_vllm=True, or remove the regex."
-            )
-        try:
-            re.compile(regex)
-        except (re.error, TypeError) as error:
-            raise ValueError(
-                f"vllm_structured_outputs_regex={regex!r} is not a valid regular expression ({error}). Fix it."
-            ) from None
-        if self.vllm_importance_sampling_correction:
-            warnings.warn(
-                "vllm_structured_outputs_regex with vllm_importance_sampling_correction=True: the engine reports the "
-                "log-probs of the constrained distribution (the tokens the pattern forbids masked out), the trainer "
-                "computes the unconstrained policy's, so the importance-sampling correction then weights each token "
-                "by pi_theta / pi_constrained, often far below 1 (0.02 on average in this project's test), which "
-                "shrinks the policy gradient as much. Set vllm_importance_sampling_correction=False unless you want "
-                "that weighting (docs/vllm.md#model-implementation-and-structured-outputs).",
-                stacklevel=4,
-            )
-
-    def _check_continuous_batching(self):
-        """use_transformers_continuous_batching (the deprecated use_transformers_paged sets it) and its settings."""
-        if self.use_transformers_paged:
-            warnings.warn(
-                "use_transformers_paged is deprecated: it is used as use_transformers_continuous_batching=True, TRL's "
-                "name since 1.2. Set that instead.",
-                FutureWarning,
-                stacklevel=4,  # the GRPOConfig(...) call
-            )
-            self.use_transformers_continuous_batching = True
-        settings = self.transformers_continuous_batching_config
-        if isinstance(settings, str):  # from a command line, as in TRL
-            try:
-                settings = self.transformers_continuous_batching_config = json.loads(settings)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"transformers_continuous_batching_config={settings!r} is not valid JSON ({error}); give a dict "
-                    "or its JSON text, e.g. '{\"page_size\": 64}'."
-                ) from None
-        if settings is not None and not isinstance(settings, dict):
-            raise TypeError(
-                f"transformers_continuous_batching_config={settings!r} must be a dict of ContinuousBatchingConfig "
-                "arguments (e.g. {'page_size': 64}), or None."
-            )
-        if not self.use_transformers_continuous_batching:
-            if settings:
-                raise ValueError(
-                    "transformers_continuous_batching_config is set, but use_transformers_continuous_batching=False, "
-                    "so nothing would read it. Set use_transformers_continuous_batching=True, or remove it."
-                )
-            return
-        try:
-            from transformers.generation import ContinuousBatchingConfig
-        except ImportError:
-            raise ImportError(
-                "use_transformers_continuous_batching=True needs transformers >= 5.8 (ContinuousBatchingConfig); "
-                "upgrade with `pip install -U transformers`, or set it False."
-            ) from None
-        if self.use_vllm:
-            raise ValueError(
-                "use_transformers_continuous_batching=True and use_vllm=True both choose the generation backend; "
-                "pick one (set the other False)."
-            )
-        if self.repetition_penalty != 1.0 or (self.generation_kwargs or {}).get("repetition_penalty", 1.0) != 1.0:
-            raise ValueError(
-                "use_transformers_continuous_batching=True cannot apply a repetition_penalty: transformers' engine "
-                "shows a logits processor only each row's last token. Set repetition_penalty=1.0, or "
-                "use_transformers_continuous_batching=False."
-            )
-        if self.cache_implementation is not None:
-            raise ValueError(
-                f"cache_implementation={self.cache_implementation!r} sets the KV cache of `model.generate`, but "
-                "use_transformers_continuous_batching=True samples with transformers' engine, whose cache is paged. "
-                "Remove cache_implementation (the engine's cache: transformers_continuous_batching_config)."
-            )
-        ignored = sorted({"min_length", "min_new_tokens"} & set(self.generation_kwargs or {}))
-        if ignored:
-            raise ValueError(
-                f"generation_kwargs sets {ignored}, which transformers' continuous-batching engine ignores (it builds "
-                "no minimum-length processor). Remove them, or set use_transformers_continuous_batching=False."
-            )
-        valid = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-        for key in settings or {}:
-            if key == "seed":
-                raise ValueError(
-                    "transformers_continuous_batching_config sets 'seed': every round would then draw the same "
-                    "numbers. Remove it: each round's seed comes from the trainer's sampling stream (GRPOConfig.seed)."
-                )
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
-                raise ValueError(
-                    f"transformers_continuous_batching_config key {key!r} is not an argument of transformers' "
-                    f"ContinuousBatchingConfig.{f' Did you mean {close[0]!r}?' if close else ''} Fix or remove it."
-                )
-
-    def _check_generation_kwargs(self):
-        """generation_kwargs must be `GenerationConfig` fields that GRPOConfig does not set itself."""
-        kwargs = self.generation_kwargs
-        if kwargs is None:
-            return
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"generation_kwargs={kwargs!r} must be a dict of GenerationConfig fields, or None.")
-        if self.use_vllm and kwargs:
-            raise ValueError(
-                f"generation_kwargs={kwargs} are `model.generate` options, which the vLLM server does not take; use "
-                "the GRPOConfig sampling fields (temperature, top_p, top_k, min_p, repetition_penalty)."
-            )
-        fixed = {"temperature", "max_new_tokens", "do_sample"} & set(kwargs)
-        if fixed:
-            raise ValueError(
-                f"generation_kwargs sets {sorted(fixed)}: use GRPOConfig.temperature and max_completion_length "
-                "instead (the loss computes log-probs at the sampling temperature, and GRPO always samples)."
-            )
-        valid = generation_config_fields()
-        for key in kwargs:
-            if key in valid:
-                continue
-            if key in _GENERATE_ONLY:
-                raise ValueError(
-                    f"generation_kwargs key {key!r} is an argument of `model.generate` itself, not a GenerationConfig "
-                    "field; generation_kwargs become a GenerationConfig, where it would be ignored. Remove it."
-                )
-            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"generation_kwargs key {key!r} is not a field of transformers.GenerationConfig, so `model.generate` "
-                f"would ignore it.{hint} Fix or remove the key (valid keys: GenerationConfig's fields, e.g. "
-                "'typical_p', 'no_repeat_ngram_size')."
             )
 
     def _resolve_generation_batch(self, spans_the_step: bool):

@@ -16,7 +16,7 @@ import torch
 from grpo import GRPOConfig
 from grpo.generation import make_generation_backend
 from grpo.generation.base import SamplingRNG, equal_runs
-from grpo.generation.vllm.colocate import VLLMColocateGeneration
+from grpo.generation.vllm.colocate import EnvironmentChanges, VLLMColocateGeneration
 from grpo.testing import tiny_model, tiny_tokenizer
 
 ONE_PROCESS = types.SimpleNamespace(process_index=0, local_process_index=0, num_processes=1)
@@ -207,6 +207,47 @@ def test_the_engine_is_built_from_the_policy_config_in_this_process(fake_vllm):
     assert settings["distributed_executor_backend"] == "external_launcher"
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_environment_changes_are_put_back_as_they_were(monkeypatch):
+    names = ("GRPO_TEST_SET", "GRPO_TEST_UNSET", "GRPO_TEST_KEPT")
+    for name in names:  # restored by monkeypatch after the test, whatever it leaves
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GRPO_TEST_SET", "before")
+    monkeypatch.setenv("GRPO_TEST_KEPT", "launcher")
+    changes = EnvironmentChanges()
+    changes.set("GRPO_TEST_SET", "engine")
+    changes.set("GRPO_TEST_SET", "again")  # a second change: the value before the first is what comes back
+    changes.set_default("GRPO_TEST_UNSET", "engine")
+    changes.set_default("GRPO_TEST_KEPT", "engine")  # a value the process has stays
+    assert [os.environ.get(name) for name in names] == ["again", "engine", "launcher"]
+    changes.restore()
+    assert [os.environ.get(name) for name in names] == ["before", None, "launcher"]
+    assert "GRPO_TEST_UNSET" not in os.environ
+
+
+def test_closing_the_engine_puts_the_process_back(fake_vllm, monkeypatch):
+    # Every variable the engine set goes back at close: VLLM_ENABLE_V1_MULTIPROCESSING to the user's value, RANK and
+    # WORLD_SIZE unset as they were, a launcher's LOCAL_RANK untouched throughout.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    backend = _backend(TWO_PROCESSES)
+    backend.engine(tiny_model())
+    config_dir = Path(backend.llm.kwargs["model"])
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["RANK"] == "1"
+    assert os.environ["LOCAL_RANK"] == "7" and os.environ["WORLD_SIZE"] == "2"
+    backend.close()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and os.environ["LOCAL_RANK"] == "7"
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    assert backend.llm is None and not config_dir.exists()
+
+
+def test_a_failed_engine_build_leaves_no_variable_behind(fake_vllm):
+    fake_vllm.is_sleep_mode_available = lambda: False
+    with pytest.raises(ValueError, match="no sleep mode"):
+        _backend(TWO_PROCESSES, enable_sleep_mode=True).engine(tiny_model())
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
 
 
 @pytest.fixture(params=[False, True])

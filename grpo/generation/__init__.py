@@ -7,7 +7,8 @@ the policy's weights), `VLLMGeneration` (vllm/server_backend.py, a `grpo vllm-se
 vllm/client.py and whose server is vllm/serve.py) and `VLLMColocateGeneration` (vllm/colocate.py, an engine inside
 each training process); offline training replays stored completions through `StoredCompletions` (stored.py). The weights a vLLM engine needs come from policy_weights.py and travel by
 vllm/weight_sync.py (all of them) or vllm/lora_sync.py (the adapter alone); docs/vllm.md. Asynchronous generation's
-engine, shared between the producer thread and the trainer, is async_engine.py.
+engine, shared between the producer thread and the trainer, is async_engine.py. What every backend draws from is one
+`SamplingSettings` (settings.py, beside the checks of the generation fields that `GRPOConfig` runs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpo.generation.base import Completions, GenerationBackend, SamplingRNG, cu
 from grpo.generation.continuous_batching import ContinuousBatchingGeneration
 from grpo.generation.episodes import AgentLoop
 from grpo.generation.model_generate import TransformersGeneration
+from grpo.generation.settings import SamplingSettings
 from grpo.generation.stored import StoredCompletions
 from grpo.rollout import Rollout
 
@@ -40,6 +42,7 @@ __all__ = [
     "ContinuousBatchingGeneration",
     "GenerationBackend",
     "SamplingRNG",
+    "SamplingSettings",
     "StoredCompletions",
     "TransformersGeneration",
     "cut_at_eos",
@@ -61,14 +64,8 @@ def make_generation_backend(
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     processor, tokenizer = (tokenizer if is_processor(tokenizer) else None), text_tokenizer(tokenizer)
-    sampling = dict(
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-    )
+    # One value for whichever backend samples; the config ran the generation checks when it was built.
+    sampling = SamplingSettings.from_config(args, check=False)
     if args.use_transformers_continuous_batching:
         if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
             # The engine runs the forward passes in a thread of its own, a different number on each process: a
@@ -81,27 +78,27 @@ def make_generation_backend(
         return ContinuousBatchingGeneration(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
-            generation_kwargs=args.generation_kwargs,
+            sampling=sampling,
             settings=args.transformers_continuous_batching_config,
             rng=rng,
-            **sampling,
         )
     if not args.use_vllm:
         return TransformersGeneration(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
-            generation_kwargs=args.generation_kwargs,
+            sampling=sampling,
             cache_implementation=args.cache_implementation,
             pad_to_multiple_of=args.pad_to_multiple_of,
             cpu_decode_kernel=args.cpu_decode_kernel,
             cpu_inverse_cdf_sampling=args.cpu_inverse_cdf_sampling,
             rng=rng,
-            **sampling,
         )
     return _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling, processor)
 
 
-def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: dict, processor) -> GenerationBackend:
+def _vllm_backend(
+    args, accelerator, tokenizer, eos_token_ids, rng, sampling: SamplingSettings, processor
+) -> GenerationBackend:
     """`use_vllm`'s sampler: an engine in this process (`vllm_mode="colocate"`) or a `grpo vllm-serve` server."""
     if args.vllm_mode == "colocate":
         from grpo.generation.vllm.colocate import VLLMColocateGeneration
@@ -109,16 +106,15 @@ def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: di
         return VLLMColocateGeneration(
             accelerator,
             eos_token_ids=eos_token_ids,
+            sampling=sampling,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             engine_kwargs={"trust_remote_code": args.trust_remote_code},
             rng=rng,
             model_impl=args.vllm_model_impl,
-            structured_outputs_regex=args.vllm_structured_outputs_regex,
             tokenizer=tokenizer,
             processor=processor,
-            **sampling,
         )
     from grpo.generation.vllm.client import VLLMClient
     from grpo.generation.vllm.server_backend import VLLMGeneration
@@ -137,10 +133,9 @@ def _vllm_backend(args, accelerator, tokenizer, eos_token_ids, rng, sampling: di
         num_generations=args.num_generations,
         num_generations_eval=args.num_generations_eval,
         bucket_bytes=int(args.vllm_sync_bucket_mb * 2**20),
+        sampling=sampling,
         rng=rng,
         model_impl=args.vllm_model_impl,
-        structured_outputs_regex=args.vllm_structured_outputs_regex,
-        **sampling,
     )
 
 
@@ -172,37 +167,60 @@ def sample_rollout(
     columns = {key: [example[key] for example in inputs] for key in inputs[0] if key != "prompt"}
     images = [row_images(example) for example in inputs]
     vision = None
-    template_kwargs = args.chat_template_kwargs
     if images[0] is not None:  # vision inputs beside the prompt tokens, from the processor
-        if not is_processor(tokenizer):
-            raise TypeError(
-                "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
-                "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
-            )
-        images = open_rows(images)
-        prompt_ids, vision = encode_vision_prompts(prompts, images, tokenizer, args.max_prompt_length, template_kwargs)
+        images, prompt_ids, vision = _encode_with_images(prompts, images, tokenizer, args)
         prompt_cut = [False] * len(prompts)
-        if getattr(backend, "takes_images", False):  # vLLM runs the processor itself, on the images
-            raw = backend.generate(
-                model, prompt_ids, images=image_prompts(prompts, images, tokenizer, template_kwargs)
-            )
-        else:
-            raw = backend.generate(model, prompt_ids, vision=vision)
+        raw = _generate_with_images(backend, model, prompt_ids, vision, prompts, images, tokenizer, args)
     else:
         prompt_ids, prompt_cut = encode_prompts(
             prompts,
             text_tokenizer(tokenizer),
             args.max_prompt_length,
             args.truncation_side,
-            chat_template_kwargs=template_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
         raw = backend.generate(model, prompt_ids)
-    tokenizer = text_tokenizer(tokenizer)
+    rollout = _cut_and_decode(prompts, prompt_ids, raw, text_tokenizer(tokenizer), eos_token_ids, args)
+    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
+    rollout.vision = vision
+    if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
+        rollout.images = images
+    return rollout, columns
+
+
+def _encode_with_images(prompts: list, images: list, tokenizer, args) -> tuple[list, list[list[int]], list]:
+    """The rows' images opened, their prompts rendered and tokenized with them by the model's processor
+    (`tokenizer`), and each row's vision inputs (grpo/data/vision.py)."""
+    if not is_processor(tokenizer):
+        raise TypeError(
+            "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
+            "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
+        )
+    images = open_rows(images)
+    prompt_ids, vision = encode_vision_prompts(
+        prompts, images, tokenizer, args.max_prompt_length, args.chat_template_kwargs
+    )
+    return images, prompt_ids, vision
+
+
+def _generate_with_images(backend, model, prompt_ids, vision, prompts, images, processor, args) -> Completions:
+    """Sample rows that have images: a backend with `takes_images` (vLLM's, which runs the processor itself) is given
+    the images, any other the processed vision inputs."""
+    if getattr(backend, "takes_images", False):
+        return backend.generate(
+            model, prompt_ids, images=image_prompts(prompts, images, processor, args.chat_template_kwargs)
+        )
+    return backend.generate(model, prompt_ids, vision=vision)
+
+
+def _cut_and_decode(prompts, prompt_ids, raw: Completions, tokenizer, eos_token_ids, args) -> Rollout:
+    """Step 3: each completion cut after its first EOS (a completion without one is truncated), the sampler's
+    log-probs cut to match, the text decoded, as a `Rollout` not yet scored."""
     completion_ids, truncated = cut_at_eos(raw.ids, eos_token_ids, args.max_completion_length)
     sampling_logps = None
     if raw.logprobs is not None:
         sampling_logps = [row[: len(ids)] for row, ids in zip(raw.logprobs, completion_ids)]
-    rollout = Rollout.from_tokens(
+    return Rollout.from_tokens(
         prompts,
         decode_completions(completion_ids, prompts, tokenizer),
         prompt_ids,
@@ -212,8 +230,3 @@ def sample_rollout(
         mask_truncated=args.mask_truncated_completions,
         sampling_logps=sampling_logps,
     )
-    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
-    rollout.vision = vision
-    if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
-        rollout.images = images
-    return rollout, columns

@@ -130,15 +130,3 @@ def equal_runs(rows: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
         else:
             runs.append((list(row), 1))
     return runs
-
-
-def vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty) -> dict:
-    """The trainer's sampling settings under vLLM's names (min_p None means 0: off)."""
-    return {
-        "max_tokens": max_completion_length,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p or 0.0,
-        "repetition_penalty": repetition_penalty,
-    }

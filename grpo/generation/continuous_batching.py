@@ -43,11 +43,12 @@ PAGE_SIZE = 32
 class ContinuousBatchingGeneration(TransformersGeneration):
     """Samples with the policy's own weights through `ContinuousBatchingManager` (transformers >= 5.8).
 
-    Takes `TransformersGeneration`'s sampling settings, plus `settings`: keyword arguments of
-    `transformers.generation.ContinuousBatchingConfig` (GRPOConfig's `transformers_continuous_batching_config`)."""
+    Takes `TransformersGeneration`'s arguments (its `sampling` settings, or their fields), plus `settings`: keyword
+    arguments of `transformers.generation.ContinuousBatchingConfig` (GRPOConfig's
+    `transformers_continuous_batching_config`)."""
 
-    def __init__(self, *, settings: dict | None = None, **sampling):
-        super().__init__(**sampling)
+    def __init__(self, *, settings: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
         self.settings = dict(settings or {})
 
     def turns(self) -> ContinuousBatchingGeneration:

@@ -26,6 +26,7 @@ from transformers import DynamicCache, GenerationConfig
 from grpo.data import pad, round_up
 from grpo.data.vision import placeholder_token_ids, vision_batch
 from grpo.generation.base import Completions, SamplingRNG, cut_at_eos, equal_runs
+from grpo.generation.settings import SamplingSettings, resolve_sampling
 
 
 class TransformersGeneration:
@@ -35,22 +36,21 @@ class TransformersGeneration:
     def __init__(
         self,
         *,
-        max_completion_length: int,
         pad_token_id: int,
         eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict | None = None,
+        sampling: SamplingSettings | None = None,
         cache_implementation: str | None = None,
         pad_to_multiple_of: int | None = None,
         greedy: bool = False,
         cpu_decode_kernel: bool = False,
         cpu_inverse_cdf_sampling: bool = False,
         rng: SamplingRNG | None = None,
+        **fields,
     ):
+        """`sampling`: what completions are drawn from (`make_generation_backend` passes the config's), or instead
+        its fields as keywords (`max_completion_length=8, top_k=0`) for a sampler built on its own. With `greedy`
+        (evaluation samples, the CLI's check) every setting but the length is ignored."""
+        self.sampling_settings = sampling = resolve_sampling(sampling, fields)
         self.pad_token_id = pad_token_id
         # Inputs padded to a multiple of this width (None: the longest row), for compilers that see each shape anew.
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -61,7 +61,7 @@ class TransformersGeneration:
         self.cpu_decode_kernel = cpu_decode_kernel
         self.cpu_inverse_cdf_sampling = cpu_inverse_cdf_sampling
         settings = {
-            "max_new_tokens": max_completion_length,
+            "max_new_tokens": sampling.max_completion_length,
             "do_sample": not greedy,
             "pad_token_id": pad_token_id,
             "eos_token_id": list(eos_token_ids),
@@ -70,15 +70,15 @@ class TransformersGeneration:
         }
         if not greedy:  # with `greedy` (evaluation samples) every sampling setting is ignored
             settings |= {
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": top_k,  # 0 disables the top-k filter; left unset it would default to 50
-                "min_p": min_p,
-                "repetition_penalty": repetition_penalty,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,  # 0 disables the top-k filter; left unset it would default to 50
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
             }
         # `return_dict_in_generate`: the sequences and the cache `generate` ended with (`CarriedTurns` goes on from it).
         self.generation_config = GenerationConfig(
-            **{**settings, **(generation_kwargs or {}), "return_dict_in_generate": True}
+            **{**settings, **(sampling.generation_kwargs or {}), "return_dict_in_generate": True}
         )
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
@@ -89,12 +89,12 @@ class TransformersGeneration:
         """`vision`: each row's vision inputs (vision-language models, grpo/data/vision.py); then every row is
         prefilled with its images, none shared, and the model's image placeholder tokens are never sampled (a
         completion holding one would ask the log-prob passes for an image that is not there)."""
-        input_ids, attention_mask = self._left_padded(model, prompt_ids)
+        input_ids, attention_mask = self.left_padded(model, prompt_ids)
         if vision is not None:
             inputs = vision_batch(vision, input_ids.shape[1], 0, input_ids.device)
-            sequences, _ = self._run(model, input_ids, attention_mask, vision=inputs)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, vision=inputs)
         else:
-            sequences, _ = self._run(model, input_ids, attention_mask, prompt_ids)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, prompt_ids)
         return Completions(sequences[:, input_ids.shape[1] :].tolist())
 
     def turns(self) -> CarriedTurns:
@@ -102,13 +102,15 @@ class TransformersGeneration:
         next (grpo/generation/episodes.py asks for it at the start of a round)."""
         return CarriedTurns(self)
 
-    def _left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def left_padded(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prompt_ids` as (B, P) ids and attention mask on the model's device, left-padded to the longest row (or a
+        multiple of `pad_to_multiple_of`): the layout `generate_from` takes."""
         device = next(model.parameters()).device
         width = round_up(max(map(len, prompt_ids), default=0), self.pad_to_multiple_of)
         input_ids, attention_mask = pad(prompt_ids, self.pad_token_id, side="left", width=width)
         return input_ids.to(device), attention_mask.to(device)
 
-    def _run(
+    def generate_from(
         self,
         model: nn.Module,
         input_ids: torch.Tensor,
@@ -117,8 +119,8 @@ class TransformersGeneration:
         cache: DynamicCache | None = None,
         vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
-        """`generate` from `input_ids` (B, T), given a `cache` of its first columns or, with `prompt_ids`, sharing
-        the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
+        """`generate` from `input_ids` (B, T) (`generate` calls it for a batch of prompts, `CarriedTurns` for each
+        turn), given a `cache` of its first columns or, with `prompt_ids`, sharing the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
         which the model's image placeholder tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
         its first T + N - 1 columns: the last token sampled was never fed to the model)."""
         device = input_ids.device
@@ -251,11 +253,11 @@ class CarriedTurns:
     def generate(self, model: nn.Module, contexts: list[list[int]]) -> Completions:
         continued = self._continuation(contexts)
         if continued is None:
-            input_ids, attention_mask = self.sampler._left_padded(model, contexts)
-            sequences, cache = self.sampler._run(model, input_ids, attention_mask, prompt_ids=contexts)
+            input_ids, attention_mask = self.sampler.left_padded(model, contexts)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, prompt_ids=contexts)
         else:
             input_ids, attention_mask, cache = continued
-            sequences, cache = self.sampler._run(model, input_ids, attention_mask, cache=cache)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, cache=cache)
         width = input_ids.shape[1]
         new = sequences[:, width:].tolist()
         # Only a dynamic cache of full-attention layers is carried: a static, sliding-window or recurrent cache does

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from grpo.data.vision import ImagePrompts, placeholder_token_ids
-from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
+from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed
 from grpo.generation.policy_weights import checkpoint_tensors
+from grpo.generation.settings import SamplingSettings, resolve_sampling
 from grpo.generation.vllm.engine_processes import structured_outputs
 from grpo.generation.vllm.images import check_expanded, multimodal_request, placeholder_bias
 
@@ -73,10 +74,40 @@ def _runs(prompt_ids: list[list[int]], images: ImagePrompts | None) -> list[tupl
     return runs
 
 
+class EnvironmentChanges:
+    """Variables of `os.environ` set for an engine's life, each put back by `restore` as it was before (removed
+    where it was unset): the engine needs them, the rest of the process (a second trainer, user code) must not see
+    them once it is gone."""
+
+    def __init__(self):
+        self.previous: dict[str, str | None] = {}  # name -> its value before the first change (None: unset)
+
+    def set(self, name: str, value: str) -> None:
+        self.previous.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+    def set_default(self, name: str, value: str) -> None:
+        """Set `name` only where the process has no value for it (a launcher's RANK stays as it is)."""
+        if name not in os.environ:
+            self.set(name, value)
+
+    def restore(self) -> None:
+        for name, value in self.previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self.previous.clear()
+
+
 class VLLMColocateGeneration:
     """`GenerationBackend` on a vLLM engine in this process (`use_vllm=True, vllm_mode="colocate"`).
 
     Args:
+        sampling: what completions are drawn from (`make_generation_backend` passes the config's), or instead its
+            fields as keywords (`max_completion_length=8, temperature=0.7`); its `structured_outputs_regex`
+            constrains every completion (vLLM's structured outputs), and the engine then loads `tokenizer`, which
+            the grammar is compiled against.
         gpu_memory_utilization: the fraction of the device's memory the engine takes (vLLM's CPU build ignores it
             and reads VLLM_CPU_KVCACHE_SPACE, in GiB).
         max_model_length: the engine's context length; None takes the model's.
@@ -84,8 +115,6 @@ class VLLMColocateGeneration:
             next; an error where vLLM has no sleep mode (its CPU build).
         engine_kwargs: further `vllm.LLM` arguments, over the ones chosen here.
         model_impl: the model code vLLM runs ('vllm', 'transformers' or 'auto'; GRPOConfig.vllm_model_impl).
-        structured_outputs_regex: every completion must match it (vLLM's structured outputs); the engine then loads
-            `tokenizer`, which the grammar is compiled against.
         processor: a vision-language model's processor (docs/vlm.md#vllm-with-images): saved beside the config, since
             vLLM runs it on the images each prompt brings (`generate`'s `images`).
     """
@@ -97,28 +126,24 @@ class VLLMColocateGeneration:
         accelerator,
         *,
         eos_token_ids: Sequence[int],
-        max_completion_length: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        min_p: float | None,
-        repetition_penalty: float,
+        sampling: SamplingSettings | None = None,
         gpu_memory_utilization: float = 0.3,
         max_model_length: int | None = None,
         enable_sleep_mode: bool = False,
         engine_kwargs: dict | None = None,
         rng: SamplingRNG | None = None,
         model_impl: str = "vllm",
-        structured_outputs_regex: str | None = None,
         tokenizer=None,
         processor=None,
+        **fields,
     ):
         if importlib.util.find_spec("vllm") is None:  # fail when the trainer is built, not at its first step
             raise ImportError(INSTALL_HINT)
+        self.sampling_settings = sampling = resolve_sampling(sampling, fields)
         self.accelerator = accelerator
         self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
         self.sampling = {
-            **vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty),
+            **sampling.vllm_params(),
             # vLLM has no tokenizer here (prompts are ids), so it knows no EOS of its own: stop at the trainer's.
             "stop_token_ids": list(eos_token_ids),
         }
@@ -126,25 +151,36 @@ class VLLMColocateGeneration:
         self.max_model_length = max_model_length
         self.enable_sleep_mode = enable_sleep_mode
         self.engine_kwargs = {"model_impl": model_impl, **(engine_kwargs or {})}
-        if structured_outputs_regex is not None and tokenizer is None:
+        if sampling.structured_outputs_regex is not None and tokenizer is None:
             raise ValueError(
                 "structured_outputs_regex needs the tokenizer: the engine compiles the pattern against it"
             )
-        self.regex, self.tokenizer, self.processor = structured_outputs_regex, tokenizer, processor
+        self.regex, self.tokenizer, self.processor = sampling.structured_outputs_regex, tokenizer, processor
         self.llm = None  # built at the first sync_weights or generate, from the policy's config
         self.asleep = False
         self.synced_version: int | None = None  # the trainer step whose weights the engine holds
         self.last_sync: dict | None = None  # {"seconds"} of the latest sync
         self._config_dir: tempfile.TemporaryDirectory | None = None
+        self.environment = EnvironmentChanges()  # the variables set for the engine, put back by `close`
 
     # ---- The engine ----
 
     def engine(self, model: nn.Module):
-        """This process's `vllm.LLM`, built on first use from `model`'s config with dummy weights."""
+        """This process's `vllm.LLM`, built on first use from `model`'s config with dummy weights. A build that fails
+        leaves nothing behind (`close`)."""
         if self.llm is not None:
             return self.llm
         # The engine core runs in this process: a child process could not take weights without a transport.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.environment.set("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            self.llm = self._build(model)
+        except BaseException:
+            self.close()
+            raise
+        return self.llm
+
+    def _build(self, model: nn.Module):
+        """A new `vllm.LLM` for `model` (`engine` keeps it)."""
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -186,19 +222,29 @@ class VLLMColocateGeneration:
         if self.accelerator.num_processes > 1:
             # Several training processes: vLLM builds its (size-1) parallel groups inside the trainer's process
             # group instead of starting one of its own, which is what its external launcher mode is for.
-            os.environ.setdefault("RANK", str(self.accelerator.process_index))
-            os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
-            os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
+            self.environment.set_default("RANK", str(self.accelerator.process_index))
+            self.environment.set_default("LOCAL_RANK", str(self.accelerator.local_process_index))
+            self.environment.set_default("WORLD_SIZE", str(self.accelerator.num_processes))
             settings["distributed_executor_backend"] = "external_launcher"
         # vLLM seeds the process's random generators with its `seed` and lowers torch's thread count "for serving":
         # the trainer's seeded streams (and a resumed run's) and its threads are put back.
         threads, states = torch.get_num_threads(), (random.getstate(), np.random.get_state())
         with torch.random.fork_rng():
-            self.llm = LLM(**{**settings, **self.engine_kwargs})
+            llm = LLM(**{**settings, **self.engine_kwargs})
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_num_threads(threads)
-        return self.llm
+        return llm
+
+    def close(self) -> None:
+        """Let go of the engine and put back what building it changed in this process: every environment variable
+        it set (to its earlier value, or unset) and the temporary folder of its config. A later `sync_weights`
+        builds a new engine."""
+        self.llm, self.asleep, self.synced_version = None, False, None
+        self.environment.restore()
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+            self._config_dir = None
 
     def _wake(self) -> None:
         if self.asleep:

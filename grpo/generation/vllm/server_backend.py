@@ -12,8 +12,9 @@ import logging
 from torch import nn
 
 from grpo.data.vision import ImagePrompts
-from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed, vllm_sampling
+from grpo.generation.base import Completions, SamplingRNG, equal_runs, request_seed
 from grpo.generation.policy_weights import adapter_tensors, checkpoint_tensors
+from grpo.generation.settings import SamplingSettings, resolve_sampling
 from grpo.generation.vllm import lora_sync
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError
 from grpo.generation.vllm.images import check_expanded, encode_rows
@@ -53,26 +54,25 @@ class VLLMGeneration:
         *,
         client: VLLMClient,
         num_generations: int,
-        max_completion_length: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        min_p: float | None,
-        repetition_penalty: float,
         bucket_bytes: int,
+        sampling: SamplingSettings | None = None,
         num_generations_eval: int | None = None,
         rng: SamplingRNG | None = None,
         model_impl: str | None = None,
-        structured_outputs_regex: str | None = None,
+        **fields,
     ):
+        """`sampling`: what completions are drawn from (`make_generation_backend` passes the config's), or instead
+        its fields as keywords (`max_completion_length=8, temperature=0.7`)."""
+        self.sampling_settings = sampling = resolve_sampling(sampling, fields)
         self.accelerator = accelerator
         self.rng = rng  # the trainer's sampling stream, which request seeds are drawn from (None: torch's default)
         self.client = client
         self.num_generations = num_generations
         self.num_generations_eval = num_generations_eval or num_generations  # G of an evaluation batch
-        self.sampling = vllm_sampling(max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
-        if structured_outputs_regex is not None:  # sent only when set: a server without the field takes the rest
-            self.sampling["structured_outputs_regex"] = structured_outputs_regex
+        self.sampling = sampling.vllm_params()  # what every request sends
+        regex = sampling.structured_outputs_regex
+        if regex is not None:  # sent only when set: a server without the field takes the rest
+            self.sampling["structured_outputs_regex"] = regex
         self.model_impl = model_impl  # the `--model-impl` the server must run (None: any)
         self.bucket_bytes = bucket_bytes
         self.synced_version: int | None = None  # the trainer step whose weights the server holds
