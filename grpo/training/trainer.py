@@ -38,6 +38,7 @@ from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.token_weights import keeps_sampling_logps, policy_mask, sampling_weights
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
+from grpo.rewards.stored import offline_rewards
 from grpo.rollout import MicroBatch, Rollout, TokenBatch, gather_rows
 from grpo.training import hub_log, metrics
 from grpo.training.async_rounds import AsyncRounds
@@ -55,6 +56,7 @@ from grpo.training.loaders import RoundLoaders
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import GradientGuard, LossRecord, check_reward_spread, finite_rewards
 from grpo.training.output_dir import own_output_dir
+from grpo.training.rollouts_file import save_round
 from grpo.training.signal_watch import SignalWatch
 
 RewardFunc = Callable[..., list] | PreTrainedModel | str
@@ -137,7 +139,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         # Reward functions: names, signatures and weights checked, then reward models named by path loaded; by kind.
-        rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
+        rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
         model, processing_class, self.eos_token_ids = load_policy(model, processing_class, peft_config, args, images)
         self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
@@ -363,7 +365,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             main = self.accelerator.is_main_process
             self._samples = metrics.round_samples(rollout, self.rewards, advantages, args.output_dir, main)
         if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
-            offline.save_round(args.output_dir, self.accelerator, rollout, self.rewards, self.state.global_step)
+            save_round(args.output_dir, self.accelerator, rollout, self.rewards, self.state.global_step)
         return replace(rollout, images=None)
 
     def _record_round_metrics(self, mode: str, rollout: Rollout) -> None:
