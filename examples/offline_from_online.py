@@ -65,7 +65,8 @@ def logprob_gap(trainer) -> tuple[float, float, float]:
     groups = trainer.train_dataset  # offline: the stored completions as groups (grpo.data.offline.OfflineGroups)
     for g in range(len(groups)):
         group = groups[g]
-        rollout, _ = groups.rollout([group], trainer.processing_class, trainer.eos_token_ids, trainer.accelerator)
+        # The trainer's generation backend (StoredCompletions) makes the Rollout of drawn groups.
+        rollout, _ = trainer.generation.rollout([group], trainer.processing_class, trainer.eos_token_ids)
         with torch.no_grad():  # the log-probs the trainer's loss takes, at its sampling temperature
             logps, _ = completion_logprobs(
                 trainer.model,

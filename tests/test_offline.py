@@ -255,9 +255,7 @@ def test_conversational_file(tmp_path):
 def completion_logps(trainer, rows):
     """Mean per-token log-prob of each stored completion under the trainer's current model."""
     groups = [trainer.train_dataset[g] for g in range(len(trainer.train_dataset))]
-    rollout, _ = trainer.offline_data.rollout(
-        groups, trainer.processing_class, trainer.eos_token_ids, trainer.accelerator
-    )
+    rollout, _ = trainer.generation.rollout(groups, trainer.processing_class, trainer.eos_token_ids)
     with torch.no_grad():
         logps, _ = trainer.logprobs(trainer.model, rollout)
     mask = rollout.completion_mask

@@ -239,6 +239,7 @@ def check_trainer_inputs(plan: RunPlan) -> None:
     from grpo.objective.reference import reference_moves
     from grpo.rewards.environments import with_environment_rewards
     from grpo.rewards.names import check_reward_funcs
+    from grpo.rewards.stored import offline_rewards
 
     args = plan.args
     try:
@@ -250,7 +251,7 @@ def check_trainer_inputs(plan: RunPlan) -> None:
         reference_moves(args, peft=plan.recipe.peft is not None)
         toolbox = Toolbox(plan.tools) if plan.tools else None
         funcs, weights = with_environment_rewards(plan.reward_funcs or None, toolbox, args.reward_weights)
-        funcs, _, weights = offline.offline_rewards(stored, funcs, None, weights)
+        funcs, _, weights = offline_rewards(stored, funcs, None, weights)
         if funcs:
             check_reward_funcs(funcs, None, weights)
     except (ValueError, TypeError) as e:

@@ -14,16 +14,18 @@ errors about the stored data say that the column caused it (`offline_groups`).
 
 Rows are grouped by prompt (`prompt_key`); a group is what a generation round's G completions of one prompt are
 online, but its size may differ from group to group. The training set becomes a data set of groups
-(`OfflineGroups`): the sampler draws groups, each process gets whole groups, and `OfflineGroups.rollout` turns the
-drawn groups into the same `Rollout` generation makes. From there on the trainer's path is the online one: scoring,
-advantages (`grouped_advantages`), old and reference log-probs, micro-batches, the loss, metrics and checkpoints.
+(`OfflineGroups`): the sampler draws groups and each process gets whole groups. This module is the data stage's
+part of offline training; the later stages each take theirs, so that data never imports what comes after it:
 
-The stored reward is scored like a reward function (`StoredReward`, first in the reward set, weight 1 unless
-`reward_weights` has one more entry than there are reward functions); reward functions, when given, score the
-stored completions too and are added with their weights.
-
-`save_round` writes an online run's rounds in the one-row-per-completion form (`GRPOConfig.save_rollouts`), and
-`load_scored_rollouts` reads such files back.
+  - generation: `StoredCompletions` (grpo/generation/stored.py) turns the drawn groups into the same `Rollout`
+    generation makes; from there on the trainer's path is the online one (scoring, advantages by group size,
+    old and reference log-probs, micro-batches, the loss, metrics and checkpoints);
+  - rewards: the stored reward is scored like a reward function (`StoredReward` and `offline_rewards`,
+    grpo/rewards/stored.py), first in the reward set, weight 1 unless `reward_weights` has one more entry than
+    there are reward functions; reward functions, when given, score the stored completions too;
+  - training: `save_round` (grpo/training/rollouts_file.py) writes an online run's rounds in the
+    one-row-per-completion form (`GRPOConfig.save_rollouts`), and `load_scored_rollouts`, here, reads such files
+    back.
 """
 
 from __future__ import annotations
@@ -33,18 +35,14 @@ import logging
 import math
 import numbers
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 
-from grpo.data import InputError, check_prompt_dataset, completion_text, encode_prompts
+from grpo.data import InputError, check_prompt_dataset
 from grpo.data.sampler import train_batch_size
-from grpo.rollout import Rollout, gather_rows
 
-ROLLOUTS_FILE = "rollouts.jsonl"  # what `save_rollouts` writes in output_dir
 TRUNCATED = "truncated"  # optional bool column: the stored completion was cut off, so no EOS is appended
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -81,18 +79,6 @@ def completion_problem(completion: Any) -> str | None:
     return f"{str(completion)[:80]!r}, which is neither a string nor an assistant message"
 
 
-def prefill(prompt: Any) -> str:
-    """The text a conversational prompt's final assistant message starts the completion with ("" without one)."""
-    return prompt[-1]["content"] if not isinstance(prompt, str) and prompt[-1]["role"] == "assistant" else ""
-
-
-def continuation(prompt: Any, text: str) -> str:
-    """The part of a stored completion the model produced: after the prompt's prefill, which online completions
-    (and so exported ones) repeat at their start."""
-    start = prefill(prompt)
-    return text[len(start) :] if start and text.startswith(start) else text
-
-
 def reward_problem(value: Any) -> str | None:
     """What is wrong with one stored reward, or None: a finite number, or None (unscored: advantage 0)."""
     if value is None:
@@ -102,23 +88,11 @@ def reward_problem(value: Any) -> str | None:
     return None
 
 
-class StoredReward:
-    """The stored reward column as a reward function, first in the trainer's reward set: it returns the column's
-    values, so the stored reward's metrics (`rewards/<column>/mean`), weight and advantages work like any function's.
-    A module-level class, so that it pickles for `reward_worker_type="process"`."""
-
-    def __init__(self, column: str):
-        self.column = column
-        self.__name__ = column
-
-    def __call__(self, prompts, completions, **columns) -> list:
-        return list(columns[self.column])
-
-
 class OfflineGroups(torch.utils.data.Dataset):
     """A training set of scored completions as a data set of groups: item g is {"prompt": ..., "rows": [one dict
     per completion of that prompt]}, each row holding the completion (under `offline_completion_column`), the stored
-    reward, the behaviour log-probs when given, and the training set's other columns (for reward functions)."""
+    reward, the behaviour log-probs when given, and the training set's other columns (for reward functions). The
+    column names and `args` it keeps are what `StoredCompletions` (grpo/generation/stored.py) tokenizes a round by."""
 
     def __init__(self, dataset, args, reward_funcs_given: bool, name: str = "train_dataset"):
         self.dataset, self.args, self.form = dataset, args, offline_form(dataset, args)
@@ -144,74 +118,6 @@ class OfflineGroups(torch.utils.data.Dataset):
                 row = {k: v for k, v in record.items() if k not in listed and k != "prompt"}
                 rows.append(row | {target: record[k][j] for k, target in listed.items() if k in record})
         return {"prompt": self.dataset[indices[0]]["prompt"], "rows": rows}
-
-    def rollout(self, groups: list[dict], tokenizer, eos_token_ids, accelerator) -> tuple[Rollout, dict[str, list]]:
-        """The `Rollout` of the drawn `groups` (this process's), on the accelerator's device, not yet scored, and
-        the rows' other columns for the reward functions. Completions are tokenized without special tokens and end
-        with the tokenizer's EOS token (unless the `truncated` column says they were cut off); at most
-        `max_completion_length` tokens are kept (a longer one is truncated). With `offline_logprobs_column`, those
-        log-probs become the old log-probs, so that the ratio is taken against the policy that produced the data."""
-        args = self.args
-        rows = [row for group in groups for row in group["rows"]]
-        prompts = [group["prompt"] for group in groups for _ in group["rows"]]
-        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_token_ids[0]
-        prompt_ids, prompt_cut = encode_prompts(
-            prompts,
-            tokenizer,
-            args.max_prompt_length,
-            args.truncation_side,
-            chat_template_kwargs=args.chat_template_kwargs,
-        )
-        texts = [continuation(p, completion_text(row[self.completion])) for p, row in zip(prompts, rows)]
-        completion_ids, truncated = [], []
-        for ids, row in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], rows):
-            ids = ids if row.get(TRUNCATED) else ids + [eos]
-            completion_ids.append(ids[: args.max_completion_length])
-            truncated.append(bool(row.get(TRUNCATED)) or len(ids) > args.max_completion_length)
-        completions = [
-            t if isinstance(p, str) else [{"role": "assistant", "content": prefill(p) + t}]
-            for p, t in zip(prompts, texts)
-        ]
-        rollout = Rollout.from_tokens(
-            prompts,
-            completions,
-            prompt_ids,
-            completion_ids,
-            truncated,
-            tokenizer.pad_token_id,
-            mask_truncated=args.mask_truncated_completions,
-        )
-        old_logps = behaviour_logps(rows, self.logprobs, completion_ids, texts, tokenizer) if self.logprobs else None
-        everyone = gather_object([[len(group["rows"]) for group in groups]])  # every process's group sizes
-        first_row = sum(sum(sizes) for sizes in everyone[: accelerator.process_index])
-        rollout = replace(
-            rollout,
-            old_logps=old_logps,
-            group_sizes=[s for sizes in everyone for s in sizes],
-            first_row=first_row,
-            prompt_truncated=torch.tensor(prompt_cut, dtype=torch.bool),
-        )
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k != self.completion}
-        return rollout.to(accelerator.device), columns
-
-
-def behaviour_logps(rows: list[dict], column: str, completion_ids: list[list[int]], texts, tokenizer) -> torch.Tensor:
-    """(B, T) the stored behaviour log-probs of the completion tokens, right-padded with 0. A row needs one per
-    token of its completion, the appended EOS included, before the `max_completion_length` cut."""
-    width = max(len(ids) for ids in completion_ids)
-    out = torch.zeros(len(rows), width)
-    for i, (row, ids) in enumerate(zip(rows, completion_ids)):
-        values = row.get(column)
-        expected = len(tokenizer(texts[i], add_special_tokens=False)["input_ids"]) + (0 if row.get(TRUNCATED) else 1)
-        if not isinstance(values, (list, tuple)) or len(values) != expected:
-            count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise InputError(
-                f"The behaviour log-probs ({column!r}) of completion {texts[i][:60]!r} have {count} entries, but it "
-                f"has {expected} tokens with the appended EOS. Give one log-prob per completion token, the EOS "
-                f"included, with this model's tokenizer; or set offline_logprobs_column=None (old = current policy)."
-            )
-        out[i, : len(ids)] = torch.tensor([float(v) for v in values[: len(ids)]])
-    return out
 
 
 def check_offline_dataset(dataset, args, form: str, reward_funcs_given: bool, name: str) -> None:
@@ -322,54 +228,6 @@ def offline_groups(train_dataset, eval_dataset, args, reward_funcs) -> OfflineGr
             f"train_dataset.rename_column({column!r}, 'reference_{column}'). {e}"
         ) from e
     return groups
-
-
-def offline_rewards(offline: OfflineGroups | None, reward_funcs, processing_classes, reward_weights):
-    """(reward functions, their tokenizers, their weights) for `RewardSet`: online, as given (reward functions
-    required); offline, the stored reward first (`StoredReward`, weight 1, or the first of `reward_weights` when it
-    has one more entry than there are functions), then the functions given, which may be none."""
-    weights = reward_weights
-    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
-    if offline is None:
-        if not funcs:
-            raise InputError(
-                "reward_funcs is empty: online training needs at least one reward function or reward model. (To "
-                "train on stored, already scored completions, give train_dataset a 'completion' column; "
-                "docs/offline.md.)"
-            )
-        return reward_funcs, processing_classes, weights
-    if not offline.has_reward:
-        return funcs, processing_classes, weights
-    classes = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)
-    if processing_classes is None:
-        classes = [None] * len(funcs)
-    if weights is not None and len(weights) == len(funcs):
-        weights = [1.0, *weights]
-    return [StoredReward(offline.reward), *funcs], [None, *classes], weights
-
-
-def save_round(output_dir: str, accelerator, rollout: Rollout, rewards, step: int) -> None:
-    """Append a scored round (all processes' rows) to `output_dir/rollouts.jsonl`, one line per completion, in the
-    form offline training reads back: prompt, completion, reward (the combined reward), rewards (per function),
-    truncated (cut off without EOS) and step (the optimizer step it was sampled at). Every process calls it; the
-    main process writes."""
-    columns, combined = rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
-    prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
-    truncated = gather_rows(accelerator, rollout.is_truncated).tolist()
-    if not accelerator.is_main_process:
-        return
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, ROLLOUTS_FILE)
-
-    def number(x: float) -> float | None:  # JSON has no NaN: unscored is null
-        return None if math.isnan(x) else x
-
-    with open(path, "a") as f:
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            per_function = {n: number(v) for n, v in zip(rewards.names, columns[i].tolist())}
-            record = {"prompt": prompt, "completion": completion, "reward": number(combined[i].item())}
-            record |= {"rewards": per_function, TRUNCATED: truncated[i], "step": step}
-            f.write(json.dumps(record) + "\n")
 
 
 def load_scored_rollouts(path: str | os.PathLike, split: str = "train"):

@@ -8,6 +8,7 @@ The modules, by job:
   - runner.py: calling the functions (sync, async, threads, worker processes, timeouts, retries, `reward_errors`);
   - scoring.py: `RewardSet` and `score_rewards` (every function and reward model on a batch), `combine_rewards`;
   - process.py: process (step) rewards, `StepRewards` and `@process_reward`;
+  - stored.py: offline training's stored reward as a reward function (`StoredReward`, `offline_rewards`);
   - sandbox/: running untrusted code against test cases (the verdict computed outside it) or tests, imported only
     when `code_execution` is built;
   - code_tool.py: `python_tool`, a tool for multi-turn episodes that runs the model's code in that sandbox.

@@ -23,7 +23,6 @@ import torch
 from accelerate.utils import gather
 from transformers import TrainerState
 
-from grpo.data import offline
 from grpo.data.sampler import StepSchedule
 from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
@@ -40,6 +39,7 @@ from grpo.training.async_rounds import AsyncRounds
 from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import check_reward_spread, finite_rewards
+from grpo.training.rollouts_file import save_round
 
 
 class RoundContext(NamedTuple):
@@ -238,7 +238,7 @@ class RoundMaker:
             self.samples = metrics.round_samples(rollout, self.rewards, advantages, args.output_dir, main)
         if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
             step = context.state.global_step
-            offline.save_round(args.output_dir, self.accelerator, rollout, self.rewards, step)
+            save_round(args.output_dir, self.accelerator, rollout, self.rewards, step)
         return replace(rollout, images=None)
 
     def record_metrics(self, mode: str, rollout: Rollout) -> None:

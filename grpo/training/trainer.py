@@ -28,6 +28,7 @@ from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.step_loss import StepContext, StepLoss
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet
+from grpo.rewards.stored import offline_rewards
 from grpo.rollout import MicroBatch
 from grpo.training import checkpoints, hub_log, metrics
 from grpo.training.checkpoints import ResumableTrainer
@@ -196,7 +197,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
-        rewards = offline.offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
+        rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
         return train_dataset
 
