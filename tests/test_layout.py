@@ -18,8 +18,23 @@ def _functions(path: Path):
 
 
 def test_the_trainer_stays_short():
-    lines = len((PACKAGE / "training" / "trainer.py").read_text().splitlines())
-    assert lines <= 500, f"grpo/training/trainer.py has {lines} lines; move logic into the module of its stage"
+    """The trainer only sequences (docs/architecture.md): at most 350 lines, none hidden from the formatter and
+    none holding two statements."""
+    source = (PACKAGE / "training" / "trainer.py").read_text()
+    lines = len(source.splitlines())
+    assert lines <= 350, f"grpo/training/trainer.py has {lines} lines; move logic into the module of its stage"
+    assert "fmt: skip" not in source and "fmt: off" not in source, "grpo/training/trainer.py hides lines from ruff"
+    assert not _lines_with_two_statements(source), f"two statements on a line: {_lines_with_two_statements(source)}"
+
+
+def _lines_with_two_statements(source: str) -> list[int]:
+    """The line numbers on which two statements start (`a = 1; b = 2`, `if x: y = 1`)."""
+    starts = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.stmt)]
+    return sorted({line for line in starts if starts.count(line) > 1})
+
+
+def test_two_statements_on_a_line_are_found():
+    assert _lines_with_two_statements("a = 1\nb = 2; c = 3\nif a: d = 4\n") == [2, 3]
 
 
 def test_the_trainer_never_names_a_loss_type():
@@ -32,14 +47,56 @@ def test_the_trainer_never_names_a_loss_type():
     assert not named, f"grpo/training/trainer.py names loss types {named}: ask grpo/objective/loss.py instead"
 
 
-def test_no_function_is_longer_than_80_lines():
+def test_no_function_is_longer_than_60_lines():
+    """Docstring included; a function may be longer only where its docstring says why ("Longer than 60 lines: ...")."""
     long = [
         f"{path.relative_to(ROOT)}:{line} {name} ({length} lines)"
         for path in sorted(PACKAGE.rglob("*.py"))
-        for name, line, length in _functions(path)
-        if length > 80
+        for name, line, length, doc in _functions_with_docstrings(path)
+        if length > 60 and "Longer than 60 lines:" not in doc
     ]
     assert not long, "split these functions: " + ", ".join(long)
+
+
+def _functions_with_docstrings(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node.name, node.lineno, node.end_lineno - node.lineno + 1, ast.get_docstring(node) or ""
+
+
+def _private_names_crossing(path: Path, root: Path = ROOT) -> list[str]:
+    """Where `path` uses an underscored name of another grpo module: `from grpo.x import _name`, or `x._name` on a
+    grpo module it imported as `x`. Dunder names (`__version__`) are public."""
+    tree, found, modules = ast.parse(path.read_text()), [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpo"):
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            found += [f"{path.relative_to(root)}:{node.lineno} imports {node.module}.{name}" for name in private]
+            modules |= {a.asname or a.name for a in node.names if not a.name[0].isupper()}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name.startswith("grpo")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner in modules:
+                found.append(f"{path.relative_to(root)}:{node.lineno} uses {owner}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    """A module calls another's public names only (docs/architecture.md): an underscored name is its own module's."""
+    crossing = [place for path in sorted(PACKAGE.rglob("*.py")) for place in _private_names_crossing(path)]
+    assert not crossing, "private names used from another module: " + ", ".join(crossing)
+
+
+def test_a_private_name_crossing_is_found(tmp_path):
+    module = tmp_path / "grpo" / "user.py"
+    module.parent.mkdir()
+    module.write_text("from grpo.config import _hidden\nfrom grpo import models\nmodels._load()\nmodels.load()\n")
+    assert _private_names_crossing(module, root=tmp_path) == [
+        "grpo/user.py:1 imports grpo.config._hidden",
+        "grpo/user.py:3 uses models._load",
+    ]
 
 
 def test_nothing_cites_a_file_outside_the_repository():
