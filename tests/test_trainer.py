@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.testing import tiny_model
+from grpo.testing import tiny_model, tiny_tokenizer
 from tests.helpers.compare import assert_same_update
-from tests.helpers.scripted import TINY, capture_batches, reward_len, sgd_step_update
+from tests.helpers.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, sgd_step_update, use_sampler
 
 
 def make_config(tmp_path, **kwargs):
@@ -299,3 +299,30 @@ def test_mixed_precision_samples_in_one_autocast_region(tmp_path, tiny_model_pat
     assert [(region, wrapped) for region, wrapped, _ in rounds] == [(True, True)] * 2
     assert [(region, wrapped) for region, wrapped, _ in rounds_per_forward] == [(False, True)] * 2
     assert [ids for *_, ids in rounds] == [ids for *_, ids in rounds_per_forward]
+
+
+class ClosableSampler(ScriptedGeneration):
+    """Scripted completions from a sampler that holds something to release, and counts its closes."""
+
+    closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("async_generation", [False, True])
+def test_the_end_of_training_closes_the_sampler(tmp_path, async_generation):
+    """A sampler with a `close` (a colocated vLLM engine: it puts back the environment it set) is closed once when
+    `train()` ends; under async generation through the shared engine, which then loads the weights again."""
+    tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, async_generation=async_generation, **TINY)
+    dataset = Dataset.from_dict({"prompt": [f"Question {i}" for i in range(8)]})
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    sampler = ClosableSampler(args.num_generations, args.max_completion_length)
+    use_sampler(trainer, sampler)
+    trainer.train()
+    assert sampler.closed == 1
+    if async_generation:
+        assert trainer.generation.version is None  # the next round syncs the weights into the rebuilt engine

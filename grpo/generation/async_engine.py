@@ -67,6 +67,16 @@ class SharedEngine:
         self.loader: threading.Thread | None = None
         self.load_error: BaseException | None = None
 
+    def close(self) -> None:
+        """Close the engine it shares, when that engine holds something to release (a colocated vLLM engine), once
+        a load in flight has finished; the next `sync_weights` loads the weights again."""
+        if not hasattr(self.backend, "close"):
+            return
+        if self.loader is not None:
+            self.loader.join()
+        self.backend.close()
+        self.version, self.snapshot = None, None
+
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Hand `model`'s weights of step `version` to the engine (main thread, every process, in step). Each process
         first takes its own engine lock and then waits for the others: one server serves every process, so no

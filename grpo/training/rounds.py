@@ -305,8 +305,12 @@ class RoundMaker:
         self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
 
     def close(self) -> None:
-        """Stop the producer thread and the agent's environments."""
+        """At the end of training: stop the producer thread, close the agent's tool executor and the sampler when it
+        holds something to release (a colocated vLLM engine puts back the environment it set; a later round builds
+        it again)."""
         if self.async_rounds is not None:
             self.async_rounds.close()
         if self.agent is not None:
             self.agent.close()
+        if hasattr(self.generation, "close"):
+            self.generation.close()
