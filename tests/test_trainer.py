@@ -2,6 +2,7 @@
 or compare parameter updates across batch layouts."""
 
 import contextlib
+import gc
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
 from tests.helpers.compare import assert_same_update
-from tests.helpers.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, sgd_step_update, use_sampler
+from tests.helpers.scripted import TINY, ScriptedGeneration, capture_batches, reward_len, sgd_step_update
 
 
 def make_config(tmp_path, **kwargs):
@@ -304,25 +305,30 @@ def test_mixed_precision_samples_in_one_autocast_region(tmp_path, tiny_model_pat
 class ClosableSampler(ScriptedGeneration):
     """Scripted completions from a sampler that holds something to release, and counts its closes."""
 
-    closed = 0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.closed = 0
 
     def close(self):
         self.closed += 1
 
 
 @pytest.mark.parametrize("async_generation", [False, True])
-def test_the_end_of_training_closes_the_sampler(tmp_path, async_generation):
-    """A sampler with a `close` (a colocated vLLM engine: it puts back the environment it set) is closed once when
-    `train()` ends; under async generation through the shared engine, which then loads the weights again."""
+def test_the_sampler_is_closed_with_its_trainer(tmp_path, monkeypatch, async_generation):
+    """A sampler with a `close` (a colocated vLLM engine: it puts back the environment variables it set) outlives
+    `train()`, which evaluation after it needs, and is closed once when the trainer is collected; under async
+    generation through the shared engine that wraps it."""
     tokenizer = tiny_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, async_generation=async_generation, **TINY)
+    sampler = ClosableSampler(args.num_generations, args.max_completion_length)
+    monkeypatch.setattr("grpo.training.rounds.make_generation_backend", lambda *args, **kwargs: sampler)
     dataset = Dataset.from_dict({"prompt": [f"Question {i}" for i in range(8)]})
     trainer = GRPOTrainer(
         tiny_model(tokenizer), reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    sampler = ClosableSampler(args.num_generations, args.max_completion_length)
-    use_sampler(trainer, sampler)
     trainer.train()
+    assert sampler.closed == 0
+    trainer.generation.generate(trainer.model, [[5, 6, 7]])  # still samples after training
+    del trainer
+    gc.collect()
     assert sampler.closed == 1
-    if async_generation:
-        assert trainer.generation.version is None  # the next round syncs the weights into the rebuilt engine

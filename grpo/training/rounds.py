@@ -16,6 +16,7 @@ a run) comes in a `RoundContext`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -92,6 +93,11 @@ class RoundMaker:
         self.warned_truncation = False  # prompts were cut to max_prompt_length and warned about
         # With async_generation, rounds made ahead in a producer thread on a shared sampler (async_rounds.py).
         self.async_rounds = AsyncRounds(self) if args.async_generation else None
+        # A sampler that holds something to release (a colocated vLLM engine, and the environment variables it set)
+        # is closed with the round maker, not at the end of training: evaluation after `train()` samples with it, and
+        # vLLM cannot build a second engine in a process of a distributed run.
+        if hasattr(self.generation, "close"):
+            weakref.finalize(self, self.generation.close)
 
     # ---- Steps 2-7 ----
 
@@ -305,12 +311,9 @@ class RoundMaker:
         self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
 
     def close(self) -> None:
-        """At the end of training: stop the producer thread, close the agent's tool executor and the sampler when it
-        holds something to release (a colocated vLLM engine puts back the environment it set; a later round builds
-        it again)."""
+        """At the end of training: stop the producer thread and close the agent's tool executor. The sampler stays:
+        evaluation after `train()` samples with it (its own `close` runs when the round maker is collected)."""
         if self.async_rounds is not None:
             self.async_rounds.close()
         if self.agent is not None:
             self.agent.close()
-        if hasattr(self.generation, "close"):
-            self.generation.close()
