@@ -138,4 +138,4 @@ def test_the_trainer_adds_the_aux_loss_times_its_weight(tokenizer, tmp_path):
     assert "aux_loss" not in without and weighted["aux_loss"] > 0
     added = weighted["loss"] - without["loss"]
     assert added == pytest.approx(0.5 * weighted["aux_loss"], rel=1e-4)
-    assert default.router_aux_coef == 0.02
+    assert default.step_loss.router_coef == 0.02

@@ -142,6 +142,29 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self._on_the_accelerator(layout, router_coef, processing_class, train_dataset)
         set_seed(args.seed, device_specific=True)  # each process's own seed for torch's generators too
 
+    def _before_weights(
+        self, args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset, processing_class, episodes
+    ):
+        """Step 1 of the constructor: the checks that need no weights, then the rewards. Sets `offline_data` (stored,
+        scored completions as groups, data/offline.py, or None), `vision` (images beside the prompts, docs/vlm.md),
+        `toolbox` (from `episodes`: the tools and the environment factory), `completions_hub` and `rewards`; returns
+        the training set the loaders draw from (offline: the groups)."""
+        self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
+        self.vision = has_images(train_dataset, eval_dataset)
+        train_dataset = self.offline_data if self.offline_data is not None else train_dataset
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_prompt_dataset(dataset, name)
+        check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
+        tools, environment_factory = episodes
+        check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
+        # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
+        self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
+        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
+        self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
+        rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
+        self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
+        return train_dataset
+
     def _on_the_accelerator(self, layout: tuple[bool, bool], router_coef: float, processing_class, train_dataset):
         """Step 3 of the constructor, once Trainer made the accelerator: the log-prob pass (with the forward
         `layout`: padding-free, shared prompt), the step loss, the non-finite guard, the reference's updates, the
@@ -177,29 +200,6 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             train_dataset=train_dataset,
             offline_data=self.offline_data,
         )
-
-    def _before_weights(
-        self, args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset, processing_class, episodes
-    ):
-        """Step 1 of the constructor: the checks that need no weights, then the rewards. Sets `offline_data` (stored,
-        scored completions as groups, data/offline.py, or None), `vision` (images beside the prompts, docs/vlm.md),
-        `toolbox` (from `episodes`: the tools and the environment factory), `completions_hub` and `rewards`; returns
-        the training set the loaders draw from (offline: the groups)."""
-        self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
-        self.vision = has_images(train_dataset, eval_dataset)
-        train_dataset = self.offline_data if self.offline_data is not None else train_dataset
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_prompt_dataset(dataset, name)
-        check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
-        tools, environment_factory = episodes
-        check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
-        # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
-        self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
-        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
-        self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
-        rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
-        self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
-        return train_dataset
 
     @property
     def generation(self):
