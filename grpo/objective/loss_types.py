@@ -43,13 +43,13 @@ class LossType(NamedTuple):
         if self.level is not None and settings.importance_sampling_level != self.level:
             raise ValueError(self.level_why)
 
-    def check_sampler(self, sampling, other_sampler: bool) -> None:
+    def check_sampler(self, name: str, sampling, other_sampler: bool) -> None:
         """Refuse a correction of another engine's samples (`SamplingCorrection`, used when `other_sampler`: vLLM or
-        async generation) that this loss type cannot fold in."""
+        async generation) that loss type `name`, this row's, cannot fold in."""
         corrected = other_sampler and sampling.enabled
         if self.token_corrections_only and corrected and sampling.mode.startswith("sequence"):
             raise ValueError(
-                f"loss_type='vespo' folds the sampler's per-token correction weights into its sequence weight; "
+                f"loss_type={name!r} folds the sampler's per-token correction weights into its sequence weight; "
                 f"vllm_importance_sampling_mode={sampling.mode!r} gives one per sequence. "
                 "Set vllm_importance_sampling_mode='token_truncate' or 'token_mask'."
             )

@@ -215,7 +215,7 @@ class LossSettings:
         )
         rules = loss_type_of(args.loss_type)
         rules.check(settings)
-        rules.check_sampler(sampling, other_sampler=args.use_vllm or args.async_generation)
+        rules.check_sampler(args.loss_type, sampling, other_sampler=args.use_vllm or args.async_generation)
         return settings
 
 
