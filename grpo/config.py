@@ -25,7 +25,7 @@ from transformers import TrainingArguments
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from grpo.data import TRUNCATION_SIDES
-from grpo.generation.settings import SamplingSettings, check_generation_kwargs
+from grpo.generation.settings import check_continuous_batching, check_generation_kwargs, check_vllm_engine
 from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 
@@ -1039,7 +1039,8 @@ class GRPOConfig(TrainingArguments):
         self._check_launch()
         self._check_values()
         self._check_rendering_and_logging()
-        SamplingSettings.from_config(self)  # the generation stage's checks (grpo/generation/settings.py)
+        check_continuous_batching(self)  # the generation stage's checks (grpo/generation/settings.py)
+        check_vllm_engine(self)
         self._resolve_sampling_cap()
         settings = self.stage_settings()  # the objective's checks run as its settings are built
         self._check_steps_and_prompts()

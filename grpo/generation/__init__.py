@@ -64,8 +64,7 @@ def make_generation_backend(
     if stored is not None:
         return StoredCompletions(stored, accelerator)
     processor, tokenizer = (tokenizer if is_processor(tokenizer) else None), text_tokenizer(tokenizer)
-    # One value for whichever backend samples; the config ran the generation checks when it was built.
-    sampling = SamplingSettings.from_config(args, check=False)
+    sampling = SamplingSettings.from_config(args)  # one value for whichever backend samples
     if args.use_transformers_continuous_batching:
         if accelerator.distributed_type in ("FSDP", "DEEPSPEED"):
             # The engine runs the forward passes in a thread of its own, a different number on each process: a

@@ -7,8 +7,10 @@ whichever backend `make_generation_backend` picks, so no backend reads those fie
 backend computes (its cache, padding, kernels, engine memory, server address) stays an argument of that backend.
 
 The checks of the generation fields live here, beside what they protect, and run when a `GRPOConfig` is built:
-`GRPOConfig.__post_init__` calls `check_generation_kwargs` among its value checks and `SamplingSettings.from_config`
-after them. Like the config, this module imports nothing heavier than transformers (no vLLM).
+`GRPOConfig.__post_init__` calls `check_generation_kwargs` among its value checks and `check_continuous_batching` and
+`check_vllm_engine` after them. These checks also resolve fields in place (a deprecated alias, JSON text from a
+command line), so they run once, there, and `SamplingSettings.from_config` only reads the resolved fields. Like
+the config, this module imports nothing heavier than transformers (no vLLM).
 """
 
 from __future__ import annotations
@@ -61,16 +63,9 @@ class SamplingSettings:
             object.__setattr__(self, "generation_kwargs", dict(self.generation_kwargs))
 
     @classmethod
-    def from_config(cls, args, *, check: bool = True) -> SamplingSettings:
-        """The settings of `args`, a `GRPOConfig`. With `check` (as `GRPOConfig.__post_init__` calls it), the
-        generation fields are checked first (`check_continuous_batching`, `check_vllm_engine`), which resolves two
-        of them in place on `args`: the deprecated `use_transformers_paged` sets
-        `use_transformers_continuous_batching`, and JSON text in `transformers_continuous_batching_config` becomes
-        a dict. `make_generation_backend` passes `check=False`: the config ran the checks when it was built, and
-        running them again would repeat their warnings."""
-        if check:
-            check_continuous_batching(args)
-            check_vllm_engine(args)
+    def from_config(cls, args) -> SamplingSettings:
+        """The settings of `args`, a `GRPOConfig`, whose generation fields were checked (and two of them resolved in
+        place: `check_continuous_batching`) when it was built."""
         return cls(
             max_completion_length=args.max_completion_length,
             temperature=args.temperature,
@@ -181,7 +176,7 @@ def check_vllm_engine(args) -> None:
             "by pi_theta / pi_constrained, often far below 1 (0.02 on average in this project's test), which "
             "shrinks the policy gradient as much. Set vllm_importance_sampling_correction=False unless you want "
             "that weighting (docs/vllm.md#model-implementation-and-structured-outputs).",
-            stacklevel=5,  # the GRPOConfig(...) call, through from_config, __post_init__ and __init__
+            stacklevel=4,  # the GRPOConfig(...) call, through __post_init__ and __init__
         )
 
 
@@ -237,7 +232,7 @@ def _continuous_batching_settings(args) -> dict | None:
             "use_transformers_paged is deprecated: it is used as use_transformers_continuous_batching=True, TRL's "
             "name since 1.2. Set that instead.",
             FutureWarning,
-            stacklevel=6,  # the GRPOConfig(...) call, through the checks, from_config, __post_init__ and __init__
+            stacklevel=5,  # the GRPOConfig(...) call, through check_continuous_batching, __post_init__ and __init__
         )
         args.use_transformers_continuous_batching = True
     settings = args.transformers_continuous_batching_config
