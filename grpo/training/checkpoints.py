@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -325,6 +326,14 @@ def stop_sandboxes() -> None:
         sandbox.stop_running()
 
 
+def any_process(accelerator, flag: bool) -> bool:
+    """`flag` of any process, on every process (one small all-reduce; none with one process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    flags = accelerator.reduce(torch.tensor(int(flag), device=accelerator.device), reduction="sum")
+    return bool(flags.item())
+
+
 class ResumableTrainer(Trainer):
     """`transformers.Trainer` whose checkpoints are complete or absent (`atomic_checkpoint`), resumable from the
     newest complete one (`resume_from_checkpoint=True`) once every file of it was checked (`check_checkpoint`, and a
@@ -367,7 +376,7 @@ class ResumableTrainer(Trainer):
                 self._restore_state(checkpoint)
             # SIGTERM stops at the end of the optimizer step with a checkpoint, only while this runs (preemption.py).
             stop = StopOnSignal(self.args.preemption_timeout, main=self.args.should_save)
-            preemption = PreemptionCallback(stop, self._any_process)
+            preemption = PreemptionCallback(stop, functools.partial(any_process, self.accelerator))
             self.add_callback(preemption)
             try:
                 with stop:
@@ -387,13 +396,6 @@ class ResumableTrainer(Trainer):
             return output
         finally:
             lock.release()
-
-    def _any_process(self, flag: bool) -> bool:
-        """`flag` of any process, on every process (one small all-reduce; none with one process)."""
-        if self.accelerator.num_processes == 1:
-            return flag
-        flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
-        return bool(flags.item())
 
     def planned_steps(self) -> int | None:
         """The optimizer steps this run trains in all (what Trainer will take as `max_steps`); None where that is

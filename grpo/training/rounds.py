@@ -16,6 +16,7 @@ a run) comes in a `RoundContext`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import MicroBatch, Rollout, gather_rows
 from grpo.training import metrics
 from grpo.training.async_rounds import AsyncRounds
+from grpo.training.checkpoints import any_process
 from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import check_reward_spread, finite_rewards
@@ -135,7 +137,9 @@ class RoundMaker:
         # region around the round, so each weight is cast to bf16 / fp16 once, not at every generated token.
         gathered = zero3_gathered_for_generation(context.wrapped, own and args.ds3_gather_for_generation)
         # Episodes of a sharded policy (FSDP, ZeRO-3) generate collectively: every process runs as many turns.
-        lockstep = self.any_process if own and self.accelerator.num_processes > 1 else None
+        lockstep = (
+            functools.partial(any_process, self.accelerator) if own and self.accelerator.num_processes > 1 else None
+        )
         with gathered, self.accelerator.autocast() if own else contextlib.nullcontext():
             rollout, columns = sample_rollout(
                 inputs, backend, policy, self.processing_class, self.eos_token_ids, args, self.agent, lockstep
@@ -279,13 +283,6 @@ class RoundMaker:
             for mb, tokens in zip(micro_batches, totals):
                 mb.window_loss_tokens = tokens
         return micro_batches
-
-    def any_process(self, flag: bool) -> bool:
-        """`flag` of any process, on every process (one small all-reduce; none with one process)."""
-        if self.accelerator.num_processes == 1:
-            return flag
-        flags = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
-        return bool(flags.item())
 
     def take_samples(self) -> list[dict]:
         """The latest round's completions for the completions log, once."""
