@@ -280,8 +280,10 @@ async def _run_concurrently(
     calls: list[_Call], timeout: float | None, num_workers: int, worker_type: str, stop_at_first: bool
 ):
     workers = asyncio.Semaphore(num_workers or max(len(calls), 1))  # sync calls running at once
-    folders = _module_folders(call.func for call in calls)
-    pool = _process_pool(num_workers, folders) if worker_type == "process" and num_workers > 0 else None
+    pool, folders = None, ()
+    if worker_type == "process" and num_workers > 0:  # a worker needs the folders of the functions' modules
+        folders = _module_folders(call.func for call in calls)
+        pool = _process_pool(num_workers, folders)
     invokers = {id(call): _in_process(call, pool) for call in calls if pool is not None and not is_async(call.func)}
     timed_out = False
 
