@@ -120,8 +120,9 @@ class TransformersGeneration:
         vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
         """`generate` from `input_ids` (B, T) (`generate` calls it for a batch of prompts, `CarriedTurns` for each
-        turn), given a `cache` of its first columns or, with `prompt_ids`, sharing the prefill of identical prompts; `vision`: the model's vision keyword arguments (pixel values, ...), with
-        which the model's image placeholder tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
+        turn), given a `cache` of its first columns or, with `prompt_ids`, sharing the prefill of identical prompts;
+        `vision`: the model's vision keyword arguments (pixel values, ...), with which the model's image placeholder
+        tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
         its first T + N - 1 columns: the last token sampled was never fed to the model)."""
         device = input_ids.device
         config = self.generation_config

@@ -74,8 +74,8 @@ class LogProbSettings:
 @dataclass(frozen=True)
 class SamplingCorrection:
     """Truncated importance sampling against a sampler with numerics or weights of its own (`sampling_correction`
-    in token_weights.py): `enabled` (`vllm_importance_sampling_correction`), its `mode` and the ratio's bounds [floor, cap]
-    (`vllm_importance_sampling_clip_min` / `_max`; None leaves a side open)."""
+    in token_weights.py): `enabled` (`vllm_importance_sampling_correction`), its `mode` and the ratio's bounds
+    [floor, cap] (`vllm_importance_sampling_clip_min` / `_max`; None leaves a side open)."""
 
     enabled: bool = False
     mode: str = "token_truncate"

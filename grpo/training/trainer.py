@@ -227,8 +227,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         return RoundContext(self.model, self.model_wrapped, self.ref_model, self.state, self._step, schedule)
 
     def sample_round(self, inputs: list[dict[str, Any]], backend):
-        """Steps 2-3 for the dataset rows `inputs` with `backend`, as training samples them (`RoundMaker.sample_round`):
-        (Rollout, the rows' other columns)."""
+        """Steps 2-3 for the dataset rows `inputs` with `backend`, as training samples them
+        (`RoundMaker.sample_round`): (Rollout, the rows' other columns)."""
         return self.rounds.sample_round(inputs, backend, self.round_context())
 
     # ---- Steps 1-7: generation rounds, buffered into micro-batches ----
