@@ -901,6 +901,14 @@ class GRPOConfig(TrainingArguments):
         range=Interval(1),
         help="Synchronous tool calls running at once (threads); async tools run on one event loop.",
     )
+    environment_group_seed: bool = option(
+        default=False,
+        section=Section.AGENTS,
+        help="With an environment_factory: the G episodes of one prompt reset with one seed (`reset(seed=..., "
+        "**row)`), made from the row and `seed`, so that they start from the same state and the group baseline "
+        "compares like with like. Needs a `seed` argument (or **kwargs) on reset; refused when the rows have a "
+        "`seed` column.",
+    )
     tool_call_parser: str | None = option(
         default=None,
         section=Section.AGENTS,

@@ -128,8 +128,14 @@ class AgentLoop:
         if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt"), str):
             raise InputError(_STRING_PROMPT.format(prompt=dataset[0]["prompt"][:60]))
 
+    def give_back(self, columns: dict[str, list]) -> None:
+        """A scored round's environment objects (`columns["environments"]`) are free for the next episodes."""
+        self.toolbox.give_back(columns.get("environments", ()))
+
     def close(self) -> None:
+        """At the end of training: stop the tool executor and close every environment object (`Toolbox.close`)."""
         self.executor.close()
+        self.toolbox.close()
 
     def rollout(
         self, inputs: list[dict[str, Any]], backend, model: nn.Module, lockstep: Callable[[bool], bool] | None = None

@@ -4,11 +4,13 @@ The protocol is TRL's (`GRPOTrainer(tools=..., environment_factory=...)`), so th
 classes work here:
   - a *tool* is a plain function, sync or `async def`, with type hints and a Google-style docstring describing each
     argument; its JSON schema, the one chat templates render, comes from `transformers.utils.get_json_schema`.
-  - an *environment factory* is a zero-argument callable (usually a class). Each episode gets its own object, on
+  - an *environment factory* is a zero-argument callable (usually a class). Each episode gets an object of its own
+    for its duration (reused by later episodes, and closed at the end: environment_pool.py), on
     which `reset(**row)` is called with the episode's dataset row (every column, `prompt` included; with a dict of
     factories, the `environment` column picks the factory and is not passed on). When `reset` returns a string, it
     is appended to the content of the prompt's last message (`with_observation`). Its public methods, those not
-    starting with `_`, other than `reset` and `get_reward`, become that episode's tools, bound to its object.
+    starting with `_`, other than `reset`, `get_reward` and `close`, become that episode's tools, bound to its
+    object.
     `get_reward()`, when defined, lets the environment score its episode (TRL adds it as a reward function).
 
 One turn runs as (`ToolExecutor.run`): the calls of every episode at once, each episode's own calls one after the
@@ -23,8 +25,8 @@ whole loop, so blocking work belongs in sync tools.
 
 Where this departs from TRL: TRL calls an episode's sync tools in the trainer's thread, episodes one after another,
 with no timeout; a failed call's answer is `str({"error": message})`; a malformed call is read as plain text (the
-episode ends) and not counted. TRL also reuses environment objects across batches (reset between episodes); here
-`start_episodes` builds a new one per episode, after the first, which the construction-time check built.
+episode ends) and not counted. Both keep a pool of environment objects per factory, grown when a round needs more
+and reset between episodes; TRL never calls their `close()`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
 
+from grpo.generation.environment_pool import EnvironmentPool, accepts_seed, close_pools, group_seed
 from grpo.generation.tool_calls import ParseFailure, ToolCall
 
-# Methods of an environment that are part of the protocol, never offered to the model as tools.
-RESERVED_METHODS = ("reset", "get_reward")
+# Methods of an environment that are part of the protocol, never offered to the model as tools (TRL reserves the
+# first two; `close` is the trainer's to call when it is done with the object, environment_pool.py).
+RESERVED_METHODS = ("reset", "get_reward", "close")
 
 
 class ToolDefinitionError(ValueError):
@@ -108,7 +113,7 @@ def make_tools(functions: Iterable[Callable], owner: str | None = None) -> dict[
 
 def environment_methods(environment: object) -> list[Callable]:
     """The public methods of `environment` that become tools, as bound methods sorted by name (TRL's order):
-    every method whose name does not start with `_`, other than `reset` and `get_reward`. Properties are not
+    every method whose name does not start with `_`, other than `reset`, `get_reward` and `close`. Properties are not
     read (looking one up could act on the environment) and static methods are not tools."""
     methods = []
     for name in sorted(dir(type(environment))):
@@ -156,7 +161,7 @@ class Toolbox:
     environment in an `environment` column, and only that environment's tools are offered in its episode.
     """
 
-    def __init__(self, tools: Sequence[Callable] = (), environment_factory=None):
+    def __init__(self, tools: Sequence[Callable] = (), environment_factory=None, group_seed: int | None = None):
         self.tools = make_tools(tools)
         if environment_factory is None:
             self.factories: dict[str | None, Callable[[], object]] = {}
@@ -164,13 +169,17 @@ class Toolbox:
             self.factories = dict(environment_factory)
         else:
             self.factories = {None: environment_factory}
-        self._spare: dict[str | None, list[object]] = {}
+        self.group_seed = group_seed  # the run's seed when the G episodes of a group reset with one seed, else None
+        self.pools: dict[str | None, EnvironmentPool] = {}
         self._methods: dict[str | None, dict[str, Tool]] = {}  # each environment's methods, bound to its probe
         self.environment_types: list[type] = []  # the class of each factory's objects, in the factories' order
+        # The pools are closed when the toolbox is collected too (a trainer built and dropped without training, or
+        # one whose construction failed after this point).
+        weakref.finalize(self, close_pools, self.pools)
         for name, factory in self.factories.items():
             environment = factory()
+            self.pools[name] = EnvironmentPool(factory, environment)
             self._methods[name] = self._methods_of(environment)
-            self._spare[name] = [environment]
             self.environment_types.append(type(environment))
 
     @property
@@ -189,6 +198,11 @@ class Toolbox:
             raise ToolDefinitionError(
                 f"{owner}.reset is `async def`: make it a plain `def` (it is called once per episode, before "
                 "generation, as in TRL); its tools and `get_reward` may be async."
+            )
+        if self.group_seed is not None and not accepts_seed(environment.reset):
+            raise ToolDefinitionError(
+                f"environment_group_seed=True passes `seed=` to reset, but {owner}.reset takes no `seed` argument "
+                "(nor **kwargs): add one and start the episode's state from it, or set environment_group_seed=False."
             )
         methods = make_tools(environment_methods(environment), owner)
         clashes = sorted(set(methods) & set(self.tools))
@@ -232,17 +246,24 @@ class Toolbox:
         return {n: replace(tool, function=getattr(environment, n)) for n, tool in tools.items()}
 
     def start_episodes(self, rows: Sequence[Mapping]) -> list[Episode]:
-        """One episode per row: a new environment object from the row's factory, `reset(**row)` called on it (the
-        `environment` column left out when rows are routed), its observation appended to the row's `prompt`."""
+        """One episode per row: an environment object from the row's pool (an idle one, or a new one), `reset(**row)`
+        called on it (the `environment` column left out when rows are routed; `seed=` added under a group seed), its
+        observation appended to the row's `prompt`. Give the objects back (`give_back`) once the round is scored."""
         episodes = []
         for row in rows:
             if not self.factories:
                 episodes.append(Episode(None, dict(self.tools), None, row.get("prompt")))
                 continue
             name = self._environment_name(row)
-            spare = self._spare[name]
-            environment = spare.pop() if spare else self.factories[name]()
+            environment = self.pools[name].take()
             reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self.routed else dict(row)
+            if self.group_seed is not None:
+                if "seed" in reset_kwargs:
+                    raise ToolDefinitionError(
+                        "environment_group_seed passes `seed=` to reset, but the rows have a `seed` column too: "
+                        "rename the column, or set environment_group_seed=False."
+                    )
+                reset_kwargs["seed"] = group_seed(reset_kwargs, self.group_seed)
             observation = environment.reset(**reset_kwargs)
             methods = self._bind(name, environment)
             # Without a `prompt` column the prompt is reset's string alone, as a user message (as in TRL).
@@ -251,6 +272,28 @@ class Toolbox:
                 Episode(environment, {**self.tools, **methods}, observation, with_observation(prompt, observation))
             )
         return episodes
+
+    def give_back(self, environments: Sequence[object]) -> None:
+        """Make a scored round's environment objects idle again, for the next episodes to reset (None: no object)."""
+        for pool in self.pools.values():
+            pool.give_back(e for e in environments if e is not None)
+
+    def close(self) -> None:
+        """Close every environment object made so far (`EnvironmentPool.close`); new episodes make new ones."""
+        close_pools(self.pools)
+
+
+def make_toolbox(tools: Sequence[Callable] | None, environment_factory, args) -> Toolbox | None:
+    """The run's `Toolbox` (None without tools or environments), with the group seed `environment_group_seed` asks
+    for; that field without an environment_factory is refused, naming the fix."""
+    if args.environment_group_seed and environment_factory is None:
+        raise ToolDefinitionError(
+            "environment_group_seed=True seeds the environments' reset, but no environment_factory was given: pass "
+            "one to GRPOTrainer, or set environment_group_seed=False."
+        )
+    if not (tools or environment_factory):
+        return None
+    return Toolbox(tools or (), environment_factory, args.seed if args.environment_group_seed else None)
 
 
 @dataclass(frozen=True)

@@ -148,17 +148,22 @@ class RoundMaker:
 
     def local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None, state: TrainerState):
         """Every reward function on this process's rows (`RewardSet.score`); no collective call, so the async
-        producer thread calls it too."""
-        return self.rewards.score(
-            prompts=rollout.prompts,
-            completions=rollout.completions,
-            completion_ids=rollout.completion_lists(),
-            columns=columns,
-            trainer_state=state,
-            tokenizer=self.tokenizer,
-            width=rollout.completion_ids.shape[1],
-            **call_settings(self.args, mode),
-        )
+        producer thread calls it too. The episodes' environment objects, which the rewards see live, are then free
+        for the next round's episodes."""
+        try:
+            return self.rewards.score(
+                prompts=rollout.prompts,
+                completions=rollout.completions,
+                completion_ids=rollout.completion_lists(),
+                columns=columns,
+                trainer_state=state,
+                tokenizer=self.tokenizer,
+                width=rollout.completion_ids.shape[1],
+                **call_settings(self.args, mode),
+            )
+        finally:
+            if self.agent is not None:
+                self.agent.give_back(columns)
 
     def score_round(self, rollout: Rollout, columns, mode: str | None, state: TrainerState, scores=None) -> Rollout:
         """Step 4: every reward function on this process's rows (unless `scores` has them), then the rewards of
@@ -308,8 +313,9 @@ class RoundMaker:
         self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
 
     def close(self) -> None:
-        """At the end of training: stop the producer thread and close the agent's tool executor. The sampler stays:
-        evaluation after `train()` samples with it (its own `close` runs when the round maker is collected)."""
+        """At the end of training: stop the producer thread, then close the agent's tool executor and environments
+        (evaluation after `train()` makes new ones). The sampler stays: evaluation after `train()` samples with it
+        (its own `close` runs when the round maker is collected)."""
         if self.async_rounds is not None:
             self.async_rounds.close()
         if self.agent is not None:

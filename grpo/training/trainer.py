@@ -18,7 +18,7 @@ from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
 from grpo.data.vision import check_vision_run, has_images, text_tokenizer
 from grpo.generation.episodes import make_agent
-from grpo.generation.tools import Toolbox
+from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
 from grpo.objective import old_policy
 from grpo.objective.logprobs import LogProbs
@@ -158,7 +158,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         tools, environment_factory = episodes
         check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
-        self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
+        self.toolbox = make_toolbox(tools, environment_factory, args)
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
