@@ -152,8 +152,8 @@ demo: $(STAMP) ## train SmolLM2-135M on one-digit additions, offline (minutes on
 	$(PY) -m grpo train examples/recipes/demo.yaml
 
 # The agent demo: SmolLM2-135M-Instruct with a `multiply` tool on two-digit products, offline, on the CPU; held-out
-# accuracy and tool use before/after, the model in outputs/agent_calculator/. Not yet shown to learn (docs/agents.md,
-# "The demo").
+# accuracy and tool use before/after, the model in outputs/agent_calculator/ (docs/agents.md, "The demo": 0.22 -> 1.00
+# held-out greedy accuracy on three seeds, about 9 minutes a run on 2 cores).
 demo-agent: $(STAMP) ## the tool-calling demo (multiply tool), offline
 	@if [ -e outputs/agent_calculator ]; then echo "make demo-agent: removing outputs/agent_calculator from an earlier run"; rm -rf outputs/agent_calculator; fi
 	$(PY) -m grpo train examples/recipes/agent_calculator.yaml
