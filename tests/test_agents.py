@@ -103,6 +103,7 @@ def test_an_episode_is_the_sampled_tokens_and_the_rendered_tool_answers(tmp_path
         "tool_timeouts": 0,
         "parse_failures": 0,
         "budget_cuts": 0,
+        "unknown_tools": 0,
     }
     assert columns["environments"] == [None] * G
 

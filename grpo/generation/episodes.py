@@ -264,7 +264,8 @@ def make_agent(toolbox: Toolbox | None, tokenizer, eos_token_ids: Sequence[int],
 
 
 def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
-    """This process's sums of `EPISODE_STATS` over its episodes, and their count (`episodes`)."""
+    """This process's sums of `EPISODE_STATS` over its episodes, their count (`episodes`), and the calls of unknown
+    tools (`unknown_tools`, also in `parse_failures`), which `tools/failure_frequency` counts as failed calls."""
     return {
         "episodes": float(len(states)),
         "turns": float(sum(s.turns for s in states)),
@@ -273,6 +274,7 @@ def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
         "tool_timeouts": float(sum(s.counts.timeouts for s in states)),
         "parse_failures": float(sum(s.counts.parse_failures for s in states)),
         "budget_cuts": float(sum(s.budget_cut for s in states)),
+        "unknown_tools": float(sum(s.counts.unknown_tools for s in states)),
     }
 
 
