@@ -441,3 +441,23 @@ def test_reward_weights_count_the_functions_given_as_in_trl(tmp_path, model_path
     trainer.train()
     # Both rewards are 1 on every row (the counter reaches the target): the reward is the sum of the weights.
     assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(weights) + (1.0 if len(weights) == 1 else 0.0))
+
+
+def test_two_names_for_one_environment_class_score_its_episodes_once(tmp_path, model_path):
+    """A dict environment_factory mapping two names to the same class: one `IncrementEnv` reward (TRL dedupes the
+    class), so a reward of 1 is logged as 1, not as 2 under `IncrementEnv` and `IncrementEnv_2`."""
+    data = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "Count."}]] * 2, "target": [3, 3], "environment": ["a", "b"]}
+    )
+    trainer = GRPOTrainer(
+        model_path,
+        None,
+        args=config(tmp_path, reward_weights=None),
+        train_dataset=data,
+        processing_class=tool_tokenizer(),
+        environment_factory={"a": IncrementEnv, "b": IncrementEnv},
+    )
+    trainer.generation = ScriptedTurns(trainer.processing_class, [[call("increment", step=3), "Done."]])
+    assert trainer.reward_names == ["IncrementEnv"]
+    trainer.train()
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(1.0)
