@@ -9,8 +9,8 @@ from grpo.objective.step_loss import token_metric_totals
 from grpo.objective.token_weights import sampling_summary
 from grpo.training.metrics import (
     MetricsWindow,
-    add_round_metrics,
     add_episode_metrics,
+    add_round_metrics,
     add_sampling_metrics,
     add_token_metrics,
 )
@@ -114,7 +114,9 @@ def test_tool_failure_frequency_counts_unknown_tools_as_trl_does():
     for state, statuses in zip(states, (["ok", "error", "unknown_tool"], ["timeout", "malformed", "ok", "ok"])):
         for status in statuses:
             state.counts.add(status)
-    assert states[0].counts + states[1].counts == ToolCounts(calls=5, errors=1, timeouts=1, malformed=1, unknown_tools=1)
+    assert states[0].counts + states[1].counts == ToolCounts(
+        calls=5, errors=1, timeouts=1, malformed=1, unknown_tools=1
+    )
     window = MetricsWindow()
     add_episode_metrics(window, episode_stats(states), OneProcess())
     logged = window.pop()

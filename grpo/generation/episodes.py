@@ -121,7 +121,10 @@ class AgentLoop:
         self.toolbox, self.tokenizer, self.eos_token_ids, self.args = toolbox, tokenizer, list(eos_token_ids), args
         self.parser = resolve_parser(args.tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.executor = ToolExecutor(
-            timeout=args.tool_timeout, errors=args.tool_errors, max_workers=args.tool_num_workers
+            timeout=args.tool_timeout,
+            errors=args.tool_errors,
+            max_workers=args.tool_num_workers,
+            max_hung=args.tool_max_hung_calls,
         )
         self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids, args.chat_template_kwargs)
         check_template_renders_tools(tokenizer, toolbox.schemas(), args.chat_template_kwargs)
