@@ -14,6 +14,7 @@ from grpo.generation import Completions
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from tests.helpers.agents import (
+    ONE_CALL,
     SCRIPT,
     WRONG,
     ScriptedTurns,
@@ -22,7 +23,9 @@ from tests.helpers.agents import (
     chat_prompts,
     multiply,
     reward_25,
+    talkative_add_trainer,
     tool_tokenizer,
+    turn_starts,
 )
 from tests.helpers.naive import naive_group_advantages, naive_policy_loss
 from tests.helpers.scripted import capture_batches
@@ -174,6 +177,41 @@ def test_turn_limit_and_token_budget(tmp_path, model_path):
     trainer = make_trainer(tmp_path, model_path, max_completion_length=first - 3)  # the first turn itself is cut
     rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
     assert rollout.is_truncated.all() and rollout.completion_mask.sum(1).tolist() == [first - 3] * G
+
+
+def test_each_turn_asks_for_no_more_than_the_budget_left(tmp_path, model_path):
+    """Turn k asks the backend for at most max_completion_length minus what the episode already holds (the most left
+    among the rows going), not for a whole max_completion_length each time. Rows follow SCRIPT or ONE_CALL, so the
+    episodes going at the third turn are the SCRIPT ones."""
+    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, ONE_CALL), max_completion_length=300)
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    starts = [turn_starts(rollout, row) for row in range(G)]
+    assert sorted(map(len, starts)) == [2, 2, 3, 3]
+    expected = [max(300 - s[k] for s in starts if len(s) > k) for k in range(3)]
+    assert trainer.generation.limits == expected
+    assert expected[0] == 300 and expected[2] < expected[1] < 300
+
+
+def test_model_generate_is_asked_for_the_budget_left(tmp_path):
+    """The same through the default backend, `model.generate` with the KV cache carried between turns: the random
+    talkative model writes turns of a few tokens, every one read as a call, so episodes run three turns."""
+    trainer = talkative_add_trainer(
+        tmp_path, config(tmp_path, max_completion_length=200, max_tool_calling_iterations=2)
+    )
+    asked, generate = [], trainer.model.generate
+
+    def recording(*args, generation_config, **kwargs):
+        out = generate(*args, generation_config=generation_config, **kwargs)
+        asked.append((generation_config.max_new_tokens, out.sequences.shape[1] - kwargs["input_ids"].shape[1]))
+        return out
+
+    trainer.model.generate = recording
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    starts = [turn_starts(rollout, row) for row in range(G)]
+    assert max(map(len, starts)) == 3
+    expected = [max(200 - s[k] for s in starts if len(s) > k) for k in range(3)]
+    assert [limit for limit, _ in asked] == expected and expected[2] < expected[1] < expected[0] == 200
+    assert all(new <= limit for limit, new in asked)
 
 
 def fails(a: int) -> int:
