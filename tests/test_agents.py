@@ -14,6 +14,7 @@ from grpo.generation import Completions
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from tests.helpers.agents import (
+    AGENT,
     ONE_CALL,
     SCRIPT,
     WRONG,
@@ -132,33 +133,74 @@ def test_a_re_encoding_drift_cannot_reach_the_training_tokens(tmp_path, model_pa
     assert second_turn_context[len(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()]) :][: len(lone)] == lone
 
 
-def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path, model_path):
-    """Half of each group calls the tools and answers right, half answers wrong at once: the logged loss equals the
-    clipped objective built token by token from a plain forward pass with the tool answers masked out."""
-    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, WRONG), beta=0.0)
+def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path):
+    """Half of each group calls the tools and answers right, half answers wrong at once. With `dapo` (one mean over
+    every loss token of the batch) both the loss and its gradient depend on which tokens count: the logged loss and
+    the SGD update equal, in float64, the objective built token by token over the sampled tokens alone, and differ
+    from the same objective with the tool answers counted. (On-policy `grpo` with zero-mean advantages would log 0
+    whatever the mask.)"""
+    tokenizer = tool_tokenizer()
+    model = tiny_model(tokenizer).double()  # float64: the update is compared to a naive gradient within rounding
+    initial = tiny_model(tokenizer).double()
+    initial.load_state_dict(model.state_dict())
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**AGENT, "loss_type": "dapo", "beta": 0.0})
+    trainer = GRPOTrainer(
+        model, reward_25, args=args, train_dataset=chat_prompts(4), processing_class=tokenizer, tools=[add, multiply]
+    )
+    trainer.generation = ScriptedTurns(tokenizer, (SCRIPT, WRONG))
     batches = capture_batches(trainer)
-    initial = tiny_model(trainer.processing_class)
-    initial.load_state_dict(trainer.model.state_dict())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
-    batch = batches[0]
+    (batch,) = batches
     assert (batch.loss_mask.sum(1) < batch.completion_mask.sum(1)).any()  # some rows have tool answers
-    with torch.no_grad():
+    rewards = [float("25" in tokenizer.decode(row)) for row in batch.completion_ids]
+    advantages = torch.tensor(naive_group_advantages(rewards, G), dtype=torch.float64)
+    assert torch.allclose(batch.advantages.double(), advantages, atol=1e-6) and advantages.abs().sum() > 0
+    advantages = batch.advantages.double()  # the trainer's float32 numbers: what is compared below is the mask
+
+    def naive(mask):
+        """The naive loss over the tokens of `mask` and the SGD update it gives, from the initial weights."""
+        initial.zero_grad()
         logps, _ = completion_logprobs(
             initial, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
         )
-    rewards = [float("25" in trainer.processing_class.decode(row)) for row in batch.completion_ids]
-    advantages = torch.tensor(naive_group_advantages(rewards, G))
-    assert torch.allclose(batch.advantages, advantages, atol=1e-6)
-    expected = naive_policy_loss(logps, logps, None, advantages, batch.loss_mask, "grpo", 0.0, 0.2, 0.2)
-    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
-    # Not vacuous: counting the tool answers too gives another loss.
-    with_tools = naive_policy_loss(logps, logps, None, advantages, batch.completion_mask, "grpo", 0.0, 0.2, 0.2)
-    assert with_tools.item() != pytest.approx(expected.item(), rel=1e-3)
+        loss = naive_policy_loss(logps, logps.detach(), None, advantages, mask, "dapo", 0.0, 0.2, 0.2)
+        loss.backward()
+        return loss.item(), {n: -AGENT["learning_rate"] * p.grad for n, p in initial.named_parameters()}
+
+    policy = policy_tokens_mask(batch.completion_ids, tokenizer)  # found from the script, not from the trainer's mask
+    assert torch.equal(batch.loss_mask, policy)
+    expected_loss, expected_update = naive(policy)
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    scale = max(u.abs().max() for u in expected_update.values())
+    assert scale > 0 and all(
+        torch.allclose(update[n], u, rtol=0, atol=1e-9 * scale) for n, u in expected_update.items()
+    )
+    # Not vacuous: with the tool answers counted, the loss and the update are others.
+    with_tools_loss, with_tools_update = naive(batch.completion_mask)
+    assert with_tools_loss != pytest.approx(expected_loss, rel=1e-3)
+    assert max((with_tools_update[n] - u).abs().max() for n, u in expected_update.items()) > 1e-3 * scale
     logged = trainer.state.log_history[0]
     assert logged["tools/call_frequency"] == pytest.approx(1.0)  # 2 calls in half the episodes, 0 in the others
     assert logged["tools/turns"] == pytest.approx(2.0)
-    policy_tokens = [sum(len(trainer.processing_class(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, WRONG)]
+    policy_tokens = [sum(len(tokenizer(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, WRONG)]
     assert logged["completions/mean_length"] == pytest.approx(sum(policy_tokens) / 2)  # tool answers not counted
+
+
+def policy_tokens_mask(completion_ids, tokenizer):
+    """(B, T) 1 on the tokens the scripted policy wrote (SCRIPT's turns in rows with tool answers, WRONG's in the
+    others), found in order in each row; 0 on tool answers and padding."""
+    mask = torch.zeros_like(completion_ids)
+    for row, ids in enumerate(completion_ids.tolist()):
+        script = SCRIPT if "<tool_response>" in tokenizer.decode(ids) else WRONG
+        at = 0
+        for text in script:
+            turn = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            at = next(i for i in range(at, len(ids)) if ids[i : i + len(turn)] == turn)
+            mask[row, at : at + len(turn)] = 1
+            at += len(turn)
+    return mask
 
 
 def test_turn_limit_and_token_budget(tmp_path, model_path):
