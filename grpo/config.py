@@ -909,6 +909,14 @@ class GRPOConfig(TrainingArguments):
         "compares like with like. Needs a `seed` argument (or **kwargs) on reset; refused when the rows have a "
         "`seed` column.",
     )
+    tool_max_hung_calls: int = option(
+        default=32,
+        section=Section.AGENTS,
+        range=Interval(1),
+        help="Tool calls that may still be running past tool_timeout (in threads that cannot be stopped: a sync "
+        "call's, or an event loop an async tool blocked); with that many, the next call stops training with an error "
+        "naming the tools.",
+    )
     tool_call_parser: str | None = option(
         default=None,
         section=Section.AGENTS,

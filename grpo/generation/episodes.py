@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from grpo.data import InputError, encode_prompts
-from grpo.generation.base import cut_at_eos
+from grpo.generation.base import Completions, cut_at_eos, limit_for
 from grpo.generation.tool_calls import ParseFailure, ToolCall, resolve_parser
 from grpo.generation.tools import Episode, Toolbox, ToolCounts, ToolExecutor
 from grpo.rollout import Rollout
@@ -121,7 +121,10 @@ class AgentLoop:
         self.toolbox, self.tokenizer, self.eos_token_ids, self.args = toolbox, tokenizer, list(eos_token_ids), args
         self.parser = resolve_parser(args.tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.executor = ToolExecutor(
-            timeout=args.tool_timeout, errors=args.tool_errors, max_workers=args.tool_num_workers
+            timeout=args.tool_timeout,
+            errors=args.tool_errors,
+            max_workers=args.tool_num_workers,
+            max_hung=args.tool_max_hung_calls,
         )
         self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids, args.chat_template_kwargs)
         check_template_renders_tools(tokenizer, toolbox.schemas(), args.chat_template_kwargs)
@@ -153,7 +156,9 @@ class AgentLoop:
             if not going and lockstep is None:
                 break
             rows = going or states[:1]  # a process with nothing left generates a row it discards (lockstep)
-            raw = generate(model, [s.prompt_ids + s.ids for s in rows])
+            # No turn asks for more than the most any of its rows has left of its episode's budget.
+            left = max(self.args.max_completion_length - len(s.ids) for s in rows) if going else 1
+            raw = generate(model, [s.prompt_ids + s.ids for s in rows], left)
             if not going:
                 continue
             logprobs = raw.logprobs is not None
@@ -249,18 +254,27 @@ class AgentLoop:
         return rollout, columns
 
 
-def turn_sampler(backend) -> Callable:
-    """What samples the turns of this process's episodes in one round with `backend`: its `generate`, except for
+def turn_sampler(backend) -> Callable[[nn.Module, list[list[int]], int], Completions]:
+    """What samples the turns of this process's episodes in one round with `backend`, as `sample(model, contexts,
+    max_new_tokens)`: its `generate`, except for
     - a backend that can carry a batch's KV cache across turns (`model.generate`: `turns()`), whose turn sampler
       prefills only what each turn adds;
     - the vLLM server backend, whose `generate` gathers every process's rows as groups of G equal prompts (a first
       turn's shape, not a later one's); its `generate_local` sends this process's rows itself, with no collective
-      call. The server's prefix cache serves the contexts that earlier turns computed."""
+      call. The server's prefix cache serves the contexts that earlier turns computed.
+    `max_new_tokens` reaches a `generate` that takes it (`limit_for`); one that does not samples its own length."""
     from grpo.generation.vllm.server_backend import VLLMGeneration
 
     if hasattr(backend, "turns"):
-        return backend.turns().generate
-    return backend.generate_local if isinstance(backend, VLLMGeneration) else backend.generate
+        generate = backend.turns().generate
+    else:
+        generate = backend.generate_local if isinstance(backend, VLLMGeneration) else backend.generate
+    takes_limit = bool(limit_for(generate, {"max_new_tokens": 1}))
+
+    def sample(model: nn.Module, contexts: list[list[int]], max_new_tokens: int) -> Completions:
+        return generate(model, contexts, max_new_tokens=max_new_tokens) if takes_limit else generate(model, contexts)
+
+    return sample
 
 
 def make_agent(toolbox: Toolbox | None, tokenizer, eos_token_ids: Sequence[int], args, dataset=None):
@@ -270,7 +284,8 @@ def make_agent(toolbox: Toolbox | None, tokenizer, eos_token_ids: Sequence[int],
 
 
 def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
-    """This process's sums of `EPISODE_STATS` over its episodes, and their count (`episodes`)."""
+    """This process's sums of `EPISODE_STATS` over its episodes, their count (`episodes`), and the calls of unknown
+    tools (`unknown_tools`, also in `parse_failures`), which `tools/failure_frequency` counts as failed calls."""
     return {
         "episodes": float(len(states)),
         "turns": float(sum(s.turns for s in states)),
@@ -279,6 +294,7 @@ def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
         "tool_timeouts": float(sum(s.counts.timeouts for s in states)),
         "parse_failures": float(sum(s.counts.parse_failures for s in states)),
         "budget_cuts": float(sum(s.budget_cut for s in states)),
+        "unknown_tools": float(sum(s.counts.unknown_tools for s in states)),
     }
 
 

@@ -1,7 +1,8 @@
 """An environment's own score as a reward function (docs/agents.md). An environment class with a `get_reward()`
 method (sync or `async def`, no arguments, returning a number) scores the episodes it ran: the trainer adds one
-`EnvironmentReward` per such class, named after it, weight 1 unless `reward_weights` says otherwise, as TRL does. It
-scores the rows whose environment is of its class (None elsewhere: a dict of environment factories mixes kinds)."""
+`EnvironmentReward` per such class (one, even when several factories make it), named after it, weight 1 unless
+`reward_weights` says otherwise, as TRL does. It scores the rows whose environment is of its class (None elsewhere:
+a dict of environment factories mixes kinds)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ class EnvironmentReward:
 
 
 def environment_rewards(environment_types: list[type]) -> list[EnvironmentReward]:
-    """One reward function per environment class that defines `get_reward`."""
-    return [EnvironmentReward(kind) for kind in environment_types if callable(getattr(kind, "get_reward", None))]
+    """One reward function per environment class that defines `get_reward`, in the order first given: a dict of
+    factories that maps two names to one class scores its episodes once, not twice (as in TRL)."""
+    kinds = dict.fromkeys(environment_types)  # one entry per class, in order
+    return [EnvironmentReward(kind) for kind in kinds if callable(getattr(kind, "get_reward", None))]
 
 
 def with_environment_rewards(reward_funcs, toolbox, reward_weights=None) -> tuple[list | None, list | None]:

@@ -297,14 +297,16 @@ def add_episode_metrics(window: MetricsWindow, stats: dict[str, float], accelera
     """The tool metrics of a round of multi-turn episodes (grpo/generation/episodes.py), from this process's sums
     (`episode_stats`) summed over processes: per episode `tools/turns` (policy turns), `tools/call_frequency`,
     `tools/errors`, `tools/timeouts`, `tools/parse_failures` and `tools/budget_cut_ratio` (episodes whose tool
-    answers did not fit in max_completion_length); `tools/failure_frequency`, failed calls over calls (TRL's)."""
+    answers did not fit in max_completion_length); `tools/failure_frequency`, TRL's (errors + timeouts + unknown
+    tools) / (calls + unknown tools): TRL counts a call of an unknown tool as a failed call."""
     names = list(stats)
     totals = accelerator.reduce(torch.tensor([stats[n] for n in names], device=accelerator.device), reduction="sum")
     total = dict(zip(names, totals.tolist()))
     episodes = total.pop("episodes")
+    unknown = total.pop("unknown_tools", 0.0)  # counted in tools/parse_failures already
     renamed = {"tool_calls": "call_frequency", "tool_errors": "errors", "tool_timeouts": "timeouts"}
     for name, value in total.items():
         name = "budget_cut_ratio" if name == "budget_cuts" else renamed.get(name, name)
         window.add_mean(f"tools/{name}", value, episodes)
-    failed = total["tool_errors"] + total["tool_timeouts"]
-    window.add_mean("tools/failure_frequency", failed, max(total["tool_calls"], 1.0))
+    failed = total["tool_errors"] + total["tool_timeouts"] + unknown
+    window.add_mean("tools/failure_frequency", failed, max(total["tool_calls"] + unknown, 1.0))

@@ -48,17 +48,20 @@ class ScriptedTurns:
     """A sampler that answers every context with script[k] + EOS, k = the tool answers already in the context. At the
     first turn row r of a call takes `scripts[(offset + r) % len(scripts)]` (`offset`: the global index of this
     process's first row), so the rows of a group can differ; later turns go on with the script whose first turn the
-    context holds. `calls` records the prompt ids of every call."""
+    context holds. `calls` records the prompt ids of every call, `limits` the `max_new_tokens` it was asked for (the
+    turns are short enough never to need cutting)."""
 
     def __init__(self, tokenizer, scripts=(SCRIPT,), offset=0):
         self.tokenizer, self.scripts, self.offset = tokenizer, list(scripts), offset
         self.calls: list[list[list[int]]] = []
+        self.limits: list[int | None] = []
 
     def sync_weights(self, model, version):
         pass
 
-    def generate(self, model, prompt_ids):
+    def generate(self, model, prompt_ids, max_new_tokens=None):
         self.calls.append([list(p) for p in prompt_ids])
+        self.limits.append(max_new_tokens)
         out = []
         for r, ids in enumerate(prompt_ids):
             context = self.tokenizer.decode(ids)
@@ -71,6 +74,12 @@ class ScriptedTurns:
             turn = script[min(answers, len(script) - 1)]
             out.append(self.tokenizer(turn, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
         return Completions(out)
+
+
+def turn_starts(rollout, row: int) -> list[int]:
+    """Where each policy turn of episode `row` starts in its completion: at 0, and after each tool answer."""
+    sampled = rollout.sampled_mask[row].tolist()
+    return [0] + [i for i in range(1, len(sampled)) if sampled[i] and not sampled[i - 1]]
 
 
 def tool_tokenizer():
