@@ -108,7 +108,8 @@ def test_tool_failure_frequency_counts_unknown_tools_as_trl_does():
     """TRL's tools/failure_frequency is (errors + timeouts + unknown tools) / (calls + unknown tools): a call of a tool
     that does not exist is a call, and a failed one. Malformed calls are not seen by TRL, so not counted here."""
     from grpo.generation.episodes import EpisodeState, episode_stats
-    from grpo.generation.tools import Episode, ToolCounts
+    from grpo.generation.tool_executor import ToolCounts
+    from grpo.generation.tools import Episode
 
     states = [EpisodeState(Episode(None, {}), [1]) for _ in range(2)]
     for state, statuses in zip(states, (["ok", "error", "unknown_tool"], ["timeout", "malformed", "ok", "ok"])):

@@ -20,13 +20,10 @@ from grpo.generation.tool_calls import (
     parser_for_template,
     resolve_parser,
 )
+from grpo.generation.tool_executor import HungToolsError, ToolCallError, ToolCounts, ToolExecutor
 from grpo.generation.tools import (
-    HungToolsError,
     Toolbox,
-    ToolCallError,
-    ToolCounts,
     ToolDefinitionError,
-    ToolExecutor,
     environment_methods,
     make_tool,
     make_tools,

@@ -27,7 +27,8 @@ from torch import nn
 from grpo.data import InputError, encode_prompts
 from grpo.generation.base import Completions, cut_at_eos, limit_for
 from grpo.generation.tool_calls import ParseFailure, ToolCall, resolve_parser
-from grpo.generation.tools import Episode, Toolbox, ToolCounts, ToolExecutor
+from grpo.generation.tool_executor import ToolCounts, ToolExecutor
+from grpo.generation.tools import Episode, Toolbox
 from grpo.rollout import Rollout
 
 # A ChatML chat template that renders tools in the Hermes format (tools as JSON schemas in the system turn, calls as
