@@ -6,6 +6,7 @@ import importlib.util
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,6 +32,16 @@ def echo():
     local = LocalServer(app)
     yield local.acquire(), server, EchoEnvironment
     local.release()
+
+
+def settled(condition) -> bool:
+    """`condition()` once it holds, or after 30 s. The server closes a session after the client has hung up (its
+    WebSocket close is answered before the environment's close runs), so its counts catch up a moment later; a
+    leaked session never does."""
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
 
 
 def client_loops() -> int:
@@ -72,7 +83,7 @@ def test_the_tool_is_the_action_and_the_episode_is_the_servers(echo):
 
     env.close()
     env.close()  # a second close does nothing
-    assert server.active_sessions == 0 and environment.closed == 1
+    assert settled(lambda: server.active_sessions == 0 and environment.closed == 1)
     assert client_loops() == 0
 
 
@@ -102,10 +113,16 @@ def test_training_scores_with_the_servers_rewards_and_closes_its_sessions(echo, 
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
+        environment_group_seed=True,  # the G episodes of a prompt reset with one seed, which the server must get
     )
     Echo = openenv_environment(EchoClient, base_url=url, observation="heard", show_reset=False)
     trainer = GRPOTrainer(
-        str(model), None, args=args, train_dataset=chat_prompts(2), processing_class=tokenizer, environment_factory=Echo
+        str(model),
+        None,
+        args=args,
+        train_dataset=chat_prompts(2),
+        processing_class=tokenizer,
+        environment_factory=Echo,
     )
     scripts = [[call("echo", message=m, loud=m == "hello"), "Done."] for m in ("hi", "hello", "hey there")]
     trainer.generation = ScriptedTurns(tokenizer, scripts)
@@ -116,8 +133,11 @@ def test_training_scores_with_the_servers_rewards_and_closes_its_sessions(echo, 
     assert len(given) == 2 * G and len(set(given[:G])) > 1
     for step, logged in enumerate(trainer.state.log_history[:2]):
         assert logged["rewards/EchoClient/mean"] == pytest.approx(sum(given[step * G : (step + 1) * G]) / G)
-    assert server.active_sessions == 0, f"{server.active_sessions} sessions left open after training"
-    assert environment.closed == environment.made
+    seeds = environment.seeds
+    assert len(seeds) == 2 * G and all(isinstance(s, int) for s in seeds)
+    assert len(set(seeds[:G])) == 1 and len(set(seeds[G:])) == 1  # one seed per group
+    assert settled(lambda: server.active_sessions == 0), f"{server.active_sessions} sessions left open after training"
+    assert settled(lambda: environment.closed == environment.made)
     assert client_loops() == 0
 
 
@@ -129,8 +149,8 @@ def test_an_app_is_served_on_loopback_while_an_object_is_open():
     app, server = echo_app()
     Echo = openenv_environment(EchoClient, app=app, observation="heard")
     first, second = Echo(), Echo()
-    assert first._url == second._url and first._url.startswith("http://127.0.0.1:")
-    port = int(first._url.rsplit(":", 1)[1])
+    assert first.url == second.url and first.url.startswith("http://127.0.0.1:")
+    port = int(first.url.rsplit(":", 1)[1])
     first.close()
     assert second.reset() == "Say hello."  # still served
     second.close()
@@ -139,7 +159,7 @@ def test_an_app_is_served_on_loopback_while_an_object_is_open():
     third = Echo()  # served again
     assert third.reset() == "Say hello."
     third.close()
-    assert server.active_sessions == 0 and EchoEnvironment.closed == EchoEnvironment.made == 3
+    assert settled(lambda: server.active_sessions == 0 and EchoEnvironment.closed == EchoEnvironment.made == 3)
 
 
 @needs_openenv
@@ -172,8 +192,9 @@ def test_mistakes_are_named_with_their_fix(echo):
 
     app, server = echo_app(max_sessions=1)
     Echo = openenv_environment(EchoClient, app=app)
-    first, second = Echo(), Echo()
-    first.reset()
+    first = Echo()
+    first.reset()  # its session is open: the server's one
+    second = Echo()
     with pytest.raises(RuntimeError, match="max_concurrent_envs=N"):
         second.reset()
     first.close(), second.close()

@@ -118,7 +118,9 @@ def step_tool(name: str, fields: Sequence[ActionField], summary: str) -> Callabl
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for f in fields:
         default = inspect.Parameter.empty if f.required else None  # only "required" is read from it
-        parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.annotation))
+        parameters.append(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.annotation)
+        )
     tool.__signature__ = inspect.Signature(parameters, return_annotation=str)
     tool.__annotations__ = {**{f.name: f.annotation for f in fields}, "return": str}
     tool.__name__ = tool.__qualname__ = name
@@ -243,8 +245,8 @@ class Settings:
 class OpenEnvSession:
     """One OpenEnv session as an environment of this library's protocol: the base of the classes that
     `openenv_environment` makes, which add the tool method and their `Settings`. Public attributes for reward
-    functions: `rewards` (each step's reward this episode, None where the server sent none), `done`, and
-    `observation` (the last one, as the client parsed it)."""
+    functions: `rewards` (each step's reward this episode, None where the server sent none), `done`, `observation`
+    (the last one, as the client parsed it), and `url`, the server's."""
 
     _settings: Settings
 
@@ -254,7 +256,7 @@ class OpenEnvSession:
         self.observation = None
         self._client = None
         settings = self._settings
-        self._url = settings.server.acquire() if settings.server else settings.base_url
+        self.url = settings.server.acquire() if settings.server else settings.base_url
         try:
             self._client = self._connect()
         except BaseException:
@@ -264,13 +266,13 @@ class OpenEnvSession:
 
     def _connect(self):
         settings = self._settings
-        client = settings.client(base_url=self._url, **settings.client_kwargs).sync()
+        client = settings.client(base_url=self.url, **settings.client_kwargs).sync()
         try:
             client.connect()
         except Exception as error:
             client.close()  # stops the client's event-loop thread
             raise ConnectionError(
-                f"Cannot open a session on the OpenEnv server at {self._url}: {error}. Start the server first, or "
+                f"Cannot open a session on the OpenEnv server at {self.url}: {error}. Start the server first, or "
                 "pass app=... (the server's app) to have it served here."
             ) from error
         return client
@@ -328,7 +330,7 @@ class OpenEnvSession:
                     "of them: serve it with create_app(..., max_concurrent_envs=N), N at least the episodes of one "
                     "generation round, and set SUPPORTS_CONCURRENT_SESSIONS = True on its environment class."
                 )
-            raise RuntimeError(f"The OpenEnv server at {self._url} failed the {what}: {error!r}.{hint}") from error
+            raise RuntimeError(f"The OpenEnv server at {self.url} failed the {what}: {error!r}.{hint}") from error
 
 
 def openenv_environment(
@@ -362,8 +364,28 @@ def openenv_environment(
         reset_columns: the dataset columns passed to the server's `reset` when a row has them.
         client_kwargs: more arguments for `client(...)`, e.g. `{"message_timeout_s": 30}`.
     """
-    core = openenv_core()
-    if not (isinstance(client, type) and issubclass(client, core.EnvClient)):
+    action = _checked(client, base_url, app, reward, action)
+    name = _tool_name(tool, action)
+    method = step_tool(name, action_fields(action), description or _summary(action, client))
+    make_tool(method, client.__name__)  # a field the schema cannot describe fails here, naming it
+    settings = Settings(
+        client,
+        action,
+        base_url,
+        LocalServer(resolve_app(app)) if app is not None else None,
+        observation,
+        reward,
+        show_reset,
+        tuple(reset_columns),
+        dict(client_kwargs or {}),
+    )
+    doc = f"The OpenEnv environment of {client.__name__} (openenv_environment): one session per object."
+    return type(client.__name__, (OpenEnvSession,), {name: method, "_settings": settings, "__doc__": doc})
+
+
+def _checked(client: type, base_url: str | None, app: Any, reward: str, action: type | None) -> type:
+    """The Action type, once `openenv_environment`'s arguments are checked (each mistake named with its fix)."""
+    if not (isinstance(client, type) and issubclass(client, openenv_core().EnvClient)):
         raise TypeError(
             f"openenv_environment(client=...) takes an OpenEnv client class (an EnvClient subclass such as "
             f"EchoEnv), not {client!r}."
@@ -381,25 +403,18 @@ def openenv_environment(
             f"{client.__name__} does not declare its Action type (as in EnvClient[MyAction, MyObservation, State]): "
             "pass action=MyAction, the pydantic model or dataclass the environment's step takes."
         )
+    return action
+
+
+def _tool_name(tool: str | None, action: type) -> str:
+    """`tool`, or the Action type's name without `Action`, in snake case (`EchoAction` -> `echo`)."""
     name = tool or _snake_case(re.sub(r"Action$", "", action.__name__)) or "step"
     if not name.isidentifier() or name.startswith("_") or name in RESERVED_METHODS:
-        raise ToolDefinitionError(f"tool={name!r}: name the tool with a Python identifier not starting with '_', "
-                                  f"other than {', '.join(RESERVED_METHODS)}.")
-    method = step_tool(name, action_fields(action), description or _summary(action, client))
-    make_tool(method, client.__name__)  # a field the schema cannot describe fails here, naming it
-    settings = Settings(
-        client,
-        action,
-        base_url,
-        LocalServer(resolve_app(app)) if app is not None else None,
-        observation,
-        reward,
-        show_reset,
-        tuple(reset_columns),
-        dict(client_kwargs or {}),
-    )
-    doc = f"The OpenEnv environment of {client.__name__} (openenv_environment): one session per object."
-    return type(client.__name__, (OpenEnvSession,), {name: method, "_settings": settings, "__doc__": doc})
+        raise ToolDefinitionError(
+            f"tool={name!r}: name the tool with a Python identifier not starting with '_', "
+            f"other than {', '.join(RESERVED_METHODS)}."
+        )
+    return name
 
 
 def _snake_case(name: str) -> str:
