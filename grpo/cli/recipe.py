@@ -11,6 +11,8 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
     run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
     peft:     optional LoRA settings ({r: 16, lora_alpha: 32, target_modules: all-linear}): train an adapter only
     tools:    optional `module:function` paths of tool functions: each row becomes a multi-turn episode (docs/agents.md)
+    environment: optional `module:attr` of an environment class (or zero-argument factory), or `{name: module:attr}`
+              for several (rows pick one by their `environment` column): GRPOTrainer's `environment_factory`
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import numbers
 import os
 import re
@@ -145,6 +148,8 @@ class Recipe:
     source: Path | None = None
     peft: PeftSection | None = None  # None: full fine-tuning
     tools: list[str] = dataclasses.field(default_factory=list)  # `module:function` paths (multi-turn episodes)
+    # `module:attr` of the environment_factory, or {name: module:attr} (rows routed by their `environment` column).
+    environment: str | dict[str, str] | None = None
 
     def peft_config(self):
         """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
@@ -166,7 +171,7 @@ class Recipe:
 
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
-_LISTS = ("rewards", "tools")  # top-level keys that hold lists, not GRPOConfig fields
+_LISTS = ("rewards", "tools", "environment")  # top-level keys that are neither sections nor GRPOConfig fields
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -194,6 +199,7 @@ TRL_KEYS = {
     "lora_target_modules": "peft.target_modules",
     "lora_modules_to_save": "peft.modules_to_save",
     "use_rslora": "peft.use_rslora",
+    "environment_factory": "environment",  # GRPOTrainer's argument
 }
 
 
@@ -466,6 +472,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         # `peft: null` (or `--peft null`) turns LoRA off; `peft: {}` is LoRA with the defaults above.
         peft=_section(PeftSection, raw["peft"], "peft") if raw.get("peft") is not None else None,
         tools=_tools(raw.get("tools")),
+        environment=_environment(raw.get("environment")),
     )
     if recipe.peft is not None:
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
@@ -511,20 +518,100 @@ def _tools(raw: Any) -> list[str]:
     return list(entries)
 
 
+def _import_attr(path: str, search_dirs: typing.Sequence[Path], what: str) -> Any:
+    """The attribute a `module:attr` path names (None when the module has no such attribute), the module imported
+    with the working directory and `search_dirs` on the import path, as rewards' `module:function` are."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = import_from_folders(module_name, search_dirs, what=what)
+    except InputError as e:
+        raise RecipeError(str(e)) from e
+    return getattr(module, attr, None)
+
+
 def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable:
     """The function a `tools:` entry names, imported with the working directory and `search_dirs` (the recipe's
     folder) on the import path, as rewards' `module:function` are."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = import_from_folders(module_name, search_dirs, what=f"Tool '{path}'")
-    except InputError as e:
-        raise RecipeError(str(e)) from e
-    func = getattr(module, attr, None)
+    func = _import_attr(path, search_dirs, f"Tool '{path}'")
     if not callable(func):
+        module_name, _, attr = path.partition(":")
         raise RecipeError(
             f"Tool '{path}': module '{module_name}' has no function '{attr}'. Check the name: 'module:function'."
         )
     return func
+
+
+def _environment(raw: Any) -> str | dict[str, str] | None:
+    """The `environment:` key: one `module:attr` path, or a non-empty mapping of names to paths; checked for its form
+    here and imported by `resolve_environment`."""
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        if not raw:
+            raise RecipeError(
+                "environment: the mapping is empty. Name one environment ('my_env:Game'), or map names to them "
+                "({game: 'my_env:Game', maze: 'my_env:Maze'}), or leave the key out."
+            )
+        for name, path in raw.items():
+            if not isinstance(name, str) or not name:
+                raise RecipeError(
+                    f"environment: the name {name!r} ({type(name).__name__}) is not a string. Name each environment "
+                    f"with a word ({{game: 'my_env:Game'}}), the value the rows' `environment` column holds for it; "
+                    "quote it if YAML reads it as a number."
+                )
+            _check_environment_path(path, f"environment.{name}")
+        return dict(raw)
+    _check_environment_path(raw, "environment")
+    return raw
+
+
+def _check_environment_path(path: Any, where: str) -> None:
+    if not isinstance(path, str) or not _TOOL_PATH.match(path):
+        raise RecipeError(
+            f"{where}: {path!r} is not a 'module:attr' path. Name the module (a .py file in the working directory "
+            "or the recipe's folder, or an installed package) and the environment class or zero-argument factory "
+            "in it, e.g. 'my_env:Game'; for several environments, map names to such paths."
+        )
+
+
+def resolve_environment(
+    spec: str | dict[str, str] | None, search_dirs: typing.Sequence[Path] = ()
+) -> Callable | dict[str, Callable] | None:
+    """The `environment_factory` an `environment:` key names (a dict of them for a mapping), each imported with the
+    working directory and `search_dirs` (the recipe's folder) on the import path. The object must be callable with
+    no argument: a class, a zero-argument function, or a class made by `openenv_environment(...)`."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {name: _environment_factory(path, search_dirs, f"environment.{name}") for name, path in spec.items()}
+    return _environment_factory(spec, search_dirs, "environment")
+
+
+def _environment_factory(path: str, search_dirs: typing.Sequence[Path], where: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    factory = _import_attr(path, search_dirs, f"{where} '{path}'")
+    if factory is None:
+        raise RecipeError(
+            f"{where} '{path}': module '{module_name}' has no attribute '{attr}'. Check the name: 'module:attr', "
+            "the environment class (or the zero-argument function that makes one)."
+        )
+    if not callable(factory):
+        raise RecipeError(
+            f"{where} '{path}' is not callable (a {type(factory).__name__} object): name the environment's "
+            "class (or a zero-argument function returning a new object), not one object of it; each episode needs "
+            "an object of its own."
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise RecipeError(
+            f"{where} '{path}' cannot be called without arguments ({e}): the trainer makes each environment object "
+            "with no argument. Give its arguments defaults, or name a zero-argument function that makes one "
+            "(functools.partial in the module works too)."
+        ) from e
+    except ValueError:  # no signature to read (a builtin): left to the call
+        pass
+    return factory
 
 
 def resolve_reward(
