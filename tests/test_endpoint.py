@@ -339,3 +339,21 @@ def test_model_generate_serves_episodes_that_train_two_steps(tmp_path, model_pat
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def summarising_agent(row, endpoint):
+    """One call, then a call on a rewritten history (a summary), which extends nothing: a new chain."""
+    first = post(endpoint, {"messages": list(row["prompt"]), "tools": SCHEMAS})["choices"][0]["message"]
+    summary = [{"role": "user", "content": f"So far you said: {first['tool_calls'][0]['function']['name']}. Go on."}]
+    post(endpoint, {"messages": summary, "tools": SCHEMAS})
+    return None
+
+
+def test_a_rewritten_history_starts_a_new_chain_and_one_chain_is_trained(tmp_path, model_path):
+    trainer = make_trainer(tmp_path, model_path, summarising_agent, reward=reward_25)
+    rollout, columns = sample(trainer)
+    assert rollout.prompts[0][0]["content"] == "So far you said: add. Go on."  # the latest of two equal chains
+    second = trainer.generation.calls[1][0]
+    assert second == rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()  # rendered afresh, not extended
+    assert rollout.episode_stats["dropped_calls"] == G and rollout.episode_stats["turns"] == G
+    assert columns["agent_error"] == [None] * G
