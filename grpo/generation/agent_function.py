@@ -26,6 +26,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,6 +124,8 @@ class EndpointAgent:
             )
         if self.endpoint is None:
             self.endpoint = ChatEndpoint(self.submit, self.sampling)
+            # A trainer dropped without `close` (no train(), or a failure) frees the port when it is collected.
+            weakref.finalize(self, self.endpoint.close)
         self.rounds += 1
         deadline = time.monotonic() + self.args.agent_timeout
         episodes = [Episode(f"r{self.rounds}e{i}", i, dict(row), deadline) for i, row in enumerate(inputs)]

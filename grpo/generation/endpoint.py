@@ -205,9 +205,11 @@ class ChatEndpoint:
         return episode
 
     def close(self) -> None:
-        """Stop serving and free the port; requests still waiting are answered by the round that queued them."""
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop serving and free the port (again: nothing); requests still waiting are answered by the round that
+        queued them."""
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
 
 
 def _handler_class(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
