@@ -924,6 +924,21 @@ class GRPOConfig(TrainingArguments):
         "'llama3_json'; None picks one from the chat template. A parser of your own: set trainer.agent.parser = f "
         "after building the trainer (docs/agents.md).",
     )
+    agent_timeout: float = option(
+        default=600.0,
+        section=Section.AGENTS,
+        range=Interval(0, open_low=True, why="seconds one run of agent_func may take"),
+        help="With agent_func: seconds one episode (one call of the function, all its requests included) may run; "
+        "past it the episode is a failure (see agent_failure_reward), its row named in a log line, and its later "
+        "requests are refused (a sync function's thread cannot be stopped and runs on in the background).",
+    )
+    agent_failure_reward: float | None = option(
+        default=None,
+        section=Section.AGENTS,
+        help="With agent_func: every reward of an episode whose function raised, timed out or returned something "
+        "other than a dict or None. None (default): unscored, like a reward function's None (advantage 0); 0.0 "
+        "counts a failure against the policy. The reward functions still run, and see the error in `agent_error`.",
+    )
 
     # ---- Training on stored, scored completions (docs/offline.md) ----
     offline_completion_column: str = option(

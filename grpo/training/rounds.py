@@ -151,7 +151,7 @@ class RoundMaker:
         producer thread calls it too. The episodes' environment objects, which the rewards see live, are then free
         for the next round's episodes."""
         try:
-            return self.rewards.score(
+            scores = self.rewards.score(
                 prompts=rollout.prompts,
                 completions=rollout.completions,
                 completion_ids=rollout.completion_lists(),
@@ -161,6 +161,9 @@ class RoundMaker:
                 width=rollout.completion_ids.shape[1],
                 **call_settings(self.args, mode),
             )
+            # agent_func's failed episodes (generation/agent_function.py) get agent_failure_reward.
+            score_failures = getattr(self.agent, "score_failures", None)
+            return scores if score_failures is None else score_failures(scores, columns)
         finally:
             if self.agent is not None:
                 self.agent.give_back(columns)

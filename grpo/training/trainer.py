@@ -17,6 +17,7 @@ from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
 from grpo.data.vision import check_vision_run, has_images, text_tokenizer
+from grpo.generation.agent_function import check_agent_func, make_endpoint_agent
 from grpo.generation.episodes import make_agent
 from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
@@ -82,6 +83,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             policy (beta != 0) is the same network with the adapter disabled, not a copy (docs/peft.md).
         tools, environment_factory: multi-turn episodes: the functions the model may call, or a factory of
             environments whose methods are its tools (docs/agents.md).
+        agent_func: any agent, run unchanged: `f(row, endpoint)` (sync or async) calls the trainer's OpenAI-compatible
+            endpoint and returns a dict of columns for the rewards, or None (docs/agents.md, "Any agent").
     """
 
     # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
@@ -101,6 +104,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         peft_config=None,
         tools: list[Callable] | None = None,
         environment_factory=None,
+        agent_func: Callable | None = None,
     ):
         model = source = os.fspath(model) if isinstance(model, os.PathLike) else model
         args = GRPOConfig.for_model(model) if args is None else args
@@ -110,7 +114,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.settings = args.stage_settings()  # the objective's typed settings, checked (objective/settings.py)
         # 1. Everything that needs no weights, then the rewards (reward models named by path load here).
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # a PEFT reference cannot move
-        episodes = (tools, environment_factory)
+        episodes = (tools, environment_factory, agent_func)
         train_dataset = self._before_weights(
             args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset, processing_class, episodes
         )
@@ -120,7 +124,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         )
         self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
         check_prompt_lengths(tokenizer, model.config, args, train_dataset, eval_dataset)  # room to complete
-        self.agent = make_agent(self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset)
+        self.agent = make_endpoint_agent(agent_func, tokenizer, self.eos_token_ids, args) or make_agent(
+            self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset
+        )
         self.ref_model, self._reference_moves = make_reference(model, args, source)  # pi_ref (objective/reference.py)
         layout = forward_layout(args, model, announce=args.process_index == 0)  # padding-free, shared prompt
         router_coef = router_aux_coef(model.config, args.router_aux_loss_coef)  # a MoE router's loss, checked
@@ -155,7 +161,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
         check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
-        tools, environment_factory = episodes
+        tools, environment_factory, agent_func = episodes
+        check_agent_func(agent_func, tools, environment_factory)  # callable as f(row, endpoint), not with tools
         check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = make_toolbox(tools, environment_factory, args)
