@@ -40,8 +40,9 @@ from transformers.utils import DocstringParsingException, TypeHintParsingExcepti
 
 from grpo.generation.tool_calls import ParseFailure, ToolCall
 
-# Methods of an environment that are part of the protocol, never offered to the model as tools.
-RESERVED_METHODS = ("reset", "get_reward")
+# Methods of an environment that are part of the protocol, never offered to the model as tools (`get_turn_rewards`:
+# turn-level credit, grpo/rewards/turns.py).
+RESERVED_METHODS = ("reset", "get_reward", "get_turn_rewards")
 
 
 class ToolDefinitionError(ValueError):
