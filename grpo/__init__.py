@@ -12,6 +12,7 @@ from grpo.config import GRPOConfig
 if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__getattr__` below
     from grpo.objective.reference import ReferenceResetCallback
     from grpo.rewards.process import StepRewards, process_reward
+    from grpo.rewards.turns import turn_reward
     from grpo.training.trainer import GRPOTrainer
 
 # public name -> the module that defines it, imported when the name is first read
@@ -20,9 +21,10 @@ _LAZY = {
     "ReferenceResetCallback": "grpo.objective.reference",
     "StepRewards": "grpo.rewards.process",
     "process_reward": "grpo.rewards.process",
+    "turn_reward": "grpo.rewards.turns",
 }
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "ReferenceResetCallback", "StepRewards", "process_reward"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "ReferenceResetCallback", "StepRewards", "process_reward", "turn_reward"]
 __version__ = "0.1.0"
 
 

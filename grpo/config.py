@@ -506,6 +506,23 @@ class GRPOConfig(TrainingArguments):
         help="Divide advantages by the reward std of the 'group' (GRPO), of the whole 'batch', or 'none' "
         "(Dr. GRPO). True means 'group', False means 'none'.",
     )
+    turn_advantage: str | None = option(
+        default=None,
+        section=Section.REWARDS,
+        help="Turn-level credit for multi-turn episodes (tools or environment_factory; docs/agents.md): each policy "
+        "turn's tokens get the episode's advantage plus turn_advantage_coef times the advantage of that turn "
+        "against the same turn of the other episodes of its group. 'mt_grpo' (MT-GRPO, arXiv:2505.11821) uses the "
+        "turn's own score, 'reward_to_go' the sum of its scores from that turn on. Turn scores come from an "
+        "environment's get_turn_rewards() or a reward function marked @turn_reward. None: off (one advantage per "
+        "episode, as in TRL).",
+    )
+    turn_advantage_coef: float = option(
+        default=1.0,
+        section=Section.REWARDS,
+        range=Interval(0, open_low=True, why="the weight of a turn's advantage against the episode's"),
+        help="The weight of the turn advantage under turn_advantage (MT-GRPO's coefficient; 1.0 as in its authors' "
+        "code).",
+    )
     dynamic_sampling: bool = option(
         default=False,
         section=Section.REWARDS,

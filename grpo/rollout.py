@@ -65,6 +65,12 @@ class Rollout:
     is_truncated: torch.Tensor = _tensor(LOCAL)  # (B,) bool: no EOS within max_completion_length
     rewards_per_func: torch.Tensor = _tensor(GATHERED)  # (B_g, K) float32, NaN where a function gave none
     step_rewards: torch.Tensor = _tensor(GATHERED, "right")  # (B_g, K_p, T_g) at each step's last token, else NaN
+    # Multi-turn episodes (None otherwise): the policy turn (0, 1, ...) of each completion token, -1 on tool answers
+    # and padding, (B_g, T_g) long; the episodes record this process's rows, which scoring gathers with the rewards
+    # (turn-level credit compares the turns of a whole group). With turn reward functions (grpo/rewards/turns.py):
+    # function k's score of policy turn n of each row, NaN where it gave none, (B_g, K_t, N) float32.
+    turn_index: torch.Tensor | None = _tensor(GATHERED, "right", True)
+    turn_rewards: torch.Tensor | None = _tensor(GATHERED, "right", True)
     sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
     prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,) bool: cut to max_prompt_length
     # Filled after scoring (steps 5-7), local rows only:
@@ -100,10 +106,12 @@ class Rollout:
         mask_truncated: bool = False,
         sampling_logps: Sequence[Sequence[float]] | None = None,
         sampled_masks: Sequence[Sequence[int]] | None = None,
+        turn_indices: Sequence[Sequence[int]] | None = None,
     ) -> Rollout:
         """A rollout of unpadded token lists (completions already cut after their EOS), not yet scored: prompts
         padded on the left, completions on the right; with `mask_truncated`, truncated rows get no loss tokens.
-        `sampled_masks`: per completion token, 1 where the policy sampled it (None: every token)."""
+        `sampled_masks`: per completion token, 1 where the policy sampled it (None: every token); `turn_indices`
+        (episodes): per completion token, its policy turn, -1 on tool answers."""
         prompt_ids, prompt_mask = pad(prompt_ids, pad_token_id, side="left")
         completion_ids, completion_mask = pad(completion_ids, pad_token_id, side="right")
         sampled_mask = completion_mask if sampled_masks is None else pad(sampled_masks, 0, side="right")[0]
@@ -125,6 +133,7 @@ class Rollout:
             rewards_per_func=torch.empty(0, 0),
             step_rewards=torch.empty(0, 0, 0),
             sampling_logps=sampling_logps,
+            turn_index=None if turn_indices is None else pad(turn_indices, -1, side="right")[0],
         )
 
     @property
@@ -208,7 +217,13 @@ class Rollout:
         for name, side in rollouts[0]._tensors():
             scope = rollouts[0].__dataclass_fields__[name].metadata["scope"]
             chosen = picked if scope == LOCAL else rows
-            fill = {"step_rewards": torch.nan, "prompt_ids": pad_token_id, "completion_ids": pad_token_id}.get(name, 0)
+            fill = {
+                "step_rewards": torch.nan,
+                "turn_rewards": torch.nan,
+                "turn_index": -1,
+                "prompt_ids": pad_token_id,
+                "completion_ids": pad_token_id,
+            }.get(name, 0)
             out[name] = stack_rows([getattr(rollouts[r], name)[i] for r, i in chosen], fill, side)
         return cls(**out).trim()
 

@@ -60,7 +60,7 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         rollout, columns = trainer.sample_round(rows, greedy)
         rollout = trainer.rounds.score_round(rollout, columns, None, trainer.state)
         # All processes' rows (a round may span processes), then this process's.
-        per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+        per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
         local = rollout.local_slice(trainer.accelerator.process_index)
         samples += [
             {"prompt": p, "completion": c, "rewards": r, "reward": t}

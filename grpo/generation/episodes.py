@@ -8,7 +8,8 @@ sampled (cut after the turn's first EOS); the ids of a tool answer are the chat 
 messages and the next generation prompt, tokenized once (`ToolTurnTokens`). Nothing is decoded and encoded again
 between turns, so what the loss trains on is what was sampled, whatever the tokenizer would make of the decoded text.
 `Rollout.sampled_mask` marks the policy's own tokens: tool answers are context only (no loss, no KL, no entropy, not
-in the length metrics), and the sampler's log-probs are 0 there.
+in the length metrics), and the sampler's log-probs are 0 there. `Rollout.turn_index` gives each completion token its
+policy turn (0, 1, ...; -1 on tool answers), for turn-level credit (docs/agents.md, "Turn-level credit").
 
 Each turn generates for every episode still going, in one backend call: turn k of an episode is conditioned on its
 prompt and everything before it. `model.generate` carries each row's KV cache from one turn to the next and prefills
@@ -73,6 +74,7 @@ class EpisodeState:
     prompt_cut: bool = False  # the prompt was longer than max_prompt_length (cut on `truncation_side`)
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)  # per token: its policy turn (0, 1, ...), -1 on tool answers
     logprobs: list[float] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     turns: int = 0  # policy turns
@@ -201,6 +203,7 @@ class AgentLoop:
         (ids,), (truncated,) = cut_at_eos([raw_ids], self.eos_token_ids, left)
         state.ids += ids
         state.sampled += [1] * len(ids)
+        state.turn_ids += [state.turns] * len(ids)
         state.logprobs += list(raw_logprobs[: len(ids)]) if raw_logprobs is not None else [0.0] * len(ids)
         state.turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -233,6 +236,7 @@ class AgentLoop:
                 continue
             state.ids += ids
             state.sampled += [0] * len(ids)
+            state.turn_ids += [-1] * len(ids)
             state.logprobs += [0.0] * len(ids)
             state.messages += messages
 
@@ -247,6 +251,7 @@ class AgentLoop:
             mask_truncated=self.args.mask_truncated_completions,
             sampling_logps=[s.logprobs for s in states] if logprobs else None,
             sampled_masks=[s.sampled for s in states],
+            turn_indices=[s.turn_ids for s in states],
         )
         rollout.episode_stats = episode_stats(states)
         rollout.prompt_truncated = torch.tensor([s.prompt_cut for s in states], dtype=torch.bool)

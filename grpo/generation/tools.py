@@ -9,8 +9,8 @@ classes work here:
     which `reset(**row)` is called with the episode's dataset row (every column, `prompt` included; with a dict of
     factories, the `environment` column picks the factory and is not passed on). When `reset` returns a string, it
     is appended to the content of the prompt's last message (`with_observation`). Its public methods, those not
-    starting with `_`, other than `reset`, `get_reward` and `close`, become that episode's tools, bound to its
-    object.
+    starting with `_`, other than `reset`, `get_reward`, `get_turn_rewards` and `close`, become that episode's
+    tools, bound to its object.
     `get_reward()`, when defined, lets the environment score its episode (TRL adds it as a reward function).
 
 Running a turn's calls (`ToolExecutor`, timeouts, errors as answers) is tool_executor.py's.
@@ -32,8 +32,9 @@ from transformers.utils import DocstringParsingException, TypeHintParsingExcepti
 from grpo.generation.environment_pool import EnvironmentPool, accepts_seed, close_pools, group_seed
 
 # Methods of an environment that are part of the protocol, never offered to the model as tools (TRL reserves the
-# first two; `close` is the trainer's to call when it is done with the object, environment_pool.py).
-RESERVED_METHODS = ("reset", "get_reward", "close")
+# first two; `close` is the trainer's to call when it is done with the object, environment_pool.py; `get_turn_rewards`:
+# turn-level credit, grpo/rewards/turns.py).
+RESERVED_METHODS = ("reset", "get_reward", "close", "get_turn_rewards")
 
 
 class ToolDefinitionError(ValueError):
@@ -96,7 +97,7 @@ def make_tools(functions: Iterable[Callable], owner: str | None = None) -> dict[
 
 def environment_methods(environment: object) -> list[Callable]:
     """The public methods of `environment` that become tools, as bound methods sorted by name (TRL's order):
-    every method whose name does not start with `_`, other than `reset`, `get_reward` and `close`. Properties are not
+    every method whose name does not start with `_`, other than the `RESERVED_METHODS`. Properties are not
     read (looking one up could act on the environment) and static methods are not tools."""
     methods = []
     for name in sorted(dir(type(environment))):

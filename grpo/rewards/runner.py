@@ -144,7 +144,8 @@ class _Call(NamedTuple):
     start: int
     num_rows: int
     # checks what the function returned: (values, name, num_rows, offset) -> one value or None per row;
-    # `check_rewards` (numbers) for outcome functions, `check_step_rewards` (StepRewards) for process functions
+    # `check_rewards` (numbers) for outcome functions, `check_step_rewards` (StepRewards) for process functions,
+    # `check_turn_rewards` (a list per row) for turn functions
     check: Callable[[Any, str, int, int], list] = check_rewards
 
 

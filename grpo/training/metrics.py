@@ -189,7 +189,7 @@ def add_reward_call_metrics(
 def round_samples(rollout, rewards, advantages: torch.Tensor, output_dir: str, is_main: bool) -> list[dict]:
     """`log_completions`: the records of a scored round's rows of every process (`sample_records`); a collective
     call. Rows that carry images (`log_multimodal`) get them saved under `output_dir` (logged_images.py)."""
-    columns, _ = rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+    columns, _ = rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
     prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
     images = None if rollout.images is None else save_logged_images(output_dir, rollout.images, is_main)
     return sample_records(prompts, completions, columns, advantages, images)

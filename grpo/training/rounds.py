@@ -30,7 +30,7 @@ from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.models import unwrap_parallel
-from grpo.objective.advantages import mixed_advantages
+from grpo.objective.advantages import mixed_advantages, turn_credit_advantages
 from grpo.objective.loss import window_token_totals
 from grpo.objective.reference import reference_policy
 from grpo.objective.settings import ObjectiveSettings
@@ -182,9 +182,20 @@ class RoundMaker:
         rewards = self.finite_rewards(scores.rewards.to(device), names, rollout.num_rows, global_step)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
         steps = self.accelerator.pad_across_processes(scores.step_rewards.to(device), dim=2, pad_index=torch.nan)
-        process_names = names[len(self.rewards.outcome_funcs) :]
-        steps = self.finite_rewards(steps, process_names, rollout.num_rows, global_step)
-        return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
+        kinds = len(self.rewards.outcome_funcs), len(self.rewards.process_funcs)
+        steps = self.finite_rewards(steps, names[kinds[0] : sum(kinds)], rollout.num_rows, global_step)
+        if rollout.turn_index is None:  # single-turn completions: nothing per turn
+            return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
+        # Multi-turn episodes: each token's turn and each turn's scores, gathered like the step rewards (N: turns).
+        turns = self.accelerator.pad_across_processes(rollout.turn_index, dim=1, pad_index=-1)
+        turns = gather_rows(self.accelerator, turns, -1)
+        turn_rewards = self.accelerator.pad_across_processes(
+            scores.turn_rewards.to(device), dim=2, pad_index=torch.nan
+        )
+        turn_rewards = self.finite_rewards(turn_rewards, names[sum(kinds) :], rollout.num_rows, global_step)
+        return replace(
+            rollout, rewards_per_func=rewards, step_rewards=steps, turn_index=turns, turn_rewards=turn_rewards
+        )
 
     def finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int, step: int) -> torch.Tensor:
         """All processes' `rewards` (gathered) through `finite_rewards` (nonfinite.py), counting what it unscored."""
@@ -195,14 +206,15 @@ class RoundMaker:
         return rewards
 
     def advantages(self, rollout: Rollout, mode: str, step: int) -> torch.Tensor:
-        """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
+        """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards or
+        turn-level credit."""
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
         groups = rollout.groups(self.args.generations(mode))  # G, or each group's size (offline)
         check_reward_spread(rewards, groups, step)
         weights = self.rewards.process_weights.to(rewards.device)
         per_func = (rollout.rewards_per_func, self.rewards.outcome_weights.to(rewards.device))  # GDPO's inputs
         s = self.settings.advantages
-        return mixed_advantages(
+        advantages = mixed_advantages(
             rewards,
             rollout.step_rewards,
             weights,
@@ -211,6 +223,18 @@ class RoundMaker:
             baseline=s.baseline,
             aggregation=s.aggregation,
             per_func=per_func,
+        )
+        if s.turn_scheme is None or rollout.turn_rewards is None:
+            return advantages
+        return turn_credit_advantages(
+            advantages,
+            rollout.turn_rewards,
+            self.rewards.turn_weights.to(rewards.device),
+            rollout.turn_index,
+            groups,
+            s.turn_scheme,
+            s.turn_coef,
+            s.scale_rewards,
         )
 
     def dynamic_sampling(self, rollout: Rollout, context: RoundContext) -> Rollout:
@@ -261,7 +285,7 @@ class RoundMaker:
 
     def record_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (metrics.py)."""
-        columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+        columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
         lengths = gather_rows(self.accelerator, rollout.sampled_mask.sum(dim=1))  # (B_global,) policy tokens
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
         window, groups = self.metric_windows[mode], rollout.groups(self.args.generations(mode))

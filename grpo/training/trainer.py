@@ -30,6 +30,7 @@ from grpo.objective.step_loss import StepContext, StepLoss
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet
 from grpo.rewards.stored import offline_rewards
+from grpo.rewards.turns import check_turn_credit
 from grpo.rollout import MicroBatch
 from grpo.training import checkpoints, hub_log, metrics
 from grpo.training.checkpoints import ResumableTrainer
@@ -52,11 +53,11 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
          (`self.rounds`, grpo/training/rounds.py), step 8 the step loss's (`self.step_loss`, objective/step_loss.py).
       2. Generate one completion per row (`self.rounds.generation`).
       3. Cut each completion after its first EOS; flag the truncated ones.
-      4. Score every completion with every reward function (process functions: step rewards); gather rewards
+      4. Score every completion with every reward function (process: step rewards; turn: turn scores); gather rewards
          from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
          With `async_generation`, the next round's steps 2-4 on this process run in a producer thread while this one
          trains (grpo/training/async_rounds.py); the rewards are gathered when the trainer takes the round.
-      5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
+      5. Group advantages over the gathered rewards (per token with process rewards or turn credit); keep own rows.
       6. pi_old: a micro-batch trained before its round's first optimizer step has it in its own training pass
          (old = logp.detach(), kept for replays); the others get old log-probs from a pass before any update.
       7. Reference log-probs, only when beta != 0.
@@ -166,10 +167,12 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
         self.toolbox = make_toolbox(tools, environment_factory, args)
-        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
+        turn_credit = args.turn_advantage is not None  # environments' get_turn_rewards score each turn too
+        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights, turn_credit)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
+        check_turn_credit(args.turn_advantage, self.toolbox, self.rewards.turn_funcs)
         return train_dataset
 
     def _on_the_accelerator(self, layout: tuple[bool, bool], router_coef: float, processing_class, train_dataset):
@@ -219,7 +222,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
 
     @property
     def reward_names(self) -> list[str]:
-        """The reward functions' names: outcome functions first, then process functions (the metric columns)."""
+        """The reward functions' names: outcome, then process, then turn functions (the metric columns)."""
         return self.rewards.names
 
     @property

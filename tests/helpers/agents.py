@@ -8,7 +8,7 @@ import json
 
 from datasets import Dataset
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, turn_reward
 from grpo.generation import Completions
 from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.testing import tiny_model, tiny_tokenizer
@@ -99,6 +99,12 @@ def reward_25(prompts, completions, **kwargs):
     return [float("25" in c[-1]["content"]) for c in completions]
 
 
+@turn_reward
+def tool_call_turns(completions, **kwargs):
+    """A turn score for turn-level credit: 1 for each assistant turn that calls a tool, 0 for one that does not."""
+    return [[float("tool_calls" in m) for m in c if m["role"] == "assistant"] for c in completions]
+
+
 # One SGD step on episodes: G = 4, completions of up to three turns (byte tokens: long), prompts kept whole.
 AGENT = dict(
     use_cpu=True,
@@ -118,16 +124,17 @@ AGENT = dict(
 )
 
 
-def agent_step_update(output_dir, **config):
+def agent_step_update(output_dir, rewards=(reward_25,), **config):
     """(parameter update, trainer) after one plain-SGD step on the episodes of 4 prompts, whose rows take SCRIPT,
-    ONE_CALL or WRONG (three, two or one policy turns) by global row index. Rows 4-7 (the second process's in a
-    two-process run of 4 rows each) never take SCRIPT: that process runs out of episodes a turn before the first,
-    which must still generate with it (`lockstep`)."""
+    ONE_CALL or WRONG (three, two or one policy turns) by global row index, scored by `rewards`. Rows 4-7 (the
+    second process's in a two-process run of 4 rows each) never take SCRIPT: that process runs out of episodes a
+    turn before the first, which must still generate with it (`lockstep`), and its episodes have fewer turns to
+    score (turn-level credit)."""
     tokenizer = tool_tokenizer()
     args = GRPOConfig(output_dir=str(output_dir), **{**AGENT, **config})
     trainer = GRPOTrainer(
         tiny_model(tokenizer),
-        reward_25,
+        list(rewards),
         args=args,
         train_dataset=chat_prompts(4),
         processing_class=tokenizer,
