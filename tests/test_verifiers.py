@@ -11,10 +11,9 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
+from grpo.generation.verifiers_env import from_verifiers, load_verifiers, rubric_weights
 from grpo.testing import save_tiny_model
 from tests.helpers.agents import SCRIPT, WRONG, ScriptedTurns, add, multiply, tool_tokenizer
-
-from grpo.generation.verifiers_env import from_verifiers, load_verifiers, rubric_weights
 
 try:
     import verifiers as vf
