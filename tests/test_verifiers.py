@@ -195,3 +195,47 @@ def test_ci_has_verifiers():
     if not os.environ.get("CI"):
         pytest.skip("only enforced under CI=1; locally the verifiers tests skip when verifiers is missing")
     assert importlib.util.find_spec("verifiers") is not None, "CI must have verifiers: `make install` installs it"
+
+
+VF_ENV = """
+import verifiers as vf
+from datasets import Dataset
+
+
+def correct(completion, answer, **kwargs):
+    return float(answer in (completion[-1].content or ""))
+
+
+def load_environment(rows=3):
+    data = Dataset.from_dict({"question": [f"{i} + 1?" for i in range(rows)], "answer": [str(i + 1) for i in range(rows)]})
+    return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[correct]))
+"""
+
+
+@needs_verifiers
+def test_a_recipe_names_a_verifiers_environment_by_module(tmp_path, model_path, capsys, monkeypatch):
+    import yaml
+
+    from grpo.cli import main
+    from grpo.cli.recipe import RecipeError, load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vf_env.py").write_text(VF_ENV)
+    path = tmp_path / "recipe.yaml"
+    recipe = {"model": model_path, "verifiers": {"env": "vf_env:load_environment", "args": {"rows": 5}}}
+    path.write_text(yaml.safe_dump({**recipe, "num_generations": 2, "per_device_train_batch_size": 2}))
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    # No dataset: section: the environment's 5 rows; its rubric's total as the one reward.
+    assert "5 training prompts" in out and "verifiers:    vf_env:load_environment (its rollouts, rubric: " in out, out
+    for bad, message in (
+        ({"verifiers": "vf_env:load_environment", "rewards": ["accuracy"]}, r"\['rewards'\] cannot be given beside"),
+        ({"verifiers": {"env": "vf_env:load_environment", "arg": {}}}, r"unknown keys \['arg'\]"),
+        ({"verifiers": {"env": "vf_env:load_environment", "args": [1]}}, "verifiers.args must be a mapping"),
+    ):
+        path.write_text(yaml.safe_dump({"model": model_path, **bad}))
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(path)
+    path.write_text(yaml.safe_dump({"model": model_path, "verifiers": "vf_env:no_such"}))
+    assert main(["check", str(path)]) == 2
+    assert "no attribute 'no_such'" in capsys.readouterr().err
