@@ -3,6 +3,7 @@ package's own classes (vf.SingleTurnEnv with a rubric, vf.ToolEnv with two tools
 the scripted sampler of tests/helpers/agents.py answers, so the tool calls happen the same way every run."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -228,6 +229,13 @@ def test_a_recipe_names_a_verifiers_environment_by_module(tmp_path, model_path, 
     out = capsys.readouterr().out
     # No dataset: section: the environment's 5 rows; its rubric's total as the one reward.
     assert "5 training prompts" in out and "verifiers:    vf_env:load_environment (its rollouts, rubric: " in out, out
+    # ... and `grpo train` trains a step on it, the real model.generate answering through the endpoint.
+    short = {"max_steps": 1, "max_completion_length": 8, "use_cpu": True, "report_to": "none"}  # a tiny model's words
+    path.write_text(yaml.safe_dump({**recipe, "num_generations": 2, "per_device_train_batch_size": 2, **short}))
+    assert main(["train", str(path)]) == 0, capsys.readouterr().err
+    logged = json.loads((tmp_path / "outputs" / "recipe" / "trainer_state.json").read_text())["log_history"]
+    assert "rewards/SingleTurnEnv/mean" in logged[0], logged  # the rubric's total, named after the environment
+    capsys.readouterr()
     for bad, message in (
         ({"verifiers": "vf_env:load_environment", "rewards": ["accuracy"]}, r"\['rewards'\] cannot be given beside"),
         ({"verifiers": {"env": "vf_env:load_environment", "arg": {}}}, r"unknown keys \['arg'\]"),
@@ -236,6 +244,6 @@ def test_a_recipe_names_a_verifiers_environment_by_module(tmp_path, model_path, 
         path.write_text(yaml.safe_dump({"model": model_path, **bad}))
         with pytest.raises(RecipeError, match=message):
             load_recipe(path)
-    path.write_text(yaml.safe_dump({"model": model_path, "verifiers": "vf_env:no_such"}))
+    path.write_text(yaml.safe_dump({"model": model_path, "verifiers": "vf_env:no_such", "output_dir": "other"}))
     assert main(["check", str(path)]) == 2
     assert "no attribute 'no_such'" in capsys.readouterr().err
