@@ -215,6 +215,7 @@ def _build_trainer(plan):
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
             environment_factory=plan.environment,
+            agent_func=plan.agent_func,
         )
     except (OSError, ConnectionError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):

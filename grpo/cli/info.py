@@ -23,6 +23,8 @@ SECTION_HELP = {
     "tools": "a list of 'module:function' tools: each row becomes a multi-turn episode",
     "environment": "'module:attr' of an environment class or zero-argument factory (GRPOTrainer's "
     "environment_factory), or {name: 'module:attr', ...}, rows picking one by their `environment` column",
+    "verifiers": "a verifiers environment, 'module:function' or an installed id, or {env, args, per_function}: its "
+    "rollouts, rubric and data set (from_verifiers)",
 }
 # Packages a bug report needs the version of; absent ones are said to be absent.
 PACKAGES = ("grpo", "torch", "transformers", "accelerate", "datasets", "peft", "vllm", "deepspeed", "trl")

@@ -26,7 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo.cli.recipe import Recipe, RecipeError, load_recipe, resolve_environment, resolve_reward, resolve_tool
+from grpo.cli.recipe import (
+    Recipe,
+    RecipeError,
+    load_recipe,
+    resolve_environment,
+    resolve_reward,
+    resolve_tool,
+    resolve_verifiers,
+)
 from grpo.config import GRPOConfig
 from grpo.models import SMOLLM2_NAME, looks_local
 
@@ -66,6 +74,7 @@ class RunPlan:
     tools: list
     environment: Any = None
     tool_schemas: list = dataclasses.field(default_factory=list)
+    agent_func: Any = None  # a verifiers environment's (`verifiers:`)
 
 
 def check_environment() -> None:
@@ -330,15 +339,22 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
 
     from grpo.cli.datasets import load_prompt_datasets
 
+    search = [recipe.source.parent.resolve()] if recipe.source else []
+    made = resolve_verifiers(recipe.verifiers, search) or {}
     try:
-        train_data, held_out = load_prompt_datasets(recipe.dataset)
+        # Without a `dataset:` section, the verifiers environment's own (its held-out rows are not evaluated here).
+        train_data, held_out = (
+            load_prompt_datasets(recipe.dataset) if recipe.dataset is not None else (made["train_dataset"], None)
+        )
     except ConnectionError as e:  # a hub data set, not cached, with no network or HF_HUB_OFFLINE=1
         raise RecipeError(
             f"dataset.path {recipe.dataset.path!r} names a hub data set that could not be fetched ({e}). Download it "
             "where there is network (it is then cached), or give a local .jsonl/.json/.csv/.parquet file."
         ) from e
-    search = [recipe.source.parent.resolve()] if recipe.source else []
     reward_funcs = [resolve_reward(spec, search, args.trust_remote_code) for spec in recipe.rewards]
+    reward_funcs += made.get("reward_funcs", [])
+    if made.get("reward_weights") is not None and args.reward_weights is None:
+        args.reward_weights = made["reward_weights"]  # per_function: the rubric's weights
     for spec in recipe.rewards:
         if isinstance(spec.name, str) and ":" not in spec.name and "/" in spec.name:
             check_model_source(spec.name, what="reward model")
@@ -351,6 +367,7 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
             "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
         )
     plan = RunPlan(recipe, args, resume, train_data, held_out, reward_funcs, tools, environment)
+    plan.agent_func = made.get("agent_func")
     _check_environment_rows(plan)
     check_trainer_inputs(plan)
     return plan
@@ -385,7 +402,12 @@ def describe_plan(plan: RunPlan) -> str:
         f"{recipe.source or 'recipe'}: valid (no weights were loaded).",
         f"  model:        {recipe.model.name_or_path}" + (" + LoRA adapter" if recipe.peft else ""),
         f"  data:         {rows} training prompts{held_out}",
-        f"  rewards:      {', '.join(names) or 'the stored ones (offline data)'}",
+        f"  rewards:      {', '.join(names) or 'the stored ones (offline data)'}" if not recipe.verifiers else None,
+        f"  verifiers:    {recipe.verifiers['env']} (its rollouts, rubric: "
+        f"{', '.join(f.__name__ for f in plan.reward_funcs)}"
+        f"{'' if recipe.dataset is not None else ', data set'})"
+        if recipe.verifiers
+        else None,
         f"  tools:        {', '.join(recipe.tools)}" if recipe.tools else None,
         f"  environment:  {_environment_line(plan)}" if recipe.environment else None,
         f"  steps:        {_steps(args, rows)}",

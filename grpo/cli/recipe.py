@@ -13,6 +13,9 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
     tools:    optional `module:function` paths of tool functions: each row becomes a multi-turn episode (docs/agents.md)
     environment: optional `module:attr` of an environment class (or zero-argument factory), or `{name: module:attr}`
               for several (rows pick one by their `environment` column): GRPOTrainer's `environment_factory`
+    verifiers: optional verifiers environment, `module:function` (its `load_environment`) or an installed environment's
+              id, or {env: ..., args: {...}, per_function: true}: its rollouts, rubric and data set (`from_verifiers`);
+              `dataset:` is then optional and `rewards:` must be empty
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -141,7 +144,7 @@ class PeftSection:
 @dataclasses.dataclass
 class Recipe:
     model: ModelSection
-    dataset: DatasetSection
+    dataset: DatasetSection | None  # None: the verifiers environment's own data set
     rewards: list[RewardSpec]
     run: RunSection
     config: dict[str, Any]  # GRPOConfig keyword arguments
@@ -150,6 +153,8 @@ class Recipe:
     tools: list[str] = dataclasses.field(default_factory=list)  # `module:function` paths (multi-turn episodes)
     # `module:attr` of the environment_factory, or {name: module:attr} (rows routed by their `environment` column).
     environment: str | dict[str, str] | None = None
+    # {env: `module:function` or an environment id, args: {...}, per_function: bool} of a verifiers environment.
+    verifiers: dict[str, Any] | None = None
 
     def peft_config(self):
         """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
@@ -171,7 +176,8 @@ class Recipe:
 
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
-_LISTS = ("rewards", "tools", "environment")  # top-level keys that are neither sections nor GRPOConfig fields
+# Top-level keys that are neither sections nor GRPOConfig fields.
+_LISTS = ("rewards", "tools", "environment", "verifiers")
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -458,7 +464,8 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         rewards = [rewards]
     # No rewards is valid for a data set of scored completions (offline training, docs/offline.md); for prompts the
     # trainer refuses it before it loads the model.
-    dataset = _dataset_section(raw.get("dataset"))
+    verifiers = _verifiers(raw.get("verifiers"), raw)
+    dataset = None if verifiers is not None and raw.get("dataset") is None else _dataset_section(raw.get("dataset"))
     if "output_dir" not in config:
         stem = source.stem if source else "grpo"
         config["output_dir"] = os.path.join("outputs", stem)
@@ -473,6 +480,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         peft=_section(PeftSection, raw["peft"], "peft") if raw.get("peft") is not None else None,
         tools=_tools(raw.get("tools")),
         environment=_environment(raw.get("environment")),
+        verifiers=verifiers,
     )
     if recipe.peft is not None:
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
@@ -563,6 +571,60 @@ def _environment(raw: Any) -> str | dict[str, str] | None:
         return dict(raw)
     _check_environment_path(raw, "environment")
     return raw
+
+
+def _verifiers(raw: Any, recipe: dict) -> dict[str, Any] | None:
+    """The `verifiers:` key, in its long form {env, args, per_function}; checked for its form here and loaded by
+    `resolve_verifiers`. It runs whole episodes and scores them itself, so `tools`, `environment` and `rewards` are
+    refused beside it."""
+    if raw is None:
+        return None
+    spec = {"env": raw} if isinstance(raw, str) else dict(raw) if isinstance(raw, dict) else None
+    unknown = sorted(set(spec or {}) - {"env", "args", "per_function"})
+    if spec is None or unknown or not isinstance(spec.get("env"), str) or not spec["env"]:
+        raise RecipeError(
+            f"verifiers: {raw!r} is not an environment. Give 'module:load_environment' (a .py file in the working "
+            "directory or the recipe's folder, or an installed package), an installed environment's id, or "
+            "{env: ..., args: {...}, per_function: true}" + (f"; unknown keys {unknown}." if unknown else ".")
+        )
+    if not isinstance(spec.setdefault("args", {}), dict):
+        raise RecipeError(f"verifiers.args must be a mapping of the environment's arguments, got {spec['args']!r}.")
+    if not isinstance(spec.setdefault("per_function", False), bool):
+        raise RecipeError(f"verifiers.per_function must be true or false, got {spec['per_function']!r}.")
+    beside = [key for key in ("tools", "environment", "rewards") if recipe.get(key)]
+    if beside:
+        raise RecipeError(
+            f"verifiers: the environment runs its own episodes and its rubric gives the rewards, so {beside} cannot "
+            "be given beside it. Remove them (add a reward function to the environment's rubric instead)."
+        )
+    return spec
+
+
+def resolve_verifiers(spec: dict[str, Any] | None, search_dirs: typing.Sequence[Path] = ()) -> dict | None:
+    """What `from_verifiers` gives `GRPOTrainer` (agent_func, reward_funcs, train_dataset, eval_dataset) for the
+    environment a `verifiers:` key names: `module:function` imported with `search_dirs` (the recipe's folder) on the
+    import path and called with `args`, or an id given to verifiers' `load_environment`."""
+    if spec is None:
+        return None
+    from grpo.generation.verifiers_env import from_verifiers, load_verifiers, rubric_weights
+
+    target, args = spec["env"], spec["args"]
+    try:
+        if _TOOL_PATH.match(target):
+            made = _import_attr(target, search_dirs, f"verifiers '{target}'")
+            if made is None:
+                raise RecipeError(f"verifiers '{target}': the module has no attribute '{target.partition(':')[2]}'.")
+            env = made(**args) if callable(made) else made
+        else:
+            env = load_verifiers(target, **args)
+        made = from_verifiers(env, per_function=spec["per_function"])
+        if spec["per_function"]:
+            made["reward_weights"] = rubric_weights(env)
+        return made
+    except RecipeError:
+        raise
+    except InputError as e:
+        raise RecipeError(f"verifiers: {e}") from e
 
 
 def _check_environment_path(path: Any, where: str) -> None:
