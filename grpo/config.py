@@ -952,6 +952,7 @@ class GRPOConfig(TrainingArguments):
     agent_failure_reward: float | None = option(
         default=None,
         section=Section.AGENTS,
+        range=Interval(why="the reward every function gives a failed episode"),
         help="With agent_func: every reward of an episode whose function raised, timed out or returned something "
         "other than a dict or None. None (default): unscored, like a reward function's None (advantage 0); 0.0 "
         "counts a failure against the policy. The reward functions still run, and see the error in `agent_error`.",
