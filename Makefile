@@ -24,7 +24,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # "-c constraints-cpu.txt" for pip where the pin applies (see above), else nothing; run inside a recipe.
 TORCH_PIN = $$( { [ -n "$$CI" ] || ! $(PY) -c "import torch" 2>/dev/null; } && echo "-c constraints-cpu.txt" )
 
-.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
+.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent demo-agent-openai bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
 
 help: ## list the targets (the default goal)
 	@echo "make TARGET, where TARGET is one of:"
@@ -165,6 +165,12 @@ demo: $(STAMP) ## train SmolLM2-135M on one-digit additions, offline (minutes on
 demo-agent: $(STAMP) ## the tool-calling demo (multiply tool), offline
 	@if [ -e outputs/agent_calculator ]; then echo "make demo-agent: removing outputs/agent_calculator from an earlier run"; rm -rf outputs/agent_calculator; fi
 	$(PY) -m grpo train examples/recipes/agent_calculator.yaml
+
+# The same task with the agent as a plain `openai`-client program (agent_func through the trainer's endpoint);
+# docs/agents.md, "Any agent", has its three seeds and its step time next to demo-agent's.
+demo-agent-openai: $(STAMP) ## the calculator demo with an openai-client agent program, offline
+	@if [ -e outputs/agent_calculator_openai ]; then echo "make demo-agent-openai: removing outputs/agent_calculator_openai from an earlier run"; rm -rf outputs/agent_calculator_openai; fi
+	$(PY) -m grpo train examples/recipes/agent_calculator_openai.yaml
 
 clean: ## remove the environments and build outputs
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) .pytest_cache .ruff_cache site

@@ -30,6 +30,7 @@ from grpo.cli.recipe import (
     Recipe,
     RecipeError,
     load_recipe,
+    resolve_agent,
     resolve_environment,
     resolve_reward,
     resolve_tool,
@@ -367,7 +368,7 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
             "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
         )
     plan = RunPlan(recipe, args, resume, train_data, held_out, reward_funcs, tools, environment)
-    plan.agent_func = made.get("agent_func")
+    plan.agent_func = made.get("agent_func") or resolve_agent(recipe.agent, search)
     _check_environment_rows(plan)
     check_trainer_inputs(plan)
     return plan

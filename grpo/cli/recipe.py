@@ -16,6 +16,8 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
     verifiers: optional verifiers environment, `module:function` (its `load_environment`) or an installed environment's
               id, or {env: ..., args: {...}, per_function: true}: its rollouts, rubric and data set (`from_verifiers`);
               `dataset:` is then optional and `rewards:` must be empty
+    agent:    optional `module:function` of an agent function `f(row, endpoint)` that calls the trainer's
+              OpenAI-compatible endpoint itself (GRPOTrainer's `agent_func`); not beside tools, environment, verifiers
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -155,6 +157,8 @@ class Recipe:
     environment: str | dict[str, str] | None = None
     # {env: `module:function` or an environment id, args: {...}, per_function: bool} of a verifiers environment.
     verifiers: dict[str, Any] | None = None
+    # `module:function` of an agent function `f(row, endpoint)` (GRPOTrainer's `agent_func`).
+    agent: str | None = None
 
     def peft_config(self):
         """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
@@ -177,7 +181,7 @@ class Recipe:
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
 # Top-level keys that are neither sections nor GRPOConfig fields.
-_LISTS = ("rewards", "tools", "environment", "verifiers")
+_LISTS = ("rewards", "tools", "environment", "verifiers", "agent")
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -206,6 +210,7 @@ TRL_KEYS = {
     "lora_modules_to_save": "peft.modules_to_save",
     "use_rslora": "peft.use_rslora",
     "environment_factory": "environment",  # GRPOTrainer's argument
+    "agent_func": "agent",  # GRPOTrainer's argument
 }
 
 
@@ -481,6 +486,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         tools=_tools(raw.get("tools")),
         environment=_environment(raw.get("environment")),
         verifiers=verifiers,
+        agent=_agent(raw.get("agent"), raw),
     )
     if recipe.peft is not None:
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
@@ -598,6 +604,41 @@ def _verifiers(raw: Any, recipe: dict) -> dict[str, Any] | None:
             "be given beside it. Remove them (add a reward function to the environment's rubric instead)."
         )
     return spec
+
+
+def _agent(raw: Any, recipe: dict) -> str | None:
+    """The `agent:` key, a `module:function` path, checked for its form here and imported by `resolve_agent`. The
+    agent runs whole episodes and calls its own tools, so `tools`, `environment` and `verifiers` are refused beside
+    it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not _TOOL_PATH.match(raw):
+        raise RecipeError(
+            f"agent: {raw!r} is not a 'module:function' path. Name the module (a .py file in the working directory or "
+            "the recipe's folder, or an installed package) and the agent function `f(row, endpoint)` in it, e.g. "
+            "'my_agent:solve'."
+        )
+    beside = [key for key in ("tools", "environment", "verifiers") if recipe.get(key)]
+    if beside:
+        raise RecipeError(
+            f"agent: the agent function runs whole episodes and calls its own tools, so {beside} cannot be given "
+            "beside it. Keep one way of running episodes."
+        )
+    return raw
+
+
+def resolve_agent(path: str | None, search_dirs: typing.Sequence[Path] = ()) -> Callable | None:
+    """The agent function an `agent:` key names, imported with `search_dirs` (the recipe's folder) on the import path;
+    the trainer checks that it takes (row, endpoint)."""
+    if path is None:
+        return None
+    function = _import_attr(path, search_dirs, f"agent '{path}'")
+    if function is None or not callable(function):
+        raise RecipeError(
+            f"agent '{path}': module '{path.partition(':')[0]}' has no function '{path.partition(':')[2]}'. Check "
+            "the name: 'module:function', the agent function `f(row, endpoint)`."
+        )
+    return function
 
 
 def resolve_verifiers(spec: dict[str, Any] | None, search_dirs: typing.Sequence[Path] = ()) -> dict | None:
