@@ -349,11 +349,58 @@ def summarising_agent(row, endpoint):
     return None
 
 
-def test_a_rewritten_history_starts_a_new_chain_and_one_chain_is_trained(tmp_path, model_path):
+def test_a_rewritten_history_starts_a_new_chain_and_every_chain_is_trained(tmp_path, model_path):
     trainer = make_trainer(tmp_path, model_path, summarising_agent, reward=reward_25)
     rollout, columns = sample(trainer)
     assert rollout.prompts[0][0]["content"] == "So far you said: add. Go on."  # the latest of two equal chains
     second = trainer.generation.calls[1][0]
     assert second == rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()  # rendered afresh, not extended
-    assert rollout.episode_stats["dropped_calls"] == G and rollout.episode_stats["turns"] == G
+    first = trainer.generation.calls[0][0]  # the first call's chain: its prompt and its sampled answer
+    assert [len(extras) for extras in rollout.extra_sequences] == [1] * G
+    extra = rollout.extra_sequences[0][0]
+    assert extra["prompt_ids"] == first and extra["sampled"] == [1] * len(extra["completion_ids"])
+    stats = rollout.episode_stats
+    assert (stats["sequences"], stats["dropped_calls"], stats["turns"]) == (2 * G, 0, 2 * G)
     assert columns["agent_error"] == [None] * G
+
+
+def test_the_extra_sequences_train_as_rows_of_their_own_with_their_episodes_advantage(tmp_path, model_path):
+    """Every episode summarises (two chains): the round's rows are the G episodes' latest chains, then their first
+    chains, each with the advantage of the episode it came from."""
+
+    def said_25(completions, **kwargs):  # the latest chain ends with a call: its content is None
+        return [float("25" in (c[-1]["content"] or "")) for c in completions]
+
+    trainer = make_trainer(tmp_path, model_path, summarising_agent, reward=said_25)
+    rollout, columns = sample(trainer)
+    scores = trainer.rounds.local_scores(rollout, columns, "train", trainer.state)
+    scores = scores._replace(rewards=torch.tensor([[1.0], [0.0], [0.0], [0.5]]))
+    scored = trainer.rounds.score_round(rollout, columns, "train", trainer.state, scores)
+    prepared = trainer.rounds.prepare(scored, "train", trainer.round_context())
+    assert prepared.num_rows == 2 * G and prepared.extra_sequences is None
+    assert (
+        prepared.advantages[:G].sign().tolist() == [1.0, -1.0, -1.0, 1.0]
+        and prepared.advantages[0] > prepared.advantages[3]
+    )
+    assert torch.equal(prepared.advantages[G:], prepared.advantages[:G])  # each episode's extra chain, in order
+    for row, extra in enumerate(rollout.extra_sequences):
+        mask = prepared.completion_mask[G + row].bool()
+        assert prepared.completion_ids[G + row][mask].tolist() == extra[0]["completion_ids"]
+        assert prepared.prompt_ids[G + row][prepared.prompt_mask[G + row].bool()].tolist() == extra[0]["prompt_ids"]
+    assert torch.equal(prepared.loss_mask[G:], prepared.sampled_mask[G:])
+    micro_batches = trainer.rounds.micro_batches(prepared, "train")
+    assert sum(mb.num_rows for mb in micro_batches) == 2 * G
+    trainer.train()  # a step over the episodes and their extra chains
+    assert trainer.state.global_step == 1
+
+
+def test_async_generation_serves_the_endpoint_from_the_producer_thread(tmp_path, model_path):
+    """With async_generation, rounds are made in the producer thread on the policy's copy: the endpoint is served
+    from there, and training goes on (the real model.generate, 2 steps)."""
+    trainer = make_trainer(
+        tmp_path, model_path, scripts=None, async_generation=True, max_steps=2, max_completion_length=48
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = [h for h in trainer.state.log_history if "tools/turns" in h]
+    assert len(logged) == 2 and all(h["tools/turns"] >= 1 and h["tools/agent_failures"] == 0 for h in logged)

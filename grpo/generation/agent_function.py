@@ -10,8 +10,10 @@
      queued are sent to the generation backend together (`turn_sampler(backend)`: `model.generate` carries KV
      caches across calls, vLLM finds earlier turns in its prefix cache), as soon as every running episode has one
      waiting, or `BATCH_WINDOW` seconds after the first of them arrived; each answer is built from the sampled ids;
-  3. merges each episode's calls into token-exact chains (call_chains.py) and makes the rollout of the chain each
-     episode trains, with the rows' columns and what each function returned for the reward functions.
+  3. merges each episode's calls into token-exact chains (call_chains.py) and makes the rollout: one row per
+     episode, its longest chain, and its other chains as extra sequences (rows of their own with the episode's
+     advantage, made when the advantages are known: `Rollout.with_extra_sequences`), with the rows' columns and what
+     each function returned for the reward functions.
 
 An episode whose function raises, returns something other than a dict or None, or runs past `agent_timeout` is a
 *failed* episode: a log line names its row and the error, the reward functions see the error in the `agent_error`
@@ -87,9 +89,14 @@ class Episode:
     def over(self) -> bool:
         return self.finished or self.timed_out
 
-    def trained_chain(self) -> Chain | None:
-        """The chain trained: the one with the most sampled tokens (the latest of equals)."""
-        return max(reversed(self.chains), key=lambda c: c.policy_tokens, default=None)
+    def trained_chains(self) -> list[Chain]:
+        """The chains trained, each a sequence of its own: first the one with the most sampled tokens (the latest of
+        equals), which is the episode's row, then the others that sampled any token, in the order they started."""
+        chains = [c for c in self.chains if c.policy_tokens]
+        if not chains:
+            return []
+        first = max(reversed(chains), key=lambda c: c.policy_tokens)
+        return [first, *(c for c in chains if c is not first)]
 
 
 class EndpointAgent:
@@ -392,44 +399,52 @@ class EndpointAgent:
     # ---- The round's rollout ----
 
     def _to_rollout(self, episodes: list[Episode]) -> tuple[Rollout, dict[str, list]]:
-        """One row per episode: its trained chain (a failed episode without one: its row's prompt and one EOS as
-        context, nothing trained), and the columns for the reward functions."""
-        rows = [self._trained_row(e) for e in episodes]
-        chains = [e.trained_chain() for e in episodes]
-        with_logprobs = any(c is not None for c in chains) and all(c.backend_logprobs for c in chains if c is not None)
+        """One row per episode, its first trained chain (a failed episode without one: its row's prompt and one EOS
+        as context, nothing trained), its other trained chains as the row's `extra_sequences` (rows of their own
+        once the advantages are known, rollout.py), and the columns for the reward functions."""
+        trained = [e.trained_chains() for e in episodes]
+        rows = [
+            self._chain_row(chains[0]) if chains else self._untrained_row(e) for e, chains in zip(episodes, trained)
+        ]
+        chains = [c for row in trained for c in row]
+        with_logprobs = bool(chains) and all(c.backend_logprobs for c in chains)
         rollout = Rollout.from_tokens(
             [r["prompt"] for r in rows],
             [r["completion"] for r in rows],
             [r["prompt_ids"] for r in rows],
-            [r["ids"] for r in rows],
+            [r["completion_ids"] for r in rows],
             [r["truncated"] for r in rows],
             self.tokenizer.pad_token_id,
             mask_truncated=self.args.mask_truncated_completions,
             sampling_logps=[r["logprobs"] for r in rows] if with_logprobs else None,
             sampled_masks=[r["sampled"] for r in rows],
         )
-        rollout.episode_stats = agent_stats(episodes)
+        rollout.episode_stats = agent_stats(episodes, trained)
         rollout.prompt_truncated = torch.tensor([r["prompt_cut"] for r in rows], dtype=torch.bool)
+        extras = [[self._chain_row(c) for c in row[1:]] for row in trained]
+        rollout.extra_sequences = extras if any(extras) else None
         return rollout, self._columns(episodes)
 
-    def _trained_row(self, episode: Episode) -> dict:
-        chain = episode.trained_chain()
-        if chain is None:
-            prompt = episode.row.get("prompt")
-            try:
-                prompt_ids = encode_prompts([prompt], self.tokenizer, self.args.max_prompt_length)[0][0]
-            except Exception:  # noqa: BLE001 (a row the function read its own way: its prompt is not trained anyway)
-                prompt_ids = [self.turn_eos]
-            return {
-                "prompt": prompt if isinstance(prompt, str) or is_conversational(prompt or []) else str(prompt),
-                "completion": [{"role": "assistant", "content": ""}],
-                "prompt_ids": prompt_ids or [self.turn_eos],
-                "prompt_cut": False,
-                "ids": [self.turn_eos],
-                "sampled": [0],
-                "logprobs": [0.0],
-                "truncated": False,
-            }
+    def _untrained_row(self, episode: Episode) -> dict:
+        """The row of an episode without a trained chain: its prompt and one EOS as context, nothing trained."""
+        prompt = episode.row.get("prompt")
+        try:
+            prompt_ids = encode_prompts([prompt], self.tokenizer, self.args.max_prompt_length)[0][0]
+        except Exception:  # noqa: BLE001 (a row the function read its own way: its prompt is not trained anyway)
+            prompt_ids = [self.turn_eos]
+        return {
+            "prompt": prompt if isinstance(prompt, str) or is_conversational(prompt or []) else str(prompt),
+            "completion": [{"role": "assistant", "content": ""}],
+            "prompt_ids": prompt_ids or [self.turn_eos],
+            "prompt_cut": False,
+            "completion_ids": [self.turn_eos],
+            "sampled": [0],
+            "logprobs": [0.0],
+            "truncated": False,
+        }
+
+    def _chain_row(self, chain: Chain) -> dict:
+        """A trained chain as the lists a row is made of; its last answer (choice 0 of it) committed."""
         truncated = chain.truncated
         if chain.choices:
             chain.commit(0, self.turn_eos, with_eos=False)
@@ -438,7 +453,7 @@ class EndpointAgent:
             "completion": chain.messages,
             "prompt_ids": chain.prompt_ids,
             "prompt_cut": chain.prompt_cut,
-            "ids": chain.ids,
+            "completion_ids": chain.ids,
             "sampled": chain.sampled,
             "logprobs": chain.logprobs,
             "truncated": truncated,
@@ -455,22 +470,25 @@ class EndpointAgent:
         return columns
 
 
-def agent_stats(episodes: list[Episode]) -> dict[str, float]:
-    """This process's sums of `EPISODE_STATS` over the trained chains, and of the agent's own counts: failed and
-    timed-out episodes, and the calls of chains not trained (`dropped_calls`)."""
-    chains = [e.trained_chain() for e in episodes]
-    trained = [c for c in chains if c is not None]
+def agent_stats(episodes: list[Episode], trained: list[list[Chain]]) -> dict[str, float]:
+    """This process's sums of `EPISODE_STATS` over the trained chains (`trained`: each episode's), and of the
+    agent's own counts: failed and timed-out episodes, the trained sequences, and the calls of chains not trained
+    (`dropped_calls`: their answers sampled no token)."""
+    chains = [c for row in trained for c in row]
     stats = dict.fromkeys(EPISODE_STATS, 0.0)
     stats.update(
         {
             "episodes": float(len(episodes)),
-            "turns": float(sum(c.calls for c in trained)),
-            "tool_calls": float(sum(c.tool_calls for c in trained)),
-            "parse_failures": float(sum(c.parse_failures for c in trained)),
-            "budget_cuts": float(sum(c.closed for c in trained)),
+            "turns": float(sum(c.calls for c in chains)),
+            "tool_calls": float(sum(c.tool_calls for c in chains)),
+            "parse_failures": float(sum(c.parse_failures for c in chains)),
+            "budget_cuts": float(sum(c.closed for c in chains)),
             "agent_failures": float(sum(e.error is not None and not e.timed_out for e in episodes)),
             "agent_timeouts": float(sum(e.timed_out for e in episodes)),
-            "dropped_calls": float(sum(c.calls for e, t in zip(episodes, chains) for c in e.chains if c is not t)),
+            "sequences": float(len(chains)),
+            "dropped_calls": float(
+                sum(c.calls for e, t in zip(episodes, trained) for c in e.chains if all(c is not k for k in t))
+            ),
         }
     )
     return stats

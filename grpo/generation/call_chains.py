@@ -10,9 +10,10 @@ answer's sampled ids follow. No text is decoded and encoded again into a chain, 
 of the decoded answers, the trained ids are the sampled ones.
 
 A call that extends no chain of its episode (the agent edited, summarised or cut its history, or changed its tools)
-starts a new chain. Only one chain per episode is trained, the one with the most sampled tokens; the calls of the
-others are counted (`tools/dropped_calls`). An answer with `n` > 1 choices: the choice the next call extends is the
-one trained; at the end of an episode, the first choice.
+starts a new chain. Every chain that sampled a token is trained, each as a sequence of its own with the episode's
+reward and advantage (a chain whose answers are all empty is not: its calls are counted in `tools/dropped_calls`).
+An answer with `n` > 1 choices: the choice the next call extends is the one trained; at the end of a chain, the
+first choice.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -43,6 +44,8 @@ from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import check_reward_spread, finite_rewards
 from grpo.training.rollouts_file import save_round
+
+logger = logging.getLogger(__name__)
 
 
 class RoundContext(NamedTuple):
@@ -93,6 +96,7 @@ class RoundMaker:
         self.num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self.samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self.warned_truncation = False  # prompts were cut to max_prompt_length and warned about
+        self.warned_extra_sequences = False  # an agent's extra sequences were dropped and warned about
         # With async_generation, rounds made ahead in a producer thread on a shared sampler (async_rounds.py).
         self.async_rounds = AsyncRounds(self) if args.async_generation else None
         # A sampler that holds something to release (a colocated vLLM engine, and the environment variables it set)
@@ -271,17 +275,35 @@ class RoundMaker:
             advantages=local if local.dim() == 1 else local[:, : rollout.completion_ids.shape[1]],
             sampling_logps=rollout.sampling_logps if self.settings.loss.keeps_sampling_logps else None,
         )
-        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-        if self.settings.loss.beta != 0:
-            with torch.no_grad(), reference_policy(context.model, context.reference) as reference:
-                rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
         if args.log_completions and mode == "train":  # with log_multimodal, the prompts' images saved beside
             main = self.accelerator.is_main_process
             self.samples = metrics.round_samples(rollout, self.rewards, advantages, args.output_dir, main)
         if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
             step = context.state.global_step
             save_round(args.output_dir, self.accelerator, rollout, self.rewards, step)
-        return replace(rollout, images=None)
+        rollout = self.with_extra_sequences(replace(rollout, images=None))
+        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        if self.settings.loss.beta != 0:
+            with torch.no_grad(), reference_policy(context.model, context.reference) as reference:
+                rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
+        return rollout
+
+    def with_extra_sequences(self, rollout: Rollout) -> Rollout:
+        """An agent's episodes with several trained sequences (agent_function.py): the extra ones become rows of
+        their own, with their episode's advantage. Per-token advantages (process rewards, turn-level credit) belong
+        to each row's own tokens, so there the extra sequences are not trained, and a warning says so once."""
+        if rollout.extra_sequences is None:
+            return rollout
+        if rollout.advantages.dim() == 2:
+            if not self.warned_extra_sequences and any(rollout.extra_sequences):
+                self.warned_extra_sequences = True
+                logger.warning(
+                    "Some agent episodes have several trained sequences (the agent edited its history), but the "
+                    "advantages are per token (process rewards or turn_advantage), which only the first sequence "
+                    "has: the others are not trained. Keep the agent's history growing, or use outcome rewards."
+                )
+            return replace(rollout, extra_sequences=None)
+        return rollout.with_extra_sequences(self.tokenizer.pad_token_id, self.args.mask_truncated_completions)
 
     def record_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (metrics.py)."""

@@ -184,3 +184,37 @@ def always_add(text, tool_names):
 def last_turn_length(prompts, completions, **kwargs):
     """A reward with a spread for random turns: the length of the episode's last policy turn."""
     return [float(len(c[-1]["content"])) for c in completions]
+
+
+def again_agent(row, endpoint):
+    """An agent program in plain HTTP (no client library): it asks, then says "Again." after the answer, so each
+    episode is two calls that merge into one trained sequence (the vLLM tier's endpoint tests)."""
+    import urllib.request
+
+    messages, answers = list(row["prompt"]), []
+    for _ in range(2):
+        request = urllib.request.Request(
+            endpoint.base_url + "/chat/completions",
+            data=json.dumps({"messages": messages, "max_tokens": 6}).encode(),
+            headers={"Authorization": f"Bearer {endpoint.api_key}"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            message = json.loads(response.read())["choices"][0]["message"]
+        answers.append(message["content"])
+        messages += [message, {"role": "user", "content": "Again."}]
+    return {"answers": answers}
+
+
+def talkative_agent_trainer(tmp_path, args: GRPOConfig) -> GRPOTrainer:
+    """A trainer of `args` whose episodes are `again_agent`'s, on the talkative tiny model (saved under `tmp_path`)
+    and 8 rows of two "Add i." conversations; the reward is the last answer's length (a spread for random turns)."""
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    return GRPOTrainer(
+        str(path), answer_length, args=args, train_dataset=data, processing_class=tokenizer, agent_func=again_agent
+    )
+
+
+def answer_length(completions, answers, **kwargs):
+    return [float(len(a[-1] or "")) for a in answers]
