@@ -143,7 +143,9 @@ class VersionedSampler:
 
     def __init__(self, engine: SharedEngine):
         self.engine = engine
-        self.version: int | None = None
+        # The weights the engine holds as the round starts: a round that never samples with it (a rollout_func
+        # with a sampler of its own) was made at this version.
+        self.version: int | None = engine.version
 
     def generate(
         self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int | None = None

@@ -17,8 +17,8 @@ from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
 from grpo.data.vision import check_vision_run, has_images, text_tokenizer
-from grpo.generation.agent_function import check_agent_func, make_endpoint_agent
 from grpo.generation.episodes import make_agent
+from grpo.generation.rollout_function import check_episodes, make_function_agent
 from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
 from grpo.objective import old_policy
@@ -86,6 +86,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             environments whose methods are its tools (docs/agents.md).
         agent_func: any agent, run unchanged: `f(row, endpoint)` (sync or async) calls the trainer's OpenAI-compatible
             endpoint and returns a dict of columns for the rewards, or None (docs/agents.md, "Any agent").
+        rollout_func: TRL's `f(prompts, trainer) -> dict` (prompt_ids, completion_ids, logprobs, optional env_mask,
+            extra fields for the rewards) makes each round itself (docs/agents.md, "TRL's rollout_func").
     """
 
     # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
@@ -106,6 +108,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         tools: list[Callable] | None = None,
         environment_factory=None,
         agent_func: Callable | None = None,
+        rollout_func: Callable | None = None,
     ):
         model = source = os.fspath(model) if isinstance(model, os.PathLike) else model
         args = GRPOConfig.for_model(model) if args is None else args
@@ -115,7 +118,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.settings = args.stage_settings()  # the objective's typed settings, checked (objective/settings.py)
         # 1. Everything that needs no weights, then the rewards (reward models named by path load here).
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # a PEFT reference cannot move
-        episodes = (tools, environment_factory, agent_func)
+        episodes = (tools, environment_factory, agent_func, rollout_func)
         train_dataset = self._before_weights(
             args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset, processing_class, episodes
         )
@@ -125,7 +128,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         )
         self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
         check_prompt_lengths(tokenizer, model.config, args, train_dataset, eval_dataset)  # room to complete
-        self.agent = make_endpoint_agent(agent_func, tokenizer, self.eos_token_ids, args) or make_agent(
+        self.agent = make_function_agent(episodes, self, tokenizer, self.eos_token_ids, args) or make_agent(
             self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset
         )
         self.ref_model, self._reference_moves = make_reference(model, args, source)  # pi_ref (objective/reference.py)
@@ -162,11 +165,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
         check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
-        tools, environment_factory, agent_func = episodes
-        check_agent_func(agent_func, tools, environment_factory)  # callable as f(row, endpoint), not with tools
-        check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
+        check_episodes(*episodes, vision=self.vision, offline=self.offline_data)  # each alone, callable, on its data
+        check_vision_run(args, processing_class, self.vision, episodes[0] or episodes[1], self.offline_data)
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
-        self.toolbox = make_toolbox(tools, environment_factory, args)
+        self.toolbox = make_toolbox(*episodes[:2], args)
         turn_credit = args.turn_advantage is not None  # environments' get_turn_rewards score each turn too
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights, turn_credit)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
@@ -220,6 +222,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
     def generation(self, backend) -> None:
         self.rounds.generation = backend
 
+    num_generations = property(lambda self: self.args.num_generations)  # TRL's G, which rollout functions read
+    num_generations_eval = property(lambda self: self.args.eval_generations)  # G in evaluation
+
     @property
     def reward_names(self) -> list[str]:
         """The reward functions' names: outcome, then process, then turn functions (the metric columns)."""
@@ -251,9 +256,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         args, schedule, rounds = self.args, self.step_schedule, self.rounds
         if not self._buffer:  # first call; after a resume only when the checkpoint held no buffer (another trainer's)
             self._step = schedule.first_micro_step(self.state.global_step)
-        if (
-            rounds.async_rounds is not None
-        ):  # the sampler gets the weights of every optimizer step, not only at a round
+        if rounds.async_rounds is not None:  # the sampler gets every optimizer step's weights, not only a round's
             rounds.sync_weights(self.model, self.state.global_step)
         if not self._buffer or self._step % args.micro_steps_per_round == 0:
             self._buffer = rounds.micro_batches(rounds.make(inputs, "train", self.round_context()), "train")
