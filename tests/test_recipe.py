@@ -18,6 +18,7 @@ from grpo.cli.recipe import (
     RewardSpec,
     load_recipe,
     parse_overrides,
+    resolve_agent,
     resolve_environment,
     resolve_reward,
     resolve_tool,
@@ -256,6 +257,8 @@ def test_example_recipes_validate(recipe):
         resolve_reward(spec, [recipe.parent])
     for path in parsed.tools:
         resolve_tool(path, [recipe.parent])
+    if parsed.agent is not None:
+        assert callable(resolve_agent(parsed.agent, [recipe.parent]))
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# ") and "grpo train " + str(recipe.relative_to(recipe.parent.parent.parent)) in first
 
@@ -488,6 +491,24 @@ def test_environment_key_forms(tmp_path):
 def test_bad_environment_forms_fail_when_loaded(tmp_path, value, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(write_recipe(tmp_path, environment=value))
+
+
+def test_agent_key_names_an_agent_function(tmp_path):
+    """`agent:` is one `module:function` path, resolved with the recipe's folder on the import path; beside tools,
+    an environment or a verifiers environment it is refused, as is a path to nothing callable."""
+    (tmp_path / "my_agent.py").write_text("def solve(row, endpoint):\n    return None\n\nNOT_A_FUNCTION = 3\n")
+    recipe = load_recipe(write_recipe(tmp_path, agent="my_agent:solve"))
+    assert recipe.agent == "my_agent:solve" and resolve_agent(recipe.agent, [tmp_path]).__name__ == "solve"
+    assert load_recipe(write_recipe(tmp_path)).agent is None and resolve_agent(None) is None
+    with pytest.raises(RecipeError, match=r"agent: 'my_agent' is not a 'module:function' path"):
+        load_recipe(write_recipe(tmp_path, agent="my_agent"))
+    with pytest.raises(RecipeError, match=r"so \['tools'\] cannot be given beside it"):
+        load_recipe(write_recipe(tmp_path, agent="my_agent:solve", tools=["my_agent:solve"]))
+    for missing in ("my_agent:nothing", "my_agent:NOT_A_FUNCTION"):
+        with pytest.raises(RecipeError, match=rf"agent '{missing}': module 'my_agent' has no function"):
+            resolve_agent(missing, [tmp_path])
+    with pytest.raises(RecipeError, match=r"'agent_func'.*Did you mean 'agent'\?"):
+        load_recipe(write_recipe(tmp_path, agent_func="my_agent:solve"))
 
 
 def test_trls_environment_factory_key_points_to_environment(tmp_path):
