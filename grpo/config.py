@@ -260,7 +260,9 @@ class GRPOConfig(TrainingArguments):
         "as one row per prompt with its completions after it, under an attention mask that lets each completion read "
         "only its prompt and itself; the results equal the plain forward's. Set False to debug, or to compare. It "
         "falls back to the plain forward, with one log line, where the attention cannot take that mask "
-        "(flash_attention_2/3, sliding-window or linear-attention layers).",
+        "(flash_attention_2/3, sliding-window or linear-attention layers), and, micro-batch by micro-batch, where the "
+        "shared row would cost more than the plain rows (long completions of a short prompt: dense attention over "
+        "all G completions in one row costs about G times theirs; docs/long-sequences.md).",
     )
 
     # ---- CPU tuning (opt-in; grpo/contrib/cpu/, docs/performance.md) ----

@@ -16,7 +16,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import pad
 from grpo.objective import logprobs as logprobs_module
 from grpo.objective.logprobs import completion_logprobs
-from grpo.objective.shared_prompt import grouped_layout, prompt_groups, unsupported_reason
+from grpo.objective.shared_prompt import grouped_layout, prompt_groups, sharing_pays, unsupported_reason
 from grpo.testing import tiny_config, tiny_model
 from tests.helpers.compare import assert_same_update
 from tests.helpers.net import launch_two_processes
@@ -276,6 +276,37 @@ def test_no_repeated_prompt_runs_the_plain_forward(tokenizer):
     with torch.no_grad():
         completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     assert calls == [(2, 5)]
+
+
+def _one_prompt(prompt_length, completion_length, rows=2):
+    """`rows` completions of `completion_length` tokens after one prompt of `prompt_length` tokens."""
+    return (*pad([[5 + i % 200 for i in range(prompt_length)]] * rows, PAD, "left"),
+            *pad([[20 + i] * completion_length for i in range(rows)], PAD, "right"))  # fmt: skip
+
+
+def test_sharing_pays_by_the_cost_estimate():
+    config = tiny_config(hidden_size=64, intermediate_size=128)  # 2 (4 d^2 + 3 d m) = 81920 per token, 4d = 256
+    for prompt, completion, rows, pays in [(600, 8, 4, True), (8, 600, 4, False), (8, 8, 4, True)]:
+        batch = _one_prompt(prompt, completion, rows)
+        layout = grouped_layout(*batch)
+        width = layout.input_ids.shape[1]  # the prompt, then the completions one after another, each less one token
+        assert width == prompt + rows * (completion - 1)
+        shared = width * (81920 + 256 * width)
+        plain = rows * (prompt + completion) * (81920 + 256 * (prompt + completion))
+        assert (shared < plain) is pays  # the hand computation says which way each case goes
+        assert sharing_pays(layout, rows, prompt + completion, config) is pays
+    config._attn_implementation = "flex_attention"  # a block mask skips the masked blocks: sharing always pays
+    assert sharing_pays(grouped_layout(*_one_prompt(8, 600, 4)), 4, 608, config)
+
+
+def test_long_completions_of_a_short_prompt_run_the_plain_forward(tokenizer):
+    model = tiny_model(tokenizer)
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda m, a, out: calls.append(tuple(a[0].shape)))
+    with torch.no_grad():
+        completion_logprobs(model, *_one_prompt(600, 8, 4))
+        completion_logprobs(model, *_one_prompt(8, 600, 4))
+    assert calls == [(1, 600 + 4 * 7), (4, 608)]  # shared where it pays, the plain rows where it does not
 
 
 def _trainer(tmp_path, tokenizer, model, **config):

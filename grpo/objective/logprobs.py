@@ -19,7 +19,7 @@ from grpo.data import content_widths, round_up
 from grpo.data.vision import vision_batch
 from grpo.models import unwrap_parallel
 from grpo.objective.settings import LogProbSettings
-from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, unsupported_reason
+from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, sharing_pays, unsupported_reason
 
 # Rows per chunk are chosen so one float32 (rows, V) buffer takes at most this many bytes (forward with entropy
 # holds two, backward one, or two when the entropy has a gradient).
@@ -512,8 +512,14 @@ def _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, m
 
 
 def _grouped(model: nn.Module, *batch: torch.Tensor) -> GroupedLayout | None:
-    """The batch in the grouped layout where the model can take it and a prompt repeats, else None."""
-    return grouped_layout(*batch) if unsupported_reason(_language_model(model)) is None else None
+    """The batch in the grouped layout where the model can take it, a prompt repeats and sharing it costs less than
+    the plain layout (`sharing_pays`: not for long completions of a short prompt), else None."""
+    language_model = _language_model(model)
+    if unsupported_reason(language_model) is not None:
+        return None
+    layout = grouped_layout(*batch)
+    rows, width = batch[0].shape[0], batch[0].shape[1] + batch[2].shape[1]
+    return layout if layout is not None and sharing_pays(layout, rows, width, language_model.config) else None
 
 
 def _grouped_inputs(model: nn.Module, layout: GroupedLayout) -> dict[str, torch.Tensor]:
