@@ -445,9 +445,10 @@ def test_an_empty_recipe_says_it_is_empty(tmp_path, capsys):
 
 
 class _TwoToolScript:
-    """A sampler playing the two-tool recipe's episodes on its real prompts: it reads `a * b + c` from the context's
-    last question and, by the tool answers that follow it, writes the multiply call, then `stop_after` turns later
-    the answer: the last tool answer as it stands (after the add call when `stop_after` is 2)."""
+    """A sampler playing the two-tool recipe's episodes on its real prompts, in the form of its worked examples: it
+    reads `a * b + c` from the context's last question and, by the tool answers that follow it, writes the multiply
+    call, then the product echoed and the add call, each time answering instead once `stop_after` tool answers are
+    in: `<product> + c = <the last tool answer>` (the product itself when no add was called)."""
 
     def __init__(self, tokenizer, stop_after):
         self.tokenizer, self.stop_after = tokenizer, stop_after
@@ -466,7 +467,7 @@ class _TwoToolScript:
             a, b, c = (int(n) for n in re.findall(r"\d+", question.split(".")[0]))
             answers = re.findall(r"<tool_response>\n(-?\d+)\n", question)
             if len(answers) == self.stop_after:
-                turn = answers[-1]
+                turn = f"{answers[0]} + {c} = {answers[-1]}"
             elif not answers:
                 turn = call("multiply", a=a, b=b)
             else:  # the product echoed, then the call, as in the recipe's worked examples
@@ -502,9 +503,8 @@ def test_two_tool_recipe_checks_and_pays_multiply_then_add(tmp_path, monkeypatch
 
     tokenizer = tool_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**AGENT, "max_tool_calling_iterations": 2})
-    trainer = GRPOTrainer(
-        tiny_model(tokenizer), reward, args=args, train_dataset=train, processing_class=tokenizer, tools=tools
-    )
+    model = tiny_model(tokenizer, max_position_embeddings=2048)  # room for the recipe's long prompts
+    trainer = GRPOTrainer(model, reward, args=args, train_dataset=train, processing_class=tokenizer, tools=tools)
     episodes = [held_out[i] for i in range(4)]
     for stop_after, paid in ((2, 1.0), (1, 0.0)):
         rollout, columns = trainer.sample_round(episodes, _TwoToolScript(tokenizer, stop_after))
