@@ -1,28 +1,33 @@
-"""What an episode of three turns costs against one turn with the same tokens: seconds per optimizer step, side by
-side in one invocation (issue 28's target: at most 1.3x).
+"""What an episode of three turns costs against one turn with the same tokens, and the same three turns written by an
+agent program through the trainer's OpenAI-compatible endpoint: seconds per optimizer step, side by side in one
+invocation (targets: three turns at most 1.3x one turn, issue 28; the endpoint at most 1.2x `tools=`, issue 48).
 
     python benchmarks/agent_turns.py                       # SmolLM2-135M-Instruct, float32 on the CPU
     python benchmarks/agent_turns.py --turn-tokens 48 --steps 3 --repeats 2
 
-Both kinds train GRPO with `tools=[add]` (the same system prompt with the tool's schema), G completions of each of
+Every kind trains GRPO on the tool `add` (the same system prompt with the tool's schema), G completions of each of
 2 prompts per step, beta 0.04, generation by the default backend (`model.generate`):
-- `three-turns`: every episode is three policy turns of `--turn-tokens` tokens each (a tool call, a tool call, the
-  answer) and two tool answers in between (context tokens);
+- `three-turns`: `tools=[add]`; every episode is three policy turns of `--turn-tokens` tokens each (a tool call, a
+  tool call, the answer) and two tool answers in between (context tokens);
 - `one-turn`: one policy turn of 3 x `--turn-tokens` tokens, its prompt longer by as many tokens as the tool answers
-  take, so both kinds hold the same policy tokens and the same context tokens per row.
+  take, so both kinds hold the same policy tokens and the same context tokens per row;
+- `endpoint`: the three turns of `three-turns`, but the episode is an `openai`-client program (`agent_func`) that
+  sends the chat, runs `add` itself and sends the chat again: the endpoint's HTTP requests, the batching of the
+  episodes' requests and the merging of the calls into one trained row are what it adds.
 
-So that both kinds write the same tokens, the scripted tokens are forced through `generation_kwargs`'s
+So that every kind writes the same tokens, the scripted tokens are forced through `generation_kwargs`'s
 `sequence_bias` (a GenerationConfig field: +100 on the script's next token after the context and the turn so far):
 `model.generate` runs its ordinary passes (a prefill, then one forward per token with the KV cache) and the bias picks
 the token. The difference between the kinds is then what the turn loop adds: the prefill of each later turn's new
-tokens (each row's KV cache is carried across turns), the tool calls, and the loop itself; the training forward and
-backward take the same tokens in both. Median seconds per step over the steps after the first, per kind; the kinds
-alternate, each run in a fresh trainer.
+tokens (each row's KV cache is carried across turns under `tools=`), the tool calls, and the loop itself; the training
+forward and backward take the same tokens in all. Median seconds per step over the steps after the first, per kind;
+the kinds alternate, each run in a fresh trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -30,6 +35,7 @@ import time
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
+from transformers.utils import get_json_schema
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE, ToolTurnTokens
@@ -68,6 +74,23 @@ def forcing(turns: list[tuple[list[int], list[int]]]) -> dict[tuple[int, ...], f
     return bias
 
 
+def endpoint_agent(row, endpoint):
+    """The three-turn episode as an agent program: ask, run every `add` the answer calls, ask again, until an answer
+    calls nothing."""
+    client = endpoint.client(max_retries=0)
+    messages, schemas = list(row["prompt"]), [get_json_schema(add)]
+    for _ in range(3):
+        message = client.chat.completions.create(model=endpoint.model, messages=messages, tools=schemas)
+        message = message.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            result = add(**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result)})
+    client.close()
+
+
 class StepTimes(TrainerCallback):
     def __init__(self):
         self.times, self.start = [], None
@@ -95,7 +118,7 @@ def run(kind: str, args) -> list[float]:
     prompt_ids = tokenizer.apply_chat_template(prompt, tools=[add], add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
     first_tail = prompt_ids[-len(answers[0]) :]
-    if kind == "three-turns":
+    if kind != "one-turn":
         turns = [
             (first_tail, exactly(tokenizer, call % (1, 2), t)),
             (answers[0], exactly(tokenizer, call % (3, 4), t)),
@@ -126,8 +149,9 @@ def run(kind: str, args) -> list[float]:
         return [float("7" in c[-1]["content"]) for c in completions]
 
     timer = StepTimes()
+    episodes = {"agent_func": endpoint_agent} if kind == "endpoint" else {"tools": [add]}
     trainer = GRPOTrainer(
-        path, correct, args=config, train_dataset=data, processing_class=tokenizer, tools=[add], callbacks=[timer]
+        path, correct, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer], **episodes
     )
     trainer.train()
     row = trainer.state.log_history[0]
@@ -151,14 +175,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    times: dict[str, list[float]] = {"one-turn": [], "three-turns": []}
+    times: dict[str, list[float]] = {"one-turn": [], "three-turns": [], "endpoint": []}
     for _ in range(args.repeats):
         for kind in times:
             times[kind] += run(kind, args)
-    base = statistics.median(times["one-turn"])
-    print(f"\n{'kind':<12} {'median s/step':>14} {'/ one-turn':>11}")
-    for kind, values in times.items():
-        print(f"{kind:<12} {statistics.median(values):>14.2f} {statistics.median(values) / base:>11.2f}")
+    medians = {kind: statistics.median(values) for kind, values in times.items()}
+    print(f"\n{'kind':<12} {'median s/step':>14} {'/ one-turn':>11} {'/ three-turns':>14}")
+    for kind, value in medians.items():
+        print(
+            f"{kind:<12} {value:>14.2f} {value / medians['one-turn']:>11.2f} {value / medians['three-turns']:>14.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 from grpo.config import GRPOConfig
 
 if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__getattr__` below
+    from grpo.generation.rollout_function import generate_rollout_completions
     from grpo.objective.reference import ReferenceResetCallback
     from grpo.rewards.process import StepRewards, process_reward
+    from grpo.rewards.turns import turn_reward
     from grpo.training.trainer import GRPOTrainer
 
 # public name -> the module that defines it, imported when the name is first read
@@ -19,10 +21,20 @@ _LAZY = {
     "GRPOTrainer": "grpo.training.trainer",
     "ReferenceResetCallback": "grpo.objective.reference",
     "StepRewards": "grpo.rewards.process",
+    "generate_rollout_completions": "grpo.generation.rollout_function",
     "process_reward": "grpo.rewards.process",
+    "turn_reward": "grpo.rewards.turns",
 }
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "ReferenceResetCallback", "StepRewards", "process_reward"]
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "ReferenceResetCallback",
+    "StepRewards",
+    "generate_rollout_completions",
+    "process_reward",
+    "turn_reward",
+]
 __version__ = "0.1.0"
 
 

@@ -506,6 +506,23 @@ class GRPOConfig(TrainingArguments):
         help="Divide advantages by the reward std of the 'group' (GRPO), of the whole 'batch', or 'none' "
         "(Dr. GRPO). True means 'group', False means 'none'.",
     )
+    turn_advantage: str | None = option(
+        default=None,
+        section=Section.REWARDS,
+        help="Turn-level credit for multi-turn episodes (tools or environment_factory; docs/agents.md): each policy "
+        "turn's tokens get the episode's advantage plus turn_advantage_coef times the advantage of that turn "
+        "against the same turn of the other episodes of its group. 'mt_grpo' (MT-GRPO, arXiv:2505.11821) uses the "
+        "turn's own score, 'reward_to_go' the sum of its scores from that turn on. Turn scores come from an "
+        "environment's get_turn_rewards() or a reward function marked @turn_reward. None: off (one advantage per "
+        "episode, as in TRL).",
+    )
+    turn_advantage_coef: float = option(
+        default=1.0,
+        section=Section.REWARDS,
+        range=Interval(0, open_low=True, why="the weight of a turn's advantage against the episode's"),
+        help="The weight of the turn advantage under turn_advantage (MT-GRPO's coefficient; 1.0 as in its authors' "
+        "code).",
+    )
     dynamic_sampling: bool = option(
         default=False,
         section=Section.REWARDS,
@@ -901,12 +918,44 @@ class GRPOConfig(TrainingArguments):
         range=Interval(1),
         help="Synchronous tool calls running at once (threads); async tools run on one event loop.",
     )
+    environment_group_seed: bool = option(
+        default=False,
+        section=Section.AGENTS,
+        help="With an environment_factory: the G episodes of one prompt reset with one seed (`reset(seed=..., "
+        "**row)`), made from the row and `seed`, so that they start from the same state and the group baseline "
+        "compares like with like. Needs a `seed` argument (or **kwargs) on reset; refused when the rows have a "
+        "`seed` column.",
+    )
+    tool_max_hung_calls: int = option(
+        default=32,
+        section=Section.AGENTS,
+        range=Interval(1),
+        help="Tool calls that may still be running past tool_timeout (in threads that cannot be stopped: a sync "
+        "call's, or an event loop an async tool blocked); with that many, the next call stops training with an error "
+        "naming the tools.",
+    )
     tool_call_parser: str | None = option(
         default=None,
         section=Section.AGENTS,
         help="How tool calls are read from a policy turn: 'hermes' (<tool_call> JSON, Qwen and ChatML models) or "
         "'llama3_json'; None picks one from the chat template. A parser of your own: set trainer.agent.parser = f "
         "after building the trainer (docs/agents.md).",
+    )
+    agent_timeout: float = option(
+        default=600.0,
+        section=Section.AGENTS,
+        range=Interval(0, open_low=True, why="seconds one run of agent_func may take"),
+        help="With agent_func: seconds one episode (one call of the function, all its requests included) may run; "
+        "past it the episode is a failure (see agent_failure_reward), its row named in a log line, and its later "
+        "requests are refused (a sync function's thread cannot be stopped and runs on in the background).",
+    )
+    agent_failure_reward: float | None = option(
+        default=None,
+        section=Section.AGENTS,
+        range=Interval(why="the reward every function gives a failed episode"),
+        help="With agent_func: every reward of an episode whose function raised, timed out or returned something "
+        "other than a dict or None. None (default): unscored, like a reward function's None (advantage 0); 0.0 "
+        "counts a failure against the policy. The reward functions still run, and see the error in `agent_error`.",
     )
 
     # ---- Training on stored, scored completions (docs/offline.md) ----

@@ -65,6 +65,12 @@ class Rollout:
     is_truncated: torch.Tensor = _tensor(LOCAL)  # (B,) bool: no EOS within max_completion_length
     rewards_per_func: torch.Tensor = _tensor(GATHERED)  # (B_g, K) float32, NaN where a function gave none
     step_rewards: torch.Tensor = _tensor(GATHERED, "right")  # (B_g, K_p, T_g) at each step's last token, else NaN
+    # Multi-turn episodes (None otherwise): the policy turn (0, 1, ...) of each completion token, -1 on tool answers
+    # and padding, (B_g, T_g) long; the episodes record this process's rows, which scoring gathers with the rewards
+    # (turn-level credit compares the turns of a whole group). With turn reward functions (grpo/rewards/turns.py):
+    # function k's score of policy turn n of each row, NaN where it gave none, (B_g, K_t, N) float32.
+    turn_index: torch.Tensor | None = _tensor(GATHERED, "right", True)
+    turn_rewards: torch.Tensor | None = _tensor(GATHERED, "right", True)
     sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
     prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,) bool: cut to max_prompt_length
     # Filled after scoring (steps 5-7), local rows only:
@@ -87,6 +93,11 @@ class Rollout:
     # `log_multimodal`: each local row's images as the data set gave them, for the completions log only (None: no
     # images, or none logged). Dropped once the round is recorded, so buffers and checkpoints never hold them.
     images: list | None = None
+    # `agent_func` episodes whose agent edited its history (grpo/generation/agent_function.py): each local row's other
+    # trained sequences, as dicts of unpadded lists (`prompt`, `completion`, `prompt_ids`, `completion_ids`,
+    # `sampled`, `logprobs`, `truncated`). They share their row's reward and advantage: `with_extra_sequences` makes
+    # them rows of their own once the advantages are known. None: one sequence per row.
+    extra_sequences: list[list[dict]] | None = None
 
     @classmethod
     def from_tokens(
@@ -100,10 +111,12 @@ class Rollout:
         mask_truncated: bool = False,
         sampling_logps: Sequence[Sequence[float]] | None = None,
         sampled_masks: Sequence[Sequence[int]] | None = None,
+        turn_indices: Sequence[Sequence[int]] | None = None,
     ) -> Rollout:
         """A rollout of unpadded token lists (completions already cut after their EOS), not yet scored: prompts
         padded on the left, completions on the right; with `mask_truncated`, truncated rows get no loss tokens.
-        `sampled_masks`: per completion token, 1 where the policy sampled it (None: every token)."""
+        `sampled_masks`: per completion token, 1 where the policy sampled it (None: every token); `turn_indices`
+        (episodes): per completion token, its policy turn, -1 on tool answers."""
         prompt_ids, prompt_mask = pad(prompt_ids, pad_token_id, side="left")
         completion_ids, completion_mask = pad(completion_ids, pad_token_id, side="right")
         sampled_mask = completion_mask if sampled_masks is None else pad(sampled_masks, 0, side="right")[0]
@@ -125,6 +138,7 @@ class Rollout:
             rewards_per_func=torch.empty(0, 0),
             step_rewards=torch.empty(0, 0, 0),
             sampling_logps=sampling_logps,
+            turn_index=None if turn_indices is None else pad(turn_indices, -1, side="right")[0],
         )
 
     @property
@@ -184,6 +198,8 @@ class Rollout:
             out["vision"] = rows_to(gather_object(rows_to(self.vision, "cpu")), device)
         if self.images is not None:
             out["images"] = gather_object(self.images)
+        if self.extra_sequences is not None:
+            out["extra_sequences"] = gather_object(self.extra_sequences)
         for name, side in self._tensors(LOCAL):
             value = getattr(self, name)
             if side is not None:
@@ -205,12 +221,51 @@ class Rollout:
             out["vision"] = [rollouts[r].vision[i] for r, i in picked]
         if rollouts[0].images is not None:
             out["images"] = [rollouts[r].images[i] for r, i in picked]
+        if rollouts[0].extra_sequences is not None:
+            out["extra_sequences"] = [rollouts[r].extra_sequences[i] for r, i in picked]
         for name, side in rollouts[0]._tensors():
             scope = rollouts[0].__dataclass_fields__[name].metadata["scope"]
             chosen = picked if scope == LOCAL else rows
-            fill = {"step_rewards": torch.nan, "prompt_ids": pad_token_id, "completion_ids": pad_token_id}.get(name, 0)
+            fill = padding_value(name, pad_token_id)
             out[name] = stack_rows([getattr(rollouts[r], name)[i] for r, i in chosen], fill, side)
         return cls(**out).trim()
+
+    def with_extra_sequences(self, pad_token_id: int, mask_truncated: bool = False) -> Rollout:
+        """The local rows followed by every row's `extra_sequences`, each a row of its own with its owner's
+        advantage (needs per-row advantages: step 5). Gathered fields are unchanged (rewards are per episode); so are
+        the local fields computed later (reference log-probs), which must not be set yet."""
+        extras = self.extra_sequences or []
+        owners = [row for row, sequences in enumerate(extras) for _ in sequences]
+        if not owners:
+            return replace(self, extra_sequences=None)
+        if self.advantages is None or self.advantages.dim() != 1 or self.vision is not None:
+            raise ValueError("extra sequences need per-row advantages and text-only rows")
+        flat = [sequence for sequences in extras for sequence in sequences]
+        added = Rollout.from_tokens(
+            [s["prompt"] for s in flat],
+            [s["completion"] for s in flat],
+            [s["prompt_ids"] for s in flat],
+            [s["completion_ids"] for s in flat],
+            [s["truncated"] for s in flat],
+            pad_token_id,
+            mask_truncated=mask_truncated,
+            sampling_logps=[s["logprobs"] for s in flat] if self.sampling_logps is not None else None,
+            sampled_masks=[s["sampled"] for s in flat],
+        )
+        added.advantages = self.advantages[torch.tensor(owners, device=self.advantages.device)]
+        if self.prompt_truncated is not None:
+            added.prompt_truncated = torch.tensor([s.get("prompt_cut", False) for s in flat], dtype=torch.bool)
+        out: dict[str, Any] = {
+            "prompts": self.prompts + added.prompts,
+            "completions": self.completions + added.completions,
+        }
+        for name, side in self._tensors(LOCAL):
+            ours, theirs = getattr(self, name), getattr(added, name)
+            if theirs is None:
+                raise ValueError(f"extra sequences cannot carry the field {name!r} (computed before them)")
+            rows = [*ours, *theirs.to(ours.device)]
+            out[name] = stack_rows(rows, padding_value(name, pad_token_id), side)
+        return replace(self, **out, extra_sequences=None)
 
     def micro_batches(self, num: int) -> list[MicroBatch]:
         """The local rows cut into `num` consecutive `MicroBatch`es, each trimmed to its own longest prompt and
@@ -234,8 +289,9 @@ class Rollout:
         cut = {name: getattr(self, name)[rows] for name, _ in self._tensors(LOCAL)}
         vision = None if self.vision is None else self.vision[rows]
         images = None if self.images is None else self.images[rows]
+        extras = None if self.extra_sequences is None else self.extra_sequences[rows]
         texts = {"prompts": self.prompts[rows], "completions": self.completions[rows]}
-        return replace(self, **texts, vision=vision, images=images, **cut)
+        return replace(self, **texts, vision=vision, images=images, extra_sequences=extras, **cut)
 
 
 @dataclass
@@ -306,6 +362,13 @@ def gather_rows(accelerator, value: torch.Tensor, fill: float = 0) -> torch.Tens
     padded = accelerator.pad_across_processes(value, dim=0, pad_index=fill).to(value.dtype)
     everyone, width = gather(padded), padded.shape[0]
     return torch.cat([everyone[p * width : p * width + count] for p, count in enumerate(counts)])
+
+
+def padding_value(name: str, pad_token_id: int) -> float:
+    """What a `Rollout` tensor field is padded with: the pad token for ids, NaN for rewards per step or turn, -1
+    for turn indices, else 0."""
+    special = {"step_rewards": torch.nan, "turn_rewards": torch.nan, "turn_index": -1}
+    return pad_token_id if name.endswith("_ids") else special.get(name, 0)
 
 
 def stack_rows(values: Sequence[torch.Tensor], fill: float, side: str | None) -> torch.Tensor:

@@ -14,6 +14,8 @@ from grpo.generation import Completions
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from tests.helpers.agents import (
+    AGENT,
+    ONE_CALL,
     SCRIPT,
     WRONG,
     ScriptedTurns,
@@ -22,7 +24,9 @@ from tests.helpers.agents import (
     chat_prompts,
     multiply,
     reward_25,
+    talkative_add_trainer,
     tool_tokenizer,
+    turn_starts,
 )
 from tests.helpers.naive import naive_group_advantages, naive_policy_loss
 from tests.helpers.scripted import capture_batches
@@ -103,6 +107,7 @@ def test_an_episode_is_the_sampled_tokens_and_the_rendered_tool_answers(tmp_path
         "tool_timeouts": 0,
         "parse_failures": 0,
         "budget_cuts": 0,
+        "unknown_tools": 0,
     }
     assert columns["environments"] == [None] * G
 
@@ -128,33 +133,74 @@ def test_a_re_encoding_drift_cannot_reach_the_training_tokens(tmp_path, model_pa
     assert second_turn_context[len(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()]) :][: len(lone)] == lone
 
 
-def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path, model_path):
-    """Half of each group calls the tools and answers right, half answers wrong at once: the logged loss equals the
-    clipped objective built token by token from a plain forward pass with the tool answers masked out."""
-    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, WRONG), beta=0.0)
+def test_the_loss_is_the_naive_objective_over_policy_tokens_only(tmp_path):
+    """Half of each group calls the tools and answers right, half answers wrong at once. With `dapo` (one mean over
+    every loss token of the batch) both the loss and its gradient depend on which tokens count: the logged loss and
+    the SGD update equal, in float64, the objective built token by token over the sampled tokens alone, and differ
+    from the same objective with the tool answers counted. (On-policy `grpo` with zero-mean advantages would log 0
+    whatever the mask.)"""
+    tokenizer = tool_tokenizer()
+    model = tiny_model(tokenizer).double()  # float64: the update is compared to a naive gradient within rounding
+    initial = tiny_model(tokenizer).double()
+    initial.load_state_dict(model.state_dict())
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**AGENT, "loss_type": "dapo", "beta": 0.0})
+    trainer = GRPOTrainer(
+        model, reward_25, args=args, train_dataset=chat_prompts(4), processing_class=tokenizer, tools=[add, multiply]
+    )
+    trainer.generation = ScriptedTurns(tokenizer, (SCRIPT, WRONG))
     batches = capture_batches(trainer)
-    initial = tiny_model(trainer.processing_class)
-    initial.load_state_dict(trainer.model.state_dict())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
-    batch = batches[0]
+    (batch,) = batches
     assert (batch.loss_mask.sum(1) < batch.completion_mask.sum(1)).any()  # some rows have tool answers
-    with torch.no_grad():
+    rewards = [float("25" in tokenizer.decode(row)) for row in batch.completion_ids]
+    advantages = torch.tensor(naive_group_advantages(rewards, G), dtype=torch.float64)
+    assert torch.allclose(batch.advantages.double(), advantages, atol=1e-6) and advantages.abs().sum() > 0
+    advantages = batch.advantages.double()  # the trainer's float32 numbers: what is compared below is the mask
+
+    def naive(mask):
+        """The naive loss over the tokens of `mask` and the SGD update it gives, from the initial weights."""
+        initial.zero_grad()
         logps, _ = completion_logprobs(
             initial, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
         )
-    rewards = [float("25" in trainer.processing_class.decode(row)) for row in batch.completion_ids]
-    advantages = torch.tensor(naive_group_advantages(rewards, G))
-    assert torch.allclose(batch.advantages, advantages, atol=1e-6)
-    expected = naive_policy_loss(logps, logps, None, advantages, batch.loss_mask, "grpo", 0.0, 0.2, 0.2)
-    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
-    # Not vacuous: counting the tool answers too gives another loss.
-    with_tools = naive_policy_loss(logps, logps, None, advantages, batch.completion_mask, "grpo", 0.0, 0.2, 0.2)
-    assert with_tools.item() != pytest.approx(expected.item(), rel=1e-3)
+        loss = naive_policy_loss(logps, logps.detach(), None, advantages, mask, "dapo", 0.0, 0.2, 0.2)
+        loss.backward()
+        return loss.item(), {n: -AGENT["learning_rate"] * p.grad for n, p in initial.named_parameters()}
+
+    policy = policy_tokens_mask(batch.completion_ids, tokenizer)  # found from the script, not from the trainer's mask
+    assert torch.equal(batch.loss_mask, policy)
+    expected_loss, expected_update = naive(policy)
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    scale = max(u.abs().max() for u in expected_update.values())
+    assert scale > 0 and all(
+        torch.allclose(update[n], u, rtol=0, atol=1e-9 * scale) for n, u in expected_update.items()
+    )
+    # Not vacuous: with the tool answers counted, the loss and the update are others.
+    with_tools_loss, with_tools_update = naive(batch.completion_mask)
+    assert with_tools_loss != pytest.approx(expected_loss, rel=1e-3)
+    assert max((with_tools_update[n] - u).abs().max() for n, u in expected_update.items()) > 1e-3 * scale
     logged = trainer.state.log_history[0]
     assert logged["tools/call_frequency"] == pytest.approx(1.0)  # 2 calls in half the episodes, 0 in the others
     assert logged["tools/turns"] == pytest.approx(2.0)
-    policy_tokens = [sum(len(trainer.processing_class(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, WRONG)]
+    policy_tokens = [sum(len(tokenizer(t)["input_ids"]) + 1 for t in s) for s in (SCRIPT, WRONG)]
     assert logged["completions/mean_length"] == pytest.approx(sum(policy_tokens) / 2)  # tool answers not counted
+
+
+def policy_tokens_mask(completion_ids, tokenizer):
+    """(B, T) 1 on the tokens the scripted policy wrote (SCRIPT's turns in rows with tool answers, WRONG's in the
+    others), found in order in each row; 0 on tool answers and padding."""
+    mask = torch.zeros_like(completion_ids)
+    for row, ids in enumerate(completion_ids.tolist()):
+        script = SCRIPT if "<tool_response>" in tokenizer.decode(ids) else WRONG
+        at = 0
+        for text in script:
+            turn = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            at = next(i for i in range(at, len(ids)) if ids[i : i + len(turn)] == turn)
+            mask[row, at : at + len(turn)] = 1
+            at += len(turn)
+    return mask
 
 
 def test_turn_limit_and_token_budget(tmp_path, model_path):
@@ -173,6 +219,41 @@ def test_turn_limit_and_token_budget(tmp_path, model_path):
     trainer = make_trainer(tmp_path, model_path, max_completion_length=first - 3)  # the first turn itself is cut
     rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
     assert rollout.is_truncated.all() and rollout.completion_mask.sum(1).tolist() == [first - 3] * G
+
+
+def test_each_turn_asks_for_no_more_than_the_budget_left(tmp_path, model_path):
+    """Turn k asks the backend for at most max_completion_length minus what the episode already holds (the most left
+    among the rows going), not for a whole max_completion_length each time. Rows follow SCRIPT or ONE_CALL, so the
+    episodes going at the third turn are the SCRIPT ones."""
+    trainer = make_trainer(tmp_path, model_path, scripts=(SCRIPT, ONE_CALL), max_completion_length=300)
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    starts = [turn_starts(rollout, row) for row in range(G)]
+    assert sorted(map(len, starts)) == [2, 2, 3, 3]
+    expected = [max(300 - s[k] for s in starts if len(s) > k) for k in range(3)]
+    assert trainer.generation.limits == expected
+    assert expected[0] == 300 and expected[2] < expected[1] < 300
+
+
+def test_model_generate_is_asked_for_the_budget_left(tmp_path):
+    """The same through the default backend, `model.generate` with the KV cache carried between turns: the random
+    talkative model writes turns of a few tokens, every one read as a call, so episodes run three turns."""
+    trainer = talkative_add_trainer(
+        tmp_path, config(tmp_path, max_completion_length=200, max_tool_calling_iterations=2)
+    )
+    asked, generate = [], trainer.model.generate
+
+    def recording(*args, generation_config, **kwargs):
+        out = generate(*args, generation_config=generation_config, **kwargs)
+        asked.append((generation_config.max_new_tokens, out.sequences.shape[1] - kwargs["input_ids"].shape[1]))
+        return out
+
+    trainer.model.generate = recording
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    starts = [turn_starts(rollout, row) for row in range(G)]
+    assert max(map(len, starts)) == 3
+    expected = [max(200 - s[k] for s in starts if len(s) > k) for k in range(3)]
+    assert [limit for limit, _ in asked] == expected and expected[2] < expected[1] < expected[0] == 200
+    assert all(new <= limit for limit, new in asked)
 
 
 def fails(a: int) -> int:
@@ -440,3 +521,23 @@ def test_reward_weights_count_the_functions_given_as_in_trl(tmp_path, model_path
     trainer.train()
     # Both rewards are 1 on every row (the counter reaches the target): the reward is the sum of the weights.
     assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(weights) + (1.0 if len(weights) == 1 else 0.0))
+
+
+def test_two_names_for_one_environment_class_score_its_episodes_once(tmp_path, model_path):
+    """A dict environment_factory mapping two names to the same class: one `IncrementEnv` reward (TRL dedupes the
+    class), so a reward of 1 is logged as 1, not as 2 under `IncrementEnv` and `IncrementEnv_2`."""
+    data = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "Count."}]] * 2, "target": [3, 3], "environment": ["a", "b"]}
+    )
+    trainer = GRPOTrainer(
+        model_path,
+        None,
+        args=config(tmp_path, reward_weights=None),
+        train_dataset=data,
+        processing_class=tool_tokenizer(),
+        environment_factory={"a": IncrementEnv, "b": IncrementEnv},
+    )
+    trainer.generation = ScriptedTurns(trainer.processing_class, [[call("increment", step=3), "Done."]])
+    assert trainer.reward_names == ["IncrementEnv"]
+    trainer.train()
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(1.0)

@@ -42,6 +42,51 @@ def recipe(**replace) -> dict:
     return {**BASE, "r.yaml": "\n".join(lines) + "\n"}
 
 
+# Environments for the `environment:` rows: a good one, an object of it, and one of each mistake.
+ENVIRONMENTS = """
+class Counter:
+    def reset(self, **row):
+        return None
+
+    def increment(self, by: int) -> int:
+        \"\"\"Add to the counter.
+
+        Args:
+            by: how much to add
+        \"\"\"
+        return by
+
+
+COUNTER = Counter()
+
+
+class NoReset:
+    def increment(self, by: int) -> int:
+        \"\"\"Add.
+
+        Args:
+            by: how much to add
+        \"\"\"
+        return by
+
+
+class Broken:
+    def __init__(self):
+        raise ConnectionRefusedError("no server at 127.0.0.1:8000")
+
+
+class Sized:
+    def __init__(self, size):
+        self.size = size
+"""
+
+
+def environment(value: str, key: str = "environment") -> dict:
+    """BASE with chat prompts, ENVIRONMENTS as my_env.py and the line `key: value` added to the recipe."""
+    files = recipe(dataset="dataset: {path: data.jsonl, chat: true}")
+    return {**files, "my_env.py": ENVIRONMENTS, "r.yaml": files["r.yaml"] + f"{key}: {value}\n"}
+
+
 MISTAKES = [
     # The recipe file and its syntax.
     ("no recipe named", BASE, ["train"], {}, "Name a recipe: grpo train RECIPE.yaml"),
@@ -293,6 +338,48 @@ MISTAKES = [
         ["check", "r.yaml"],
         {},
         "tools need conversational prompts",
+    ),
+    # The environment (an environment_factory named in the recipe).
+    (
+        "environment path malformed",
+        environment("Counter"),
+        ["check", "r.yaml"],
+        {},
+        "environment: 'Counter' is not a 'module:attr' path",
+    ),
+    (
+        "environment module missing",
+        environment("no_such_env:Counter"),
+        ["check", "r.yaml"],
+        {},
+        "environment 'no_such_env:Counter': cannot import module 'no_such_env'",
+    ),
+    ("environment class missing", environment("my_env:Countr"), ["check", "r.yaml"], {}, "has no attribute 'Countr'"),
+    ("environment is an object", environment("my_env:COUNTER"), ["check", "r.yaml"], {}, "is not callable"),
+    ("environment needs arguments", environment("my_env:Sized"), ["check", "r.yaml"], {}, "without arguments"),
+    ("environment name not a string", environment("{1: my_env:Counter}"), ["check", "r.yaml"], {}, "is not a string"),
+    ("environment without reset", environment("my_env:NoReset"), ["check", "r.yaml"], {}, "has no `reset` method"),
+    ("environment constructor fails", environment("my_env:Broken"), ["check", "r.yaml"], {}, "failed with Connection"),
+    (
+        "environment mapping without a column",
+        environment("{counter: my_env:Counter}"),
+        ["check", "r.yaml"],
+        {},
+        "the training rows have no `environment` column",
+    ),
+    (
+        "environment with string prompts",
+        {**BASE, "my_env.py": ENVIRONMENTS, "r.yaml": RECIPE + "environment: my_env:Counter\n"},
+        ["check", "r.yaml"],
+        {},
+        "environment needs conversational prompts",
+    ),
+    (
+        "TRL's environment_factory key",
+        environment("my_env:Counter", "environment_factory"),
+        ["check", "r.yaml"],
+        {},
+        "Did you mean 'environment'?",
     ),
     # Other commands.
     ("plot without a run", BASE, ["plot", "nowhere"], {}, "nowhere"),

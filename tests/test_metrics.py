@@ -9,6 +9,7 @@ from grpo.objective.step_loss import token_metric_totals
 from grpo.objective.token_weights import sampling_summary
 from grpo.training.metrics import (
     MetricsWindow,
+    add_episode_metrics,
     add_round_metrics,
     add_sampling_metrics,
     add_token_metrics,
@@ -92,3 +93,36 @@ def test_token_metrics_weight_by_loss_tokens():
     add_token_metrics(window, totals + other, names)  # as summed over two processes
     logged = window.pop()
     assert logged["kl"] == pytest.approx((1.5 + 1.0) / 4) and logged["entropy"] == pytest.approx(6 / 4)
+
+
+class OneProcess:
+    """The accelerator of a single process: a sum over processes is the tensor itself."""
+
+    device = torch.device("cpu")
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+
+def test_tool_failure_frequency_counts_unknown_tools_as_trl_does():
+    """TRL's tools/failure_frequency is (errors + timeouts + unknown tools) / (calls + unknown tools): a call of a tool
+    that does not exist is a call, and a failed one. Malformed calls are not seen by TRL, so not counted here."""
+    from grpo.generation.episodes import EpisodeState, episode_stats
+    from grpo.generation.tool_executor import ToolCounts
+    from grpo.generation.tools import Episode
+
+    states = [EpisodeState(Episode(None, {}), [1]) for _ in range(2)]
+    for state, statuses in zip(states, (["ok", "error", "unknown_tool"], ["timeout", "malformed", "ok", "ok"])):
+        for status in statuses:
+            state.counts.add(status)
+    assert states[0].counts + states[1].counts == ToolCounts(
+        calls=5, errors=1, timeouts=1, malformed=1, unknown_tools=1
+    )
+    window = MetricsWindow()
+    add_episode_metrics(window, episode_stats(states), OneProcess())
+    logged = window.pop()
+    # (1 error + 1 timeout + 1 unknown tool) / (5 calls that reached a tool + 1 unknown tool)
+    assert logged["tools/failure_frequency"] == pytest.approx(3 / 6)
+    assert logged["tools/call_frequency"] == pytest.approx(5 / 2)
+    assert logged["tools/parse_failures"] == pytest.approx(2 / 2)
+    assert "tools/unknown_tools" not in logged

@@ -19,6 +19,8 @@ from grpo.cli.recipe import (
     RewardSpec,
     load_recipe,
     parse_overrides,
+    resolve_agent,
+    resolve_environment,
     resolve_reward,
     resolve_tool,
 )
@@ -26,6 +28,7 @@ from grpo.data import InputError
 from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.testing import tiny_tokenizer
 from tests.helpers.scripted import TINY
+from tests.test_openenv import needs_openenv, settled
 
 RECIPES = sorted((Path(__file__).parent.parent / "examples" / "recipes").glob("*.yaml"))
 
@@ -255,6 +258,8 @@ def test_example_recipes_validate(recipe):
         resolve_reward(spec, [recipe.parent])
     for path in parsed.tools:
         resolve_tool(path, [recipe.parent])
+    if parsed.agent is not None:
+        assert callable(resolve_agent(parsed.agent, [recipe.parent]))
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# ") and "grpo train " + str(recipe.relative_to(recipe.parent.parent.parent)) in first
 
@@ -411,6 +416,227 @@ def test_recipe_trains_with_tools_and_reports_tool_use(tmp_path, tiny_model_path
     history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
     assert [h["step"] for h in history if "eval_greedy_tool_use" in h] == [0, 1]  # before and after
     assert any("tools/call_frequency" in h for h in history if "loss" in h)  # the training steps were episodes
+
+
+# An environment whose objects log their life to a file beside the module: made, reset, closed (by id).
+COUNTER_ENV = """import os
+
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "events.log")
+
+
+class Counter:
+    def __init__(self):
+        self.total = 0
+        self._log("made")
+
+    def _log(self, what):
+        with open(LOG, "a") as log:
+            log.write(f"{what} {id(self)}\\n")
+
+    def reset(self, **row):
+        self.total = 0
+        self._log("reset")
+        return " Count up."
+
+    def increment(self, by: int) -> int:
+        \"\"\"Add to the counter.
+
+        Args:
+            by: how much to add
+        \"\"\"
+        self.total += by
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+    def close(self):
+        self._log("closed")
+
+
+def make_counter():
+    return Counter()
+"""
+
+
+def test_environment_key_forms(tmp_path):
+    """`environment:` is one `module:attr` path or a mapping of names to them (also as an override); not a GRPOConfig
+    field. Each path resolves to the callable it names, the recipe's folder on the import path."""
+    (tmp_path / "counter_env.py").write_text(COUNTER_ENV)
+    recipe = load_recipe(write_recipe(tmp_path, environment="counter_env:Counter"))
+    assert recipe.environment == "counter_env:Counter" and recipe.grpo_config()
+    factory = resolve_environment(recipe.environment, [tmp_path])
+    assert factory.__name__ == "Counter" and factory().increment(3) == 3
+    spec = {"counter": "counter_env:Counter", "made": "counter_env:make_counter"}
+    recipe = load_recipe(
+        write_recipe(tmp_path), ["--environment", "{counter: counter_env:Counter, made: counter_env:make_counter}"]
+    )
+    assert recipe.environment == spec
+    factories = resolve_environment(recipe.environment, [tmp_path])
+    assert list(factories) == ["counter", "made"] and type(factories["made"]()).__name__ == "Counter"
+    assert load_recipe(write_recipe(tmp_path)).environment is None
+    assert resolve_environment(None) is None
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("Counter", r"environment: 'Counter' is not a 'module:attr' path"),
+        (["counter_env:Counter"], r"environment: \['counter_env:Counter'\] is not a 'module:attr' path"),
+        ({"counter": "counter_env"}, r"environment.counter: 'counter_env' is not a 'module:attr' path"),
+        ({"counter": 3}, r"environment.counter: 3 is not a 'module:attr' path"),
+        ({1: "counter_env:Counter"}, r"environment: the name 1 \(int\) is not a string.*quote it"),
+        ({}, r"environment: the mapping is empty"),
+    ],
+)
+def test_bad_environment_forms_fail_when_loaded(tmp_path, value, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write_recipe(tmp_path, environment=value))
+
+
+def test_agent_key_names_an_agent_function(tmp_path):
+    """`agent:` is one `module:function` path, resolved with the recipe's folder on the import path; beside tools,
+    an environment or a verifiers environment it is refused, as is a path to nothing callable."""
+    (tmp_path / "my_agent.py").write_text("def solve(row, endpoint):\n    return None\n\nNOT_A_FUNCTION = 3\n")
+    recipe = load_recipe(write_recipe(tmp_path, agent="my_agent:solve"))
+    assert recipe.agent == "my_agent:solve" and resolve_agent(recipe.agent, [tmp_path]).__name__ == "solve"
+    assert load_recipe(write_recipe(tmp_path)).agent is None and resolve_agent(None) is None
+    with pytest.raises(RecipeError, match=r"agent: 'my_agent' is not a 'module:function' path"):
+        load_recipe(write_recipe(tmp_path, agent="my_agent"))
+    with pytest.raises(RecipeError, match=r"so \['tools'\] cannot be given beside it"):
+        load_recipe(write_recipe(tmp_path, agent="my_agent:solve", tools=["my_agent:solve"]))
+    for missing in ("my_agent:nothing", "my_agent:NOT_A_FUNCTION"):
+        with pytest.raises(RecipeError, match=rf"agent '{missing}': module 'my_agent' has no function"):
+            resolve_agent(missing, [tmp_path])
+    with pytest.raises(RecipeError, match=r"'agent_func'.*Did you mean 'agent'\?"):
+        load_recipe(write_recipe(tmp_path, agent_func="my_agent:solve"))
+
+
+def test_trls_environment_factory_key_points_to_environment(tmp_path):
+    with pytest.raises(RecipeError, match=r"'environment_factory'.*Did you mean 'environment'\?"):
+        load_recipe(write_recipe(tmp_path, environment_factory="counter_env:Counter"))
+
+
+def test_resolve_environment_names_what_is_wrong(tmp_path):
+    (tmp_path / "bad_env.py").write_text(
+        "from counter_env import Counter\n\nCOUNTER = Counter()\nSIZE = 3\n\n\n"
+        "class Sized:\n    def __init__(self, size):\n        self.size = size\n"
+    )
+    (tmp_path / "counter_env.py").write_text(COUNTER_ENV)
+    with pytest.raises(RecipeError, match=r"environment 'no_such_env:Game': cannot import module 'no_such_env'"):
+        resolve_environment("no_such_env:Game", [tmp_path])
+    with pytest.raises(RecipeError, match=r"environment.game 'bad_env:Game': module 'bad_env' has no attribute"):
+        resolve_environment({"game": "bad_env:Game"}, [tmp_path])
+    with pytest.raises(RecipeError, match=r"'bad_env:COUNTER' is not callable \(a Counter object\): name the"):
+        resolve_environment("bad_env:COUNTER", [tmp_path])
+    with pytest.raises(RecipeError, match=r"'bad_env:SIZE' is not callable \(a int object\)"):
+        resolve_environment("bad_env:SIZE", [tmp_path])
+    with pytest.raises(RecipeError, match=r"'bad_env:Sized' cannot be called without arguments.*'size'"):
+        resolve_environment("bad_env:Sized", [tmp_path])
+
+
+def test_check_prints_the_environment_and_the_tools_it_offers(tmp_path, capsys, monkeypatch):
+    """`grpo check` makes one object of each environment to read its tools, and closes it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "counter_env.py").write_text(COUNTER_ENV)
+    rows = [{"prompt": f"Count to {i}.", "environment": "counter"} for i in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = {"path": "data.jsonl", "chat": True}
+    path = write_recipe(tmp_path, dataset=dataset, rewards=[], environment={"counter": "counter_env:Counter"})
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  environment:  counter=counter_env:Counter (its tools: increment)" in out, out
+    events = (tmp_path / "events.log").read_text().split()[::2]
+    assert events == ["made", "closed"]  # the probe object, closed
+    # A row naming an environment the recipe does not have is refused before any weight loads.
+    rows[3]["environment"] = "maze"
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["check", str(path)]) == 2
+    assert (
+        "`environment` column holds ['maze'], not among the recipe's environments (counter)" in capsys.readouterr().err
+    )
+
+
+def test_the_chat_template_check_covers_the_environments_tools(tmp_path, capsys):
+    """With an environment and no `tools:`, a template that does not render its methods fails before the weights."""
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer-only")
+    (tmp_path / "counter_env.py").write_text(COUNTER_ENV)
+    dataset = {"reasoning_gym": "basic_arithmetic", "size": 8, "chat": True}
+    model = {"name_or_path": str(tmp_path / "tokenizer-only")}
+    path = write_recipe(tmp_path, model=model, dataset=dataset, environment="counter_env:Counter", use_cpu=True)
+    assert main(["train", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("grpo train: error:")]
+    assert len(errors) == 1 and "does not render the tools ['increment']" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_recipe_trains_with_an_environment_and_closes_every_object(tmp_path, tiny_model_path, capsys, monkeypatch):
+    """`grpo train` of a recipe naming an environment class (and a tool beside it): one step of episodes in it,
+    its `get_reward` scored as a reward, and every object it made, the check's probe included, closed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "counter_env.py").write_text(COUNTER_ENV)
+    (tmp_path / "my_tools.py").write_text(MULTIPLY)
+    path = write_recipe(
+        tmp_path,
+        model={"name_or_path": str(tiny_model_path), "chat_template": "chatml_tools"},
+        dataset={"reasoning_gym": "basic_arithmetic", "size": 4, "eval_size": 2, "chat": True},
+        tools=["my_tools:multiply"],
+        environment="counter_env:Counter",
+        output_dir="out",
+        max_steps=1,
+        max_tool_calling_iterations=2,
+        run={"plot": False, "save_model": False},
+        **{**TINY, "max_completion_length": 16, "per_device_eval_batch_size": 4},
+    )
+    assert main(["train", str(path)]) == 0
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    step = [h for h in history if "loss" in h]
+    assert len(step) == 1 and "rewards/Counter/mean" in step[0] and "tools/call_frequency" in step[0], step
+    events = [line.split() for line in (tmp_path / "events.log").read_text().splitlines()]
+    made = [obj for what, obj in events if what == "made"]
+    closed = [obj for what, obj in events if what == "closed"]
+    assert sorted(made) == sorted(closed) and len(made) >= 2  # the check's probe, then the trainer's objects
+    # Every episode started from reset: 4 of training, and 2 held-out prompts x (4 sampled + 1 greedy), before
+    # and after training.
+    assert sum(what == "reset" for what, _ in events) == 4 + 2 * 2 * (4 + 1)
+
+
+# A user's module that names an OpenEnv environment in one line (its server here: the test's echo app, on loopback).
+ECHO_ENV = """from grpo.generation.openenv import openenv_environment
+from tests.helpers.openenv_echo import EchoClient, echo_app
+
+app, server = echo_app()
+Echo = openenv_environment(EchoClient, app=app, observation="heard")
+"""
+
+
+@pytest.mark.slow
+@needs_openenv
+def test_recipe_trains_against_an_openenv_environment_and_closes_its_sessions(tmp_path, tiny_model_path, monkeypatch):
+    from tests.helpers.openenv_echo import EchoEnvironment
+
+    monkeypatch.chdir(tmp_path)
+    EchoEnvironment.forget()
+    (tmp_path / "echo_env.py").write_text(ECHO_ENV)
+    path = write_recipe(
+        tmp_path,
+        model={"name_or_path": str(tiny_model_path), "chat_template": "chatml_tools"},
+        dataset={"reasoning_gym": "basic_arithmetic", "size": 4, "chat": True},
+        rewards=[],  # the server's rewards only (get_reward)
+        environment="echo_env:Echo",
+        output_dir="out",
+        max_steps=1,
+        max_tool_calling_iterations=2,
+        run={"plot": False, "save_model": False},
+        **{**TINY, "max_completion_length": 16},
+    )
+    assert main(["train", str(path)]) == 0
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    # The adapter's class is named after the client; its get_reward is the server's reward.
+    assert any("rewards/EchoClient/mean" in h for h in history if "loss" in h), history
+    server = sys.modules["echo_env"].server
+    assert settled(lambda: server.active_sessions == 0), f"{server.active_sessions} sessions left open"
+    assert EchoEnvironment.made >= 2 and settled(lambda: EchoEnvironment.closed == EchoEnvironment.made)
 
 
 @pytest.mark.parametrize(

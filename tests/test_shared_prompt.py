@@ -287,7 +287,10 @@ def _trainer(tmp_path, tokenizer, model, **config):
 def test_the_switch_and_the_fallback_line(tmp_path, tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="grpo.objective.shared_prompt"):
         assert _trainer(tmp_path / "on", tokenizer, tiny_model(tokenizer)).logprobs.share_prompt is True
-        assert _trainer(tmp_path / "off", tokenizer, tiny_model(tokenizer), share_prompt=False).logprobs.share_prompt is False
+        assert (
+            _trainer(tmp_path / "off", tokenizer, tiny_model(tokenizer), share_prompt=False).logprobs.share_prompt
+            is False
+        )
         assert not caplog.records  # on where it can be, off when asked: nothing to say
         flash = tiny_model(tokenizer)
         flash.config._attn_implementation = "flash_attention_2"  # only read by the decision

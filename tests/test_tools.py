@@ -6,6 +6,7 @@ import asyncio
 import doctest
 import importlib.util
 import json
+import sys
 import threading
 
 import pytest
@@ -19,12 +20,10 @@ from grpo.generation.tool_calls import (
     parser_for_template,
     resolve_parser,
 )
+from grpo.generation.tool_executor import HungToolsError, ToolCallError, ToolCounts, ToolExecutor
 from grpo.generation.tools import (
     Toolbox,
-    ToolCallError,
-    ToolCounts,
     ToolDefinitionError,
-    ToolExecutor,
     environment_methods,
     make_tool,
     make_tools,
@@ -445,6 +444,103 @@ def test_exceptions_become_error_answers():
     assert counts == ToolCounts(calls=3, errors=3)
 
 
+def test_a_tool_that_exits_answers_an_error_and_the_executor_goes_on():
+    """`sys.exit` (SystemExit) or a KeyboardInterrupt in a tool, async or sync, is that call's error answer: it ends
+    neither the executor's loops nor the turn, and the next turn runs on the same tools' loop."""
+
+    async def quits(code: int) -> int:
+        """Exit.
+
+        Args:
+            code: The exit status.
+        """
+        sys.exit(code)
+
+    def interrupted(x: int) -> int:
+        """Interrupt.
+
+        Args:
+            x: Anything.
+        """
+        raise KeyboardInterrupt(f"stop at {x}")
+
+    texts = [
+        call("quits", code=3) + call("async_multiply", a=2, b=3),
+        call("interrupted", x=1) + call("add", a=1, b=1),
+    ]
+    with ToolExecutor(timeout=WAIT) as executor:
+        answers, counts = run_turn(executor, texts, [quits, interrupted, async_multiply, add])
+        assert [[(a.content, a.status) for a in episode] for episode in answers] == [
+            [("Error: SystemExit: 3", "error"), ("6", "ok")],
+            [("Error: KeyboardInterrupt: stop at 1", "error"), ("2", "ok")],
+        ]
+        assert counts == ToolCounts(calls=4, errors=2)
+        assert run_turn(executor, [call("async_multiply", a=4, b=5)], [async_multiply])[0][0][0].content == "20"
+        with pytest.raises(ToolCallError, match="quits") as raised:
+            executor.errors = "raise"
+            run_turn(executor, [call("quits", code=4)], [quits])
+        assert isinstance(raised.value.__cause__, SystemExit)
+
+
+def test_an_async_tool_that_blocks_times_out_and_the_next_turn_gets_a_new_loop():
+    """An `async def` tool that blocks without awaiting holds the tools' event loop: it is answered as a timeout all
+    the same, the other episodes' sync calls are not held up, its loop is left to it (counted as hung) and the next
+    async call runs on a new loop."""
+    release = threading.Event()
+
+    async def blocks(x: int) -> int:
+        """Block the event loop.
+
+        Args:
+            x: Anything.
+        """
+        release.wait(WAIT)  # no await: nothing else runs on this loop meanwhile
+        return x
+
+    with ToolExecutor(timeout=0.05) as executor:
+        answers, counts = run_turn(executor, [call("blocks", x=1), call("add", a=1, b=2)], [blocks, add])
+        assert [(a[0].content, a[0].status) for a in answers] == [
+            ("Error: the call of 'blocks' took longer than 0.05 s", "timeout"),
+            ("3", "ok"),
+        ]
+        assert counts == ToolCounts(calls=2, timeouts=1)
+        assert list(executor.hung.values()) == ["blocks"]
+        # The blocked loop is still blocked (release is not set): the next turn's async call runs on another.
+        assert run_turn(executor, [call("async_multiply", a=2, b=3)], [async_multiply])[0][0][0].content == "6"
+        release.set()
+        for thread in executor.hung:
+            thread.join(WAIT)
+        assert executor.hung == {}
+
+
+def test_calls_hung_past_their_timeout_are_capped_with_an_error_naming_them():
+    release = threading.Event()
+
+    def stuck(x: int) -> int:
+        """Block until released.
+
+        Args:
+            x: Anything.
+        """
+        release.wait(WAIT)
+        return x
+
+    with ToolExecutor(timeout=0.05, max_hung=2) as executor:
+        answers, counts = run_turn(executor, [call("stuck", x=1), call("stuck", x=2)], [stuck, add])
+        assert counts == ToolCounts(calls=2, timeouts=2)
+        assert list(executor.hung.values()) == ["stuck", "stuck"]
+        with pytest.raises(HungToolsError) as raised:
+            run_turn(executor, [call("add", a=1, b=2)], [stuck, add])
+        message = str(raised.value)
+        assert "'add'" in message and "2 tool calls" in message and "'stuck': 2" in message
+        assert "tool_max_hung_calls=2" in message and "tool_timeout=0.05" in message
+        # Once the hung calls end, calls run again.
+        release.set()
+        for thread in executor.hung:
+            thread.join(WAIT)
+        assert run_turn(executor, [call("add", a=1, b=2)], [stuck, add])[0][0][0].content == "3"
+
+
 def test_errors_raise_names_the_tool_and_stops_that_episodes_calls():
     ran = []
 
@@ -486,7 +582,7 @@ def test_a_parser_that_does_not_check_names_still_gets_unknown_tools_answered():
 
 def test_counts_add_up_and_bad_settings_are_refused():
     assert ToolCounts(1, 2, 3, 4, 5) + ToolCounts(1, 1, 1, 1, 1) == ToolCounts(2, 3, 4, 5, 6)
-    for settings in ({"errors": "skip"}, {"timeout": 0}, {"max_workers": 0}):
+    for settings in ({"errors": "skip"}, {"timeout": 0}, {"max_workers": 0}, {"max_hung": 0}):
         with pytest.raises(ValueError):
             ToolExecutor(**settings)
     with pytest.raises(ValueError, match="one of each"):

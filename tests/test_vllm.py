@@ -28,7 +28,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation.policy_weights import checkpoint_tensors  # noqa: E402
 from grpo.generation.vllm.client import VLLMClient, VLLMServerError  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.helpers.agents import talkative_add_trainer  # noqa: E402
+from tests.helpers.agents import talkative_add_trainer, talkative_agent_trainer  # noqa: E402
 from tests.helpers.net import free_port, launch_two_processes  # noqa: E402
 from tests.helpers.vllm_server import start_server, stop_server  # noqa: E402
 
@@ -424,6 +424,18 @@ def test_multi_turn_episodes_on_the_server(server, tmp_path):
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_agent_func_episodes_on_the_server(server, tmp_path):
+    """An agent program's two calls per episode (tests/helpers/agents.py `again_agent`), served by the trainer's
+    endpoint from the server's samples: one trained sequence each, whose sampled tokens are the engine's."""
+    port, _ = server
+    args = _config(tmp_path, port, max_completion_length=64, max_prompt_length=None)
+    trainer = talkative_agent_trainer(tmp_path, args)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["tools/turns"] == 2 and logs["tools/sequences"] == 1 and logs["tools/agent_failures"] == 0
     assert logs["sampling/sampling_logp_difference/max"] < 1e-3
 
 

@@ -22,7 +22,7 @@ from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.generation import cut_at_eos  # noqa: E402
 from grpo.generation.vllm.colocate import VLLMColocateGeneration  # noqa: E402
 from grpo.testing import save_tiny_model  # noqa: E402
-from tests.helpers.agents import talkative_add_trainer  # noqa: E402
+from tests.helpers.agents import talkative_add_trainer, talkative_agent_trainer  # noqa: E402
 from tests.helpers.net import launch_two_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -240,4 +240,19 @@ def test_multi_turn_episodes_with_a_colocated_engine(tokenizer, tmp_path):
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["tools/turns"] == 3 and logs["tools/call_frequency"] == 2
+    assert logs["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_agent_func_episodes_with_a_colocated_engine(tmp_path):
+    """An agent program's two calls per episode (tests/helpers/agents.py `again_agent`), served by the endpoint from
+    this process's engine: they merge into one trained sequence whose sampled tokens are the engine's (its log-probs
+    of them equal the trainer's)."""
+    args = _training_config(
+        tmp_path / "out", max_steps=1, save_strategy="no", max_completion_length=64, max_prompt_length=None
+    )
+    trainer = talkative_agent_trainer(tmp_path, args)
+    assert isinstance(trainer.generation, VLLMColocateGeneration)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["tools/turns"] == 2 and logs["tools/sequences"] == 1 and logs["tools/agent_failures"] == 0
     assert logs["sampling/sampling_logp_difference/max"] < 1e-3

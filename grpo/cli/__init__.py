@@ -60,7 +60,7 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         rollout, columns = trainer.sample_round(rows, greedy)
         rollout = trainer.rounds.score_round(rollout, columns, None, trainer.state)
         # All processes' rows (a round may span processes), then this process's.
-        per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+        per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
         local = rollout.local_slice(trainer.accelerator.process_index)
         samples += [
             {"prompt": p, "completion": c, "rewards": r, "reward": t}
@@ -175,16 +175,17 @@ def _quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _tokenizer(model, tools: list, args):
+def _tokenizer(model, tool_schemas: list[dict], args):
     """The policy's tokenizer with the recipe's `model.chat_template`, checked to render the tools before any weight
-    loads; None (the trainer loads it) when the recipe sets no template and names no tools."""
+    loads: `tool_schemas` are those of every tool an episode may be offered, the environments' methods included
+    (`RunPlan.tool_schemas`, from the check's own environment objects, already closed). None (the trainer loads it)
+    when the recipe sets no template and its episodes offer no tools."""
     template = model.chat_template_text()
-    if template is None and not tools:
+    if template is None and not tool_schemas:
         return None
     from transformers import AutoTokenizer
 
     from grpo.generation.episodes import check_template_renders_tools
-    from grpo.generation.tools import Toolbox
     from grpo.models import SMOLLM2_NAME, smollm2_path
 
     path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
@@ -192,7 +193,7 @@ def _tokenizer(model, tools: list, args):
     if template is not None:
         tokenizer.chat_template = template
     try:
-        check_template_renders_tools(tokenizer, Toolbox(tools).schemas(), args.chat_template_kwargs)
+        check_template_renders_tools(tokenizer, tool_schemas, args.chat_template_kwargs)
     except InputError as e:
         raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
     return tokenizer
@@ -210,9 +211,11 @@ def _build_trainer(plan):
             args=plan.args,
             train_dataset=plan.train_data,
             eval_dataset=plan.held_out,
-            processing_class=_tokenizer(recipe.model, plan.tools, plan.args),
+            processing_class=_tokenizer(recipe.model, plan.tool_schemas, plan.args),
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
+            environment_factory=plan.environment,
+            agent_func=plan.agent_func,
         )
     except (OSError, ConnectionError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):
@@ -281,6 +284,8 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     trainer.save_state()
     if main:
         _report(trainer, plan, before, after, samples_before, samples_after)
+    if trainer.agent is not None:  # the environment objects that the evaluation after training made
+        trainer.agent.close()
     return {"before": before or {}, "after": after}
 
 

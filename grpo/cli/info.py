@@ -21,6 +21,12 @@ SECTION_HELP = {
     "run": "what grpo train does around training",
     "peft": "LoRA settings; absent means full fine-tuning",
     "tools": "a list of 'module:function' tools: each row becomes a multi-turn episode",
+    "environment": "'module:attr' of an environment class or zero-argument factory (GRPOTrainer's "
+    "environment_factory), or {name: 'module:attr', ...}, rows picking one by their `environment` column",
+    "verifiers": "a verifiers environment, 'module:function' or an installed id, or {env, args, per_function}: its "
+    "rollouts, rubric and data set (from_verifiers)",
+    "agent": "'module:function' of an agent function f(row, endpoint) that calls the trainer's OpenAI-compatible "
+    "endpoint itself (GRPOTrainer's agent_func)",
 }
 # Packages a bug report needs the version of; absent ones are said to be absent.
 PACKAGES = ("grpo", "torch", "transformers", "accelerate", "datasets", "peft", "vllm", "deepspeed", "trl")

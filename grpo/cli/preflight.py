@@ -11,8 +11,9 @@ weight, each raised as a `RecipeError` (one line, exit status 2), and what the r
      earlier run in it unless resuming; the file-size limit (`ulimit -f`) leaves room for the weights;
   4. the model: a local folder, the offline SmolLM2, or a well-formed hub id that is cached when the hub is off;
      `report_to` names trackers that are installed;
-  5. the data and the rewards: loaded and imported (no weights), then the checks `GRPOTrainer` runs before it loads
-     the policy (columns, batch arithmetic, reward signatures and weights).
+  5. the data, the rewards, the tools and the environment: loaded and imported (no weights), then the checks
+     `GRPOTrainer` runs before it loads the policy (columns, batch arithmetic, the tools' schemas, one object of each
+     environment made, checked and closed, reward signatures and weights).
 `describe_plan` is what `grpo check` prints; `run_summary` is what `grpo train` prints once the model is loaded.
 """
 
@@ -25,7 +26,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo.cli.recipe import Recipe, RecipeError, load_recipe, resolve_reward, resolve_tool
+from grpo.cli.recipe import (
+    Recipe,
+    RecipeError,
+    load_recipe,
+    resolve_agent,
+    resolve_environment,
+    resolve_reward,
+    resolve_tool,
+    resolve_verifiers,
+)
 from grpo.config import GRPOConfig
 from grpo.models import SMOLLM2_NAME, looks_local
 
@@ -52,7 +62,9 @@ TRACKERS = {
 @dataclasses.dataclass
 class RunPlan:
     """A validated recipe with what it loaded before any weight: the config, the checkpoint to resume from (None:
-    a fresh run), the prompts, the reward functions (reward models still as names) and the tools."""
+    a fresh run), the prompts, the reward functions (reward models still as names), the tools, the
+    `environment_factory` (None, a factory, or a dict of them) and the JSON schemas of every tool an episode may be
+    offered (the environments' methods included), for the chat template's check."""
 
     recipe: Recipe
     args: GRPOConfig
@@ -61,6 +73,9 @@ class RunPlan:
     held_out: Any
     reward_funcs: list
     tools: list
+    environment: Any = None
+    tool_schemas: list = dataclasses.field(default_factory=list)
+    agent_func: Any = None  # a verifiers environment's (`verifiers:`)
 
 
 def check_environment() -> None:
@@ -230,18 +245,19 @@ def check_report_to(report_to: list[str]) -> None:
 
 def check_trainer_inputs(plan: RunPlan) -> None:
     """5. The checks `GRPOTrainer.__init__` runs before it loads the policy, in its order, on the recipe's data,
-    rewards and tools: the data set's columns, the batch arithmetic, whether the reference may move, the tools'
-    schemas, and the rewards' signatures and weights (reward models are not loaded). Their ValueError and
-    TypeError become `RecipeError`s, message unchanged."""
+    rewards, tools and environment: the data set's columns, the batch arithmetic, whether the reference may move, the
+    tools' schemas and the environments (`make_toolbox` makes one object of each, which is closed here once its
+    tools are described: `plan.tool_schemas`), and the rewards' signatures and weights (reward models are not
+    loaded). Their ValueError and TypeError become `RecipeError`s, message unchanged."""
     from grpo.data import check_prompt_dataset, offline
     from grpo.data.sampler import train_sampler
-    from grpo.generation.tools import Toolbox
     from grpo.objective.reference import reference_moves
     from grpo.rewards.environments import with_environment_rewards
     from grpo.rewards.names import check_reward_funcs
     from grpo.rewards.stored import offline_rewards
 
     args = plan.args
+    toolbox = None
     try:
         stored = offline.offline_groups(plan.train_data, plan.held_out, args, plan.reward_funcs or None)
         train_data = stored if stored is not None else plan.train_data
@@ -249,13 +265,56 @@ def check_trainer_inputs(plan: RunPlan) -> None:
         check_prompt_dataset(plan.held_out, "eval_dataset")
         train_sampler(args, len(train_data), groups=stored is not None)
         reference_moves(args, peft=plan.recipe.peft is not None)
-        toolbox = Toolbox(plan.tools) if plan.tools else None
+        toolbox = _probe_toolbox(plan)
+        plan.tool_schemas = toolbox.schemas() if toolbox is not None else []
         funcs, weights = with_environment_rewards(plan.reward_funcs or None, toolbox, args.reward_weights)
         funcs, _, weights = offline_rewards(stored, funcs, None, weights)
         if funcs:
             check_reward_funcs(funcs, None, weights)
     except (ValueError, TypeError) as e:
         raise RecipeError(str(e)) from e
+    finally:
+        if toolbox is not None:
+            toolbox.close()  # the probe objects: the trainer makes its own
+
+
+def _probe_toolbox(plan: RunPlan):
+    """The run's `Toolbox` (`make_toolbox`: None without tools or environment), as the trainer will build it; an
+    environment whose construction raises is one line naming the recipe's key (the traceback with --debug)."""
+    from grpo.generation.tools import ToolDefinitionError, make_toolbox
+
+    try:
+        return make_toolbox(plan.tools, plan.environment, plan.args)
+    except ToolDefinitionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's constructor (or its server) can fail in any way
+        raise RecipeError(
+            f"environment: making an object of {plan.recipe.environment} failed with {type(e).__name__}: {e}. Fix "
+            "the environment's constructor (or start the server it connects to); --debug shows the traceback."
+        ) from e
+
+
+def _check_environment_rows(plan: RunPlan) -> None:
+    """With a mapping of environments, every training and held-out row names one of them in its `environment`
+    column (the trainer would fail at the first round without)."""
+    names = plan.recipe.environment
+    if not isinstance(names, dict):
+        return
+    for label, data in (("training", plan.train_data), ("held-out", plan.held_out)):
+        if data is None or not len(data):
+            continue
+        if "environment" not in data.column_names:
+            raise RecipeError(
+                f"environment maps names to environments ({', '.join(names)}), but the {label} rows have no "
+                "`environment` column naming each row's one. Add that column to the data (or rename one with "
+                "`dataset.columns`), or name a single environment: `environment: module:attr`."
+            )
+        unknown = sorted({str(v) for v in data["environment"]} - set(names))
+        if unknown:
+            raise RecipeError(
+                f"The {label} rows' `environment` column holds {unknown}, not among the recipe's environments "
+                f"({', '.join(names)}). Add them to `environment:` or fix the rows."
+            )
 
 
 def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
@@ -281,25 +340,36 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
 
     from grpo.cli.datasets import load_prompt_datasets
 
+    search = [recipe.source.parent.resolve()] if recipe.source else []
+    made = resolve_verifiers(recipe.verifiers, search) or {}
     try:
-        train_data, held_out = load_prompt_datasets(recipe.dataset)
+        # Without a `dataset:` section, the verifiers environment's own (its held-out rows are not evaluated here).
+        train_data, held_out = (
+            load_prompt_datasets(recipe.dataset) if recipe.dataset is not None else (made["train_dataset"], None)
+        )
     except ConnectionError as e:  # a hub data set, not cached, with no network or HF_HUB_OFFLINE=1
         raise RecipeError(
             f"dataset.path {recipe.dataset.path!r} names a hub data set that could not be fetched ({e}). Download it "
             "where there is network (it is then cached), or give a local .jsonl/.json/.csv/.parquet file."
         ) from e
-    search = [recipe.source.parent.resolve()] if recipe.source else []
     reward_funcs = [resolve_reward(spec, search, args.trust_remote_code) for spec in recipe.rewards]
+    reward_funcs += made.get("reward_funcs", [])
+    if made.get("reward_weights") is not None and args.reward_weights is None:
+        args.reward_weights = made["reward_weights"]  # per_function: the rubric's weights
     for spec in recipe.rewards:
         if isinstance(spec.name, str) and ":" not in spec.name and "/" in spec.name:
             check_model_source(spec.name, what="reward model")
     tools = [resolve_tool(path, search) for path in recipe.tools]
-    if tools and len(train_data) and isinstance(train_data[0]["prompt"], str):
+    environment = resolve_environment(recipe.environment, search)
+    if (tools or environment) and len(train_data) and isinstance(train_data[0]["prompt"], str):
+        which = "tools need" if not environment else "environment needs" if not tools else "tools and environment need"
         raise RecipeError(
-            "The recipe's tools need conversational prompts (the chat template renders the tools); these are "
+            f"The recipe's {which} conversational prompts (the chat template renders the tools); these are "
             "strings. Set `dataset.chat: true` (or a `dataset.system_prompt`)."
         )
-    plan = RunPlan(recipe, args, resume, train_data, held_out, reward_funcs, tools)
+    plan = RunPlan(recipe, args, resume, train_data, held_out, reward_funcs, tools, environment)
+    plan.agent_func = made.get("agent_func") or resolve_agent(recipe.agent, search)
+    _check_environment_rows(plan)
     check_trainer_inputs(plan)
     return plan
 
@@ -333,8 +403,14 @@ def describe_plan(plan: RunPlan) -> str:
         f"{recipe.source or 'recipe'}: valid (no weights were loaded).",
         f"  model:        {recipe.model.name_or_path}" + (" + LoRA adapter" if recipe.peft else ""),
         f"  data:         {rows} training prompts{held_out}",
-        f"  rewards:      {', '.join(names) or 'the stored ones (offline data)'}",
+        f"  rewards:      {', '.join(names) or 'the stored ones (offline data)'}" if not recipe.verifiers else None,
+        f"  verifiers:    {recipe.verifiers['env']} (its rollouts, rubric: "
+        f"{', '.join(f.__name__ for f in plan.reward_funcs)}"
+        f"{'' if recipe.dataset is not None else ', data set'})"
+        if recipe.verifiers
+        else None,
         f"  tools:        {', '.join(recipe.tools)}" if recipe.tools else None,
+        f"  environment:  {_environment_line(plan)}" if recipe.environment else None,
         f"  steps:        {_steps(args, rows)}",
         f"  per step:     {completions // args.num_generations} prompts x G={args.num_generations} completions per "
         f"process, at most {args.max_completion_length} tokens each (prompts: {prompt_tokens} tokens at most)",
@@ -343,6 +419,15 @@ def describe_plan(plan: RunPlan) -> str:
         f"  output_dir:   {args.output_dir}" + (f" (resuming from {plan.resume})" if plan.resume else ""),
     ]
     return "\n".join(line for line in lines if line is not None)
+
+
+def _environment_line(plan: RunPlan) -> str:
+    """The recipe's environment(s) and the tools their objects offer, as `grpo check` prints them."""
+    spec = plan.recipe.environment
+    named = ", ".join(f"{name}={path}" for name, path in spec.items()) if isinstance(spec, dict) else spec
+    own = {getattr(tool, "__name__", "") for tool in plan.tools}  # the standalone tools, listed on their own line
+    offered = [s["function"]["name"] for s in plan.tool_schemas if s["function"]["name"] not in own]
+    return f"{named} (its tools: {', '.join(offered) or 'none'})"
 
 
 def run_summary(trainer, plan: RunPlan) -> str:

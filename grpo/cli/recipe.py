@@ -11,6 +11,13 @@ A recipe has these top-level keys (docs/recipes.md has the reference):
     run:      what `grpo train` does around `trainer.train()` (evaluation before/after, sample completions, plot)
     peft:     optional LoRA settings ({r: 16, lora_alpha: 32, target_modules: all-linear}): train an adapter only
     tools:    optional `module:function` paths of tool functions: each row becomes a multi-turn episode (docs/agents.md)
+    environment: optional `module:attr` of an environment class (or zero-argument factory), or `{name: module:attr}`
+              for several (rows pick one by their `environment` column): GRPOTrainer's `environment_factory`
+    verifiers: optional verifiers environment, `module:function` (its `load_environment`) or an installed environment's
+              id, or {env: ..., args: {...}, per_function: true}: its rollouts, rubric and data set (`from_verifiers`);
+              `dataset:` is then optional and `rewards:` must be empty
+    agent:    optional `module:function` of an agent function `f(row, endpoint)` that calls the trainer's
+              OpenAI-compatible endpoint itself (GRPOTrainer's `agent_func`); not beside tools, environment, verifiers
     anything else: a `GRPOConfig` field (learning_rate, num_generations, max_steps, ...)
 
 Command-line overrides (`--field value`, `--section.field value`) are applied on top of the file, with the value read
@@ -25,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import numbers
 import os
 import re
@@ -138,13 +146,19 @@ class PeftSection:
 @dataclasses.dataclass
 class Recipe:
     model: ModelSection
-    dataset: DatasetSection
+    dataset: DatasetSection | None  # None: the verifiers environment's own data set
     rewards: list[RewardSpec]
     run: RunSection
     config: dict[str, Any]  # GRPOConfig keyword arguments
     source: Path | None = None
     peft: PeftSection | None = None  # None: full fine-tuning
     tools: list[str] = dataclasses.field(default_factory=list)  # `module:function` paths (multi-turn episodes)
+    # `module:attr` of the environment_factory, or {name: module:attr} (rows routed by their `environment` column).
+    environment: str | dict[str, str] | None = None
+    # {env: `module:function` or an environment id, args: {...}, per_function: bool} of a verifiers environment.
+    verifiers: dict[str, Any] | None = None
+    # `module:function` of an agent function `f(row, endpoint)` (GRPOTrainer's `agent_func`).
+    agent: str | None = None
 
     def peft_config(self):
         """The `peft.LoraConfig` for `GRPOTrainer(peft_config=...)`, or None without a `peft:` section."""
@@ -166,7 +180,8 @@ class Recipe:
 
 
 _SECTIONS = {"model": ModelSection, "dataset": DatasetSection, "run": RunSection, "peft": PeftSection}
-_LISTS = ("rewards", "tools")  # top-level keys that hold lists, not GRPOConfig fields
+# Top-level keys that are neither sections nor GRPOConfig fields.
+_LISTS = ("rewards", "tools", "environment", "verifiers", "agent")
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -194,6 +209,8 @@ TRL_KEYS = {
     "lora_target_modules": "peft.target_modules",
     "lora_modules_to_save": "peft.modules_to_save",
     "use_rslora": "peft.use_rslora",
+    "environment_factory": "environment",  # GRPOTrainer's argument
+    "agent_func": "agent",  # GRPOTrainer's argument
 }
 
 
@@ -452,7 +469,8 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         rewards = [rewards]
     # No rewards is valid for a data set of scored completions (offline training, docs/offline.md); for prompts the
     # trainer refuses it before it loads the model.
-    dataset = _dataset_section(raw.get("dataset"))
+    verifiers = _verifiers(raw.get("verifiers"), raw)
+    dataset = None if verifiers is not None and raw.get("dataset") is None else _dataset_section(raw.get("dataset"))
     if "output_dir" not in config:
         stem = source.stem if source else "grpo"
         config["output_dir"] = os.path.join("outputs", stem)
@@ -466,6 +484,9 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
         # `peft: null` (or `--peft null`) turns LoRA off; `peft: {}` is LoRA with the defaults above.
         peft=_section(PeftSection, raw["peft"], "peft") if raw.get("peft") is not None else None,
         tools=_tools(raw.get("tools")),
+        environment=_environment(raw.get("environment")),
+        verifiers=verifiers,
+        agent=_agent(raw.get("agent"), raw),
     )
     if recipe.peft is not None:
         recipe.peft_config()  # a bad rank, dropout or bias fails here, before any model loads
@@ -511,20 +532,189 @@ def _tools(raw: Any) -> list[str]:
     return list(entries)
 
 
+def _import_attr(path: str, search_dirs: typing.Sequence[Path], what: str) -> Any:
+    """The attribute a `module:attr` path names (None when the module has no such attribute), the module imported
+    with the working directory and `search_dirs` on the import path, as rewards' `module:function` are."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = import_from_folders(module_name, search_dirs, what=what)
+    except InputError as e:
+        raise RecipeError(str(e)) from e
+    return getattr(module, attr, None)
+
+
 def resolve_tool(path: str, search_dirs: typing.Sequence[Path] = ()) -> Callable:
     """The function a `tools:` entry names, imported with the working directory and `search_dirs` (the recipe's
     folder) on the import path, as rewards' `module:function` are."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = import_from_folders(module_name, search_dirs, what=f"Tool '{path}'")
-    except InputError as e:
-        raise RecipeError(str(e)) from e
-    func = getattr(module, attr, None)
+    func = _import_attr(path, search_dirs, f"Tool '{path}'")
     if not callable(func):
+        module_name, _, attr = path.partition(":")
         raise RecipeError(
             f"Tool '{path}': module '{module_name}' has no function '{attr}'. Check the name: 'module:function'."
         )
     return func
+
+
+def _environment(raw: Any) -> str | dict[str, str] | None:
+    """The `environment:` key: one `module:attr` path, or a non-empty mapping of names to paths; checked for its form
+    here and imported by `resolve_environment`."""
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        if not raw:
+            raise RecipeError(
+                "environment: the mapping is empty. Name one environment ('my_env:Game'), or map names to them "
+                "({game: 'my_env:Game', maze: 'my_env:Maze'}), or leave the key out."
+            )
+        for name, path in raw.items():
+            if not isinstance(name, str) or not name:
+                raise RecipeError(
+                    f"environment: the name {name!r} ({type(name).__name__}) is not a string. Name each environment "
+                    f"with a word ({{game: 'my_env:Game'}}), the value the rows' `environment` column holds for it; "
+                    "quote it if YAML reads it as a number."
+                )
+            _check_environment_path(path, f"environment.{name}")
+        return dict(raw)
+    _check_environment_path(raw, "environment")
+    return raw
+
+
+def _verifiers(raw: Any, recipe: dict) -> dict[str, Any] | None:
+    """The `verifiers:` key, in its long form {env, args, per_function}; checked for its form here and loaded by
+    `resolve_verifiers`. It runs whole episodes and scores them itself, so `tools`, `environment` and `rewards` are
+    refused beside it."""
+    if raw is None:
+        return None
+    spec = {"env": raw} if isinstance(raw, str) else dict(raw) if isinstance(raw, dict) else None
+    unknown = sorted(set(spec or {}) - {"env", "args", "per_function"})
+    if spec is None or unknown or not isinstance(spec.get("env"), str) or not spec["env"]:
+        raise RecipeError(
+            f"verifiers: {raw!r} is not an environment. Give 'module:load_environment' (a .py file in the working "
+            "directory or the recipe's folder, or an installed package), an installed environment's id, or "
+            "{env: ..., args: {...}, per_function: true}" + (f"; unknown keys {unknown}." if unknown else ".")
+        )
+    if not isinstance(spec.setdefault("args", {}), dict):
+        raise RecipeError(f"verifiers.args must be a mapping of the environment's arguments, got {spec['args']!r}.")
+    if not isinstance(spec.setdefault("per_function", False), bool):
+        raise RecipeError(f"verifiers.per_function must be true or false, got {spec['per_function']!r}.")
+    beside = [key for key in ("tools", "environment", "rewards") if recipe.get(key)]
+    if beside:
+        raise RecipeError(
+            f"verifiers: the environment runs its own episodes and its rubric gives the rewards, so {beside} cannot "
+            "be given beside it. Remove them (add a reward function to the environment's rubric instead)."
+        )
+    return spec
+
+
+def _agent(raw: Any, recipe: dict) -> str | None:
+    """The `agent:` key, a `module:function` path, checked for its form here and imported by `resolve_agent`. The
+    agent runs whole episodes and calls its own tools, so `tools`, `environment` and `verifiers` are refused beside
+    it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not _TOOL_PATH.match(raw):
+        raise RecipeError(
+            f"agent: {raw!r} is not a 'module:function' path. Name the module (a .py file in the working directory or "
+            "the recipe's folder, or an installed package) and the agent function `f(row, endpoint)` in it, e.g. "
+            "'my_agent:solve'."
+        )
+    beside = [key for key in ("tools", "environment", "verifiers") if recipe.get(key)]
+    if beside:
+        raise RecipeError(
+            f"agent: the agent function runs whole episodes and calls its own tools, so {beside} cannot be given "
+            "beside it. Keep one way of running episodes."
+        )
+    return raw
+
+
+def resolve_agent(path: str | None, search_dirs: typing.Sequence[Path] = ()) -> Callable | None:
+    """The agent function an `agent:` key names, imported with `search_dirs` (the recipe's folder) on the import path;
+    the trainer checks that it takes (row, endpoint)."""
+    if path is None:
+        return None
+    function = _import_attr(path, search_dirs, f"agent '{path}'")
+    if function is None or not callable(function):
+        raise RecipeError(
+            f"agent '{path}': module '{path.partition(':')[0]}' has no function '{path.partition(':')[2]}'. Check "
+            "the name: 'module:function', the agent function `f(row, endpoint)`."
+        )
+    return function
+
+
+def resolve_verifiers(spec: dict[str, Any] | None, search_dirs: typing.Sequence[Path] = ()) -> dict | None:
+    """What `from_verifiers` gives `GRPOTrainer` (agent_func, reward_funcs, train_dataset, eval_dataset) for the
+    environment a `verifiers:` key names: `module:function` imported with `search_dirs` (the recipe's folder) on the
+    import path and called with `args`, or an id given to verifiers' `load_environment`."""
+    if spec is None:
+        return None
+    from grpo.generation.verifiers_env import from_verifiers, load_verifiers, rubric_weights
+
+    target, args = spec["env"], spec["args"]
+    try:
+        if _TOOL_PATH.match(target):
+            made = _import_attr(target, search_dirs, f"verifiers '{target}'")
+            if made is None:
+                raise RecipeError(f"verifiers '{target}': the module has no attribute '{target.partition(':')[2]}'.")
+            env = made(**args) if callable(made) else made
+        else:
+            env = load_verifiers(target, **args)
+        made = from_verifiers(env, per_function=spec["per_function"])
+        if spec["per_function"]:
+            made["reward_weights"] = rubric_weights(env)
+        return made
+    except RecipeError:
+        raise
+    except InputError as e:
+        raise RecipeError(f"verifiers: {e}") from e
+
+
+def _check_environment_path(path: Any, where: str) -> None:
+    if not isinstance(path, str) or not _TOOL_PATH.match(path):
+        raise RecipeError(
+            f"{where}: {path!r} is not a 'module:attr' path. Name the module (a .py file in the working directory "
+            "or the recipe's folder, or an installed package) and the environment class or zero-argument factory "
+            "in it, e.g. 'my_env:Game'; for several environments, map names to such paths."
+        )
+
+
+def resolve_environment(
+    spec: str | dict[str, str] | None, search_dirs: typing.Sequence[Path] = ()
+) -> Callable | dict[str, Callable] | None:
+    """The `environment_factory` an `environment:` key names (a dict of them for a mapping), each imported with the
+    working directory and `search_dirs` (the recipe's folder) on the import path. The object must be callable with
+    no argument: a class, a zero-argument function, or a class made by `openenv_environment(...)`."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {name: _environment_factory(path, search_dirs, f"environment.{name}") for name, path in spec.items()}
+    return _environment_factory(spec, search_dirs, "environment")
+
+
+def _environment_factory(path: str, search_dirs: typing.Sequence[Path], where: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    factory = _import_attr(path, search_dirs, f"{where} '{path}'")
+    if factory is None:
+        raise RecipeError(
+            f"{where} '{path}': module '{module_name}' has no attribute '{attr}'. Check the name: 'module:attr', "
+            "the environment class (or the zero-argument function that makes one)."
+        )
+    if not callable(factory):
+        raise RecipeError(
+            f"{where} '{path}' is not callable (a {type(factory).__name__} object): name the environment's "
+            "class (or a zero-argument function returning a new object), not one object of it; each episode needs "
+            "an object of its own."
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise RecipeError(
+            f"{where} '{path}' cannot be called without arguments ({e}): the trainer makes each environment object "
+            "with no argument. Give its arguments defaults, or name a zero-argument function that makes one "
+            "(functools.partial in the module works too)."
+        ) from e
+    except ValueError:  # no signature to read (a builtin): left to the call
+        pass
+    return factory
 
 
 def resolve_reward(

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo.generation.base import Completions, GenerationBackend, cut_at_eos
+from grpo.generation.base import Completions, GenerationBackend, cut_at_eos, limit_for
 from grpo.rollout import TokenBatch
 
 
@@ -129,12 +129,13 @@ class SharedEngine:
         with self.lock:
             return self.backend.generate(model, prompt_ids)
 
-    def generate_local(self, model: nn.Module, prompt_ids: list[list[int]]) -> tuple[Completions, int | None]:
+    def generate_local(self, model: nn.Module, prompt_ids: list[list[int]], **limit) -> tuple[Completions, int | None]:
         """This process's rows alone, with no collective call (the producer thread), and the weights version used.
-        Backends whose `generate` gathers across processes (the server backend) provide `generate_local`."""
+        Backends whose `generate` gathers across processes (the server backend) provide `generate_local`. `limit`:
+        an episode's turn's `max_new_tokens`, for a backend that takes it."""
         generate = getattr(self.backend, "generate_local", self.backend.generate)
         with self.lock:
-            return generate(model, prompt_ids), self.version
+            return generate(model, prompt_ids, **limit_for(generate, limit)), self.version
 
 
 class VersionedSampler:
@@ -142,10 +143,15 @@ class VersionedSampler:
 
     def __init__(self, engine: SharedEngine):
         self.engine = engine
-        self.version: int | None = None
+        # The weights the engine holds as the round starts: a round that never samples with it (a rollout_func
+        # with a sampler of its own) was made at this version.
+        self.version: int | None = engine.version
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
-        completions, self.version = self.engine.generate_local(model, prompt_ids)
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int | None = None
+    ) -> Completions:
+        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+        completions, self.version = self.engine.generate_local(model, prompt_ids, **limit)
         return completions
 
 
@@ -259,10 +265,12 @@ class PolicyCopyGeneration:
     def sync_weights(self, model: nn.Module, version: int) -> None:
         self.copy = copy_weights(model, self.copy)
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int | None = None
+    ) -> Completions:
         if self.copy is None:
             raise RuntimeError("call sync_weights before generate: the copy of the policy does not exist yet")
-        raw = self.sampler.generate(self.copy, prompt_ids)
+        raw = self.sampler.generate(self.copy, prompt_ids, max_new_tokens=max_new_tokens)
         if self.logprobs is None:
             return raw
         from grpo.data import pad

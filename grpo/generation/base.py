@@ -15,7 +15,8 @@ generators: those belong to the whole process, and a reward function, a tool or 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -29,7 +30,9 @@ class Completions(NamedTuple):
 
 class GenerationBackend(Protocol):
     def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
-        """Sample one completion per row of `prompt_ids` (each prompt's G copies are consecutive rows)."""
+        """Sample one completion per row of `prompt_ids` (each prompt's G copies are consecutive rows). A backend
+        whose `generate` also takes `max_new_tokens` (the built-in ones) is asked for no more than an episode's turn
+        has left of its budget (`limit_for`); any other samples up to its own length, and the turn is cut."""
         ...
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
@@ -94,6 +97,12 @@ class SamplingRNG:
         self.cpu.set_state(state["cpu"].cpu())
         if self.on_device is not None and "device" in state:
             self.on_device.set_state(state["device"].cpu())
+
+
+def limit_for(generate: Callable, limit: dict) -> dict:
+    """`limit` ({"max_new_tokens": n} or {}) when `generate` takes `max_new_tokens`, else {}: a backend of the user's,
+    or a test's, written to the plain `generate(model, prompt_ids)`, is called as it was written."""
+    return limit if "max_new_tokens" in inspect.signature(generate).parameters else {}
 
 
 def request_seed(rng: SamplingRNG | None) -> int:

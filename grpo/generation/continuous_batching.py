@@ -57,17 +57,23 @@ class ContinuousBatchingGeneration(TransformersGeneration):
         return self
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int | None = None
+    ) -> Completions:
+        """`max_new_tokens`: at most that many tokens per row (an episode's turn; None: `max_completion_length`)."""
         if not prompt_ids:
             return Completions([])
         from transformers.generation import ContinuousBatchingConfig
 
-        max_new = self.generation_config.max_new_tokens
+        generation_config = copy.deepcopy(self.generation_config)
+        if max_new_tokens is not None:
+            generation_config.max_new_tokens = min(max_new_tokens, generation_config.max_new_tokens)
+        max_new = generation_config.max_new_tokens
         config = ContinuousBatchingConfig(**round_settings(self.settings, prompt_ids, max_new, request_seed(self.rng)))
         was_training = model.training
         try:
             with self._drawing(model):
-                return Completions(run_requests(model, copy.deepcopy(self.generation_config), config, prompt_ids))
+                return Completions(run_requests(model, generation_config, config, prompt_ids))
         finally:
             model.train(was_training)  # the engine puts the model in eval mode and leaves it there
 

@@ -8,7 +8,8 @@ sampled (cut after the turn's first EOS); the ids of a tool answer are the chat 
 messages and the next generation prompt, tokenized once (`ToolTurnTokens`). Nothing is decoded and encoded again
 between turns, so what the loss trains on is what was sampled, whatever the tokenizer would make of the decoded text.
 `Rollout.sampled_mask` marks the policy's own tokens: tool answers are context only (no loss, no KL, no entropy, not
-in the length metrics), and the sampler's log-probs are 0 there.
+in the length metrics), and the sampler's log-probs are 0 there. `Rollout.turn_index` gives each completion token its
+policy turn (0, 1, ...; -1 on tool answers), for turn-level credit (docs/agents.md, "Turn-level credit").
 
 Each turn generates for every episode still going, in one backend call: turn k of an episode is conditioned on its
 prompt and everything before it. `model.generate` carries each row's KV cache from one turn to the next and prefills
@@ -25,9 +26,10 @@ import torch
 from torch import nn
 
 from grpo.data import InputError, encode_prompts
-from grpo.generation.base import cut_at_eos
+from grpo.generation.base import Completions, cut_at_eos, limit_for
 from grpo.generation.tool_calls import ParseFailure, ToolCall, resolve_parser
-from grpo.generation.tools import Episode, Toolbox, ToolCounts, ToolExecutor
+from grpo.generation.tool_executor import ToolCounts, ToolExecutor
+from grpo.generation.tools import Episode, Toolbox
 from grpo.rollout import Rollout
 
 # A ChatML chat template that renders tools in the Hermes format (tools as JSON schemas in the system turn, calls as
@@ -72,6 +74,7 @@ class EpisodeState:
     prompt_cut: bool = False  # the prompt was longer than max_prompt_length (cut on `truncation_side`)
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)  # per token: its policy turn (0, 1, ...), -1 on tool answers
     logprobs: list[float] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     turns: int = 0  # policy turns
@@ -121,15 +124,24 @@ class AgentLoop:
         self.toolbox, self.tokenizer, self.eos_token_ids, self.args = toolbox, tokenizer, list(eos_token_ids), args
         self.parser = resolve_parser(args.tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.executor = ToolExecutor(
-            timeout=args.tool_timeout, errors=args.tool_errors, max_workers=args.tool_num_workers
+            timeout=args.tool_timeout,
+            errors=args.tool_errors,
+            max_workers=args.tool_num_workers,
+            max_hung=args.tool_max_hung_calls,
         )
         self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids, args.chat_template_kwargs)
         check_template_renders_tools(tokenizer, toolbox.schemas(), args.chat_template_kwargs)
         if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt"), str):
             raise InputError(_STRING_PROMPT.format(prompt=dataset[0]["prompt"][:60]))
 
+    def give_back(self, columns: dict[str, list]) -> None:
+        """A scored round's environment objects (`columns["environments"]`) are free for the next episodes."""
+        self.toolbox.give_back(columns.get("environments", ()))
+
     def close(self) -> None:
+        """At the end of training: stop the tool executor and close every environment object (`Toolbox.close`)."""
         self.executor.close()
+        self.toolbox.close()
 
     def rollout(
         self, inputs: list[dict[str, Any]], backend, model: nn.Module, lockstep: Callable[[bool], bool] | None = None
@@ -147,7 +159,9 @@ class AgentLoop:
             if not going and lockstep is None:
                 break
             rows = going or states[:1]  # a process with nothing left generates a row it discards (lockstep)
-            raw = generate(model, [s.prompt_ids + s.ids for s in rows])
+            # No turn asks for more than the most any of its rows has left of its episode's budget.
+            left = max(self.args.max_completion_length - len(s.ids) for s in rows) if going else 1
+            raw = generate(model, [s.prompt_ids + s.ids for s in rows], left)
             if not going:
                 continue
             logprobs = raw.logprobs is not None
@@ -189,6 +203,7 @@ class AgentLoop:
         (ids,), (truncated,) = cut_at_eos([raw_ids], self.eos_token_ids, left)
         state.ids += ids
         state.sampled += [1] * len(ids)
+        state.turn_ids += [state.turns] * len(ids)
         state.logprobs += list(raw_logprobs[: len(ids)]) if raw_logprobs is not None else [0.0] * len(ids)
         state.turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -221,6 +236,7 @@ class AgentLoop:
                 continue
             state.ids += ids
             state.sampled += [0] * len(ids)
+            state.turn_ids += [-1] * len(ids)
             state.logprobs += [0.0] * len(ids)
             state.messages += messages
 
@@ -235,6 +251,7 @@ class AgentLoop:
             mask_truncated=self.args.mask_truncated_completions,
             sampling_logps=[s.logprobs for s in states] if logprobs else None,
             sampled_masks=[s.sampled for s in states],
+            turn_indices=[s.turn_ids for s in states],
         )
         rollout.episode_stats = episode_stats(states)
         rollout.prompt_truncated = torch.tensor([s.prompt_cut for s in states], dtype=torch.bool)
@@ -243,18 +260,27 @@ class AgentLoop:
         return rollout, columns
 
 
-def turn_sampler(backend) -> Callable:
-    """What samples the turns of this process's episodes in one round with `backend`: its `generate`, except for
+def turn_sampler(backend) -> Callable[[nn.Module, list[list[int]], int], Completions]:
+    """What samples the turns of this process's episodes in one round with `backend`, as `sample(model, contexts,
+    max_new_tokens)`: its `generate`, except for
     - a backend that can carry a batch's KV cache across turns (`model.generate`: `turns()`), whose turn sampler
       prefills only what each turn adds;
     - the vLLM server backend, whose `generate` gathers every process's rows as groups of G equal prompts (a first
       turn's shape, not a later one's); its `generate_local` sends this process's rows itself, with no collective
-      call. The server's prefix cache serves the contexts that earlier turns computed."""
+      call. The server's prefix cache serves the contexts that earlier turns computed.
+    `max_new_tokens` reaches a `generate` that takes it (`limit_for`); one that does not samples its own length."""
     from grpo.generation.vllm.server_backend import VLLMGeneration
 
     if hasattr(backend, "turns"):
-        return backend.turns().generate
-    return backend.generate_local if isinstance(backend, VLLMGeneration) else backend.generate
+        generate = backend.turns().generate
+    else:
+        generate = backend.generate_local if isinstance(backend, VLLMGeneration) else backend.generate
+    takes_limit = bool(limit_for(generate, {"max_new_tokens": 1}))
+
+    def sample(model: nn.Module, contexts: list[list[int]], max_new_tokens: int) -> Completions:
+        return generate(model, contexts, max_new_tokens=max_new_tokens) if takes_limit else generate(model, contexts)
+
+    return sample
 
 
 def make_agent(toolbox: Toolbox | None, tokenizer, eos_token_ids: Sequence[int], args, dataset=None):
@@ -264,7 +290,8 @@ def make_agent(toolbox: Toolbox | None, tokenizer, eos_token_ids: Sequence[int],
 
 
 def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
-    """This process's sums of `EPISODE_STATS` over its episodes, and their count (`episodes`)."""
+    """This process's sums of `EPISODE_STATS` over its episodes, their count (`episodes`), and the calls of unknown
+    tools (`unknown_tools`, also in `parse_failures`), which `tools/failure_frequency` counts as failed calls."""
     return {
         "episodes": float(len(states)),
         "turns": float(sum(s.turns for s in states)),
@@ -273,6 +300,7 @@ def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
         "tool_timeouts": float(sum(s.counts.timeouts for s in states)),
         "parse_failures": float(sum(s.counts.parse_failures for s in states)),
         "budget_cuts": float(sum(s.budget_cut for s in states)),
+        "unknown_tools": float(sum(s.counts.unknown_tools for s in states)),
     }
 
 

@@ -85,16 +85,24 @@ class TransformersGeneration:
         """Nothing to do: `generate` samples with the live model."""
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]], vision: list | None = None) -> Completions:
+    def generate(
+        self,
+        model: nn.Module,
+        prompt_ids: list[list[int]],
+        vision: list | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Completions:
         """`vision`: each row's vision inputs (vision-language models, grpo/data/vision.py); then every row is
         prefilled with its images, none shared, and the model's image placeholder tokens are never sampled (a
-        completion holding one would ask the log-prob passes for an image that is not there)."""
+        completion holding one would ask the log-prob passes for an image that is not there). `max_new_tokens`: at
+        most that many tokens per row (None: `max_completion_length`)."""
         input_ids, attention_mask = self.left_padded(model, prompt_ids)
+        limit = {"max_new_tokens": max_new_tokens}
         if vision is not None:
             inputs = vision_batch(vision, input_ids.shape[1], 0, input_ids.device)
-            sequences, _ = self.generate_from(model, input_ids, attention_mask, vision=inputs)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, vision=inputs, **limit)
         else:
-            sequences, _ = self.generate_from(model, input_ids, attention_mask, prompt_ids)
+            sequences, _ = self.generate_from(model, input_ids, attention_mask, prompt_ids, **limit)
         return Completions(sequences[:, input_ids.shape[1] :].tolist())
 
     def turns(self) -> CarriedTurns:
@@ -118,16 +126,21 @@ class TransformersGeneration:
         prompt_ids: list[list[int]] | None = None,
         cache: DynamicCache | None = None,
         vision: dict[str, torch.Tensor] | None = None,
+        max_new_tokens: int | None = None,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
         """`generate` from `input_ids` (B, T) (`generate` calls it for a batch of prompts, `CarriedTurns` for each
         turn), given a `cache` of its first columns or, with `prompt_ids`, sharing the prefill of identical prompts;
         `vision`: the model's vision keyword arguments (pixel values, ...), with which the model's image placeholder
-        tokens are suppressed. Returns the sequences (B, T + N) and the cache `generate` ended with (of
-        its first T + N - 1 columns: the last token sampled was never fed to the model)."""
+        tokens are suppressed; `max_new_tokens`: at most that many new tokens (None: the settings' length, the
+        `max_completion_length`). Returns the sequences (B, T + N) and the cache `generate` ended with (of its first
+        T + N - 1 columns: the last token sampled was never fed to the model)."""
         device = input_ids.device
         config = self.generation_config
-        if vision is not None:
+        if vision is not None or max_new_tokens is not None:
             config = copy.deepcopy(config)
+        if max_new_tokens is not None:
+            config.max_new_tokens = min(max_new_tokens, config.max_new_tokens)
+        if vision is not None:
             config.suppress_tokens = [*(config.suppress_tokens or []), *placeholder_token_ids(model.config)]
         was_training = model.training
         model.eval()  # no dropout while sampling, whatever `disable_dropout` says
@@ -251,14 +264,16 @@ class CarriedTurns:
         self.expected: list[list[int]] = []  # per row: its context and its sampled tokens up to their EOS
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, contexts: list[list[int]]) -> Completions:
+    def generate(self, model: nn.Module, contexts: list[list[int]], max_new_tokens: int | None = None) -> Completions:
+        """A turn of each context, of at most `max_new_tokens` tokens (None: `max_completion_length`)."""
         continued = self._continuation(contexts)
+        limit = {"max_new_tokens": max_new_tokens}
         if continued is None:
             input_ids, attention_mask = self.sampler.left_padded(model, contexts)
-            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, prompt_ids=contexts)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, contexts, **limit)
         else:
             input_ids, attention_mask, cache = continued
-            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, cache=cache)
+            sequences, cache = self.sampler.generate_from(model, input_ids, attention_mask, cache=cache, **limit)
         width = input_ids.shape[1]
         new = sequences[:, width:].tolist()
         # Only a dynamic cache of full-attention layers is carried: a static, sliding-window or recurrent cache does

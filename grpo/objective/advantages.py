@@ -1,6 +1,7 @@
 """Group-relative advantages as pure functions: each completion's reward against its group's (outcome rewards),
 each step's reward against its group's step rewards (process rewards), and the two mixed; with several reward
-functions, optionally each normalised on its own before they are summed (GDPO).
+functions, optionally each normalised on its own before they are summed (GDPO); and each turn of a multi-turn
+episode against the same turn of its group (turn-level credit, MT-GRPO).
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4)          scale_rewards="group" (DeepSeekMath)
 
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.objective.settings import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from grpo.objective.settings import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, TURN_ADVANTAGES
 
 
 def _group_view(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -232,3 +233,82 @@ def mixed_advantages(
             step_rewards[:, k], num_generations, scale_rewards, eps
         )
     return advantages
+
+
+def turn_returns(turn_rewards: torch.Tensor) -> torch.Tensor:
+    """Each turn's reward-to-go: the sum of the row's turn rewards from that turn on (undiscounted).
+
+        R_{i,n} = sum_{n' >= n, r_{i,n'} not NaN} r_{i,n'}
+
+    `turn_rewards` (B, N), NaN where a turn has no reward (or the row has fewer turns). Returns (B, N), NaN where
+    no turn from n on has a reward."""
+    scored = ~torch.isnan(turn_rewards)  # (B, N)
+    summed = torch.where(scored, turn_rewards, 0.0).flip(-1).cumsum(-1).flip(-1)
+    any_later = scored.flip(-1).cumsum(-1).flip(-1) > 0
+    return torch.where(any_later, summed, torch.nan)
+
+
+def turn_group_advantages(
+    turn_rewards: torch.Tensor,
+    num_generations: int | Sequence[int],
+    scheme: str = "mt_grpo",
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Group-relative advantages of each policy turn (MT-GRPO, arXiv:2505.11821): turn n of row i against turn n
+    of the other rows of its group.
+
+        v_{i,n}   = r_{i,n}                    scheme="mt_grpo": the turn's own reward
+                  = R_{i,n} (`turn_returns`)    scheme="reward_to_go": the rewards from turn n on
+        Â_{i,n} = (v_{i,n} - mean_j v_{j,n}) / (std_j v_{j,n} + eps)     j over the group's rows with a v_{j,n}
+
+    `turn_rewards` (B, N), each group's G rows consecutive, NaN where a turn has no reward. `scale_rewards` and the
+    rules as in `group_advantages`, column by column: a NaN gets 0, and a turn whose rewards are equal across the
+    group (or given for at most one row) gets 0 in every row, exactly. Returns (B, N)."""
+    if scheme not in TURN_ADVANTAGES:
+        raise ValueError(f"turn_advantage={scheme!r} is not one of {TURN_ADVANTAGES}")
+    values = turn_rewards if scheme == "mt_grpo" else turn_returns(turn_rewards)  # (B, N)
+    columns = [_outcome_advantages(values[:, n], num_generations, scale_rewards, eps) for n in range(values.shape[1])]
+    return torch.stack(columns, dim=1) if columns else torch.zeros_like(values)
+
+
+def turn_credit_advantages(
+    advantages: torch.Tensor,
+    turn_rewards: torch.Tensor,
+    turn_weights: torch.Tensor,
+    turn_index: torch.Tensor,
+    num_generations: int | Sequence[int],
+    scheme: str = "mt_grpo",
+    coef: float = 1.0,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Token advantages with turn-level credit: each policy token gets the episode's advantage plus its turn's.
+
+        r_{i,n}  = sum_{k: r^(k)_{i,n} not NaN} w_k * r^(k)_{i,n}      NaN when no turn function scored turn n
+        A_{i,t}  = A_i + coef * Â_{i,n(t)}                              n(t) = turn_index[i, t]; Â from
+                                                                       `turn_group_advantages(r, scheme)`
+
+    MT-GRPO's two-turn case: the first turn (a tool call) is scored, the second (the answer) is not; the tokens of
+    turn 1 get A_i + coef * Â_{i,1} and those of turn 2 get A_i. This is the form of the authors' released trainer
+    (outcome advantage plus `turn_advantage_coef`, default 1, times the turn advantage); the paper writes turn 1's
+    as Â^T + lambda * Â^O, the same at coef = lambda = 1. Here every turn may be scored, and a turn without a score
+    (or with equal scores across its group) gets A_i alone.
+
+    `advantages`: the episodes' advantages A, (B,) or (B, T) (`mixed_advantages`, with process rewards);
+    `turn_rewards` (B, K, N): turn function k's reward of policy turn n, NaN where none; `turn_weights` (K,);
+    `turn_index` (B, T) long: the policy turn of each completion token, -1 on tool answers and padding (which get
+    A_i: the loss masks them). Returns (B, T)."""
+    weights = turn_weights.to(turn_rewards).view(1, -1, 1)
+    scored = ~torch.isnan(turn_rewards).all(dim=1)  # (B, N)
+    combined = torch.where(scored, (turn_rewards * weights).nansum(dim=1), torch.nan)  # (B, N)
+    per_turn = turn_group_advantages(combined, num_generations, scheme, scale_rewards, eps)  # (B, N)
+    rows, width = turn_index.shape
+    if advantages.dim() == 2 and advantages.shape[1] != width:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and turn_index {tuple(turn_index.shape)} differ")
+    inside = (turn_index >= 0) & (turn_index < per_turn.shape[1])  # (B, T)
+    at = torch.where(inside, turn_index, 0)
+    gathered = per_turn.gather(1, at) if per_turn.shape[1] else per_turn.new_zeros(rows, width)
+    turn_term = torch.where(inside, gathered, 0.0)  # (B, T): Â of each token's turn, 0 off policy turns
+    base = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, width)
+    return base + coef * turn_term.to(base.dtype)

@@ -22,6 +22,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 # TRL's `multi_objective_aggregation` values: sum the weighted rewards, then normalise (GRPO); or normalise each reward
 # function within its group, then sum (GDPO).
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+# Turn-level credit (`GRPOConfig.turn_advantage`, advantages.py `turn_group_advantages`): each turn's own reward
+# against its group's (MT-GRPO, arXiv:2505.11821), or its rewards from that turn on.
+TURN_ADVANTAGES = ("mt_grpo", "reward_to_go")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -29,13 +32,26 @@ SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "se
 @dataclass(frozen=True)
 class AdvantageSettings:
     """`mixed_advantages`' settings: `scale_rewards` ("group", "batch", "none"), the `baseline` of a group of one
-    (offline data), and how several reward functions are combined (`aggregation`)."""
+    (offline data), and how several reward functions are combined (`aggregation`); turn-level credit's `turn_scheme`
+    (None: off) and `turn_coef` (`turn_credit_advantages`)."""
 
     scale_rewards: str = "group"
     baseline: float | None = None
     aggregation: str = "sum_then_normalize"
+    turn_scheme: str | None = None
+    turn_coef: float = 1.0
 
     def __post_init__(self):
+        if self.turn_scheme is not None and self.turn_scheme not in TURN_ADVANTAGES:
+            raise ValueError(
+                f"turn_advantage={self.turn_scheme!r} is not one of {TURN_ADVANTAGES} (or None, off): 'mt_grpo' "
+                "credits each turn's own reward, 'reward_to_go' its rewards from that turn on (docs/agents.md)."
+            )
+        if self.turn_scheme is None and self.turn_coef != 1.0:
+            raise ValueError(
+                f"turn_advantage_coef={self.turn_coef} weighs turn-level credit, which is off (turn_advantage=None). "
+                "Set turn_advantage='mt_grpo' (or 'reward_to_go'), or leave turn_advantage_coef at 1.0."
+            )
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or True/False).")
         if self.aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
@@ -52,7 +68,13 @@ class AdvantageSettings:
 
     @classmethod
     def from_config(cls, args) -> AdvantageSettings:
-        return cls(args.scale_rewards, args.offline_baseline, args.multi_objective_aggregation)
+        return cls(
+            args.scale_rewards,
+            args.offline_baseline,
+            args.multi_objective_aggregation,
+            args.turn_advantage,
+            args.turn_advantage_coef,
+        )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ The modules, by job:
   - runner.py: calling the functions (sync, async, threads, worker processes, timeouts, retries, `reward_errors`);
   - scoring.py: `RewardSet` and `score_rewards` (every function and reward model on a batch), `combine_rewards`;
   - process.py: process (step) rewards, `StepRewards` and `@process_reward`;
+  - turns.py: turn rewards of multi-turn episodes (`@turn_reward`, environments' `get_turn_rewards`);
+  - environments.py: an environment's `get_reward` as a reward function;
   - stored.py: offline training's stored reward as a reward function (`StoredReward`, `offline_rewards`);
   - sandbox/: running untrusted code against test cases (the verdict computed outside it) or tests, imported only
     when `code_execution` is built;

@@ -21,7 +21,8 @@ How the functions run (`run_reward_functions`):
     a function that calls `sys.exit()` or raises `KeyboardInterrupt` fails like one that raises `ValueError`, and
     cannot end the run; only a `KeyboardInterrupt` in the main thread passes through (that is the user's Ctrl-C);
   - every call gets its own deep copy of the per-row arguments (`completions`, `prompts`, the columns), so a
-    function that edits them in place changes nothing another function, a retry or the trainer sees.
+    function that edits them in place changes nothing another function, a retry or the trainer sees; the
+    episodes' `environments` are the exception, passed live (as in TRL).
 """
 
 from __future__ import annotations
@@ -85,9 +86,14 @@ def _rows(kwargs: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
 
 def _own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of one call, deep-copied, so that in-place edits stay with the call. `trainer_state` is shared
-    (read-only by contract, and large); a column whose values cannot be deep-copied gets a new list of them."""
+    (read-only by contract, and large). The `environments` are the live objects, in a list of the call's own (as
+    in TRL: a reward asks an environment for its state, and a copy of a client or a container handle is not the
+    environment). A column whose values cannot be deep-copied gets a new list of them."""
     copied = {}
     for key, value in kwargs.items():
+        if key == "environments":
+            copied[key] = list(value)
+            continue
         try:
             copied[key] = value if key == "trainer_state" else copy.deepcopy(value)
         except Exception:
@@ -138,7 +144,8 @@ class _Call(NamedTuple):
     start: int
     num_rows: int
     # checks what the function returned: (values, name, num_rows, offset) -> one value or None per row;
-    # `check_rewards` (numbers) for outcome functions, `check_step_rewards` (StepRewards) for process functions
+    # `check_rewards` (numbers) for outcome functions, `check_step_rewards` (StepRewards) for process functions,
+    # `check_turn_rewards` (a list per row) for turn functions
     check: Callable[[Any, str, int, int], list] = check_rewards
 
 

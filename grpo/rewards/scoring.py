@@ -10,8 +10,9 @@ A reward model is a `PreTrainedModel` with one output label (`AutoModelForSequen
 prompt and completion text, rendered with the chat template for conversational data, using its own tokenizer.
 
 A process reward function (`@process_reward`, grpo/rewards/process.py) is called the same way and returns a
-`StepRewards` (or None) per row instead of a number; `RewardSet` keeps the two kinds apart for the trainer and
-scores both in one pass (`RewardSet.score`, or `score_rewards` for the functions given as lists).
+`StepRewards` (or None) per row instead of a number; a turn reward function (`@turn_reward`, grpo/rewards/turns.py)
+returns a list with one number per policy turn of an episode. `RewardSet` keeps the kinds apart for the trainer and
+scores them all in one pass (`RewardSet.score`, or `score_rewards` for the functions given as lists).
 
 Rewards given as strings are resolved, and every check that needs no weights is made, in grpo/rewards/names.py; how
 the functions are called (async, threads, worker processes, `timeout`, `errors`) is grpo/rewards/runner.py.
@@ -33,18 +34,22 @@ from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 from grpo.rewards.names import distinct_names, load_reward_funcs, reward_name
 from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps, step_reward_sums
 from grpo.rewards.runner import check_rewards, run_reward_functions
+from grpo.rewards.turns import check_turn_rewards, is_turn_reward, lay_out_turns, policy_turns, turn_reward_sums
 
 
 class RewardScores(NamedTuple):
     # (B, K_outcome) float32, NaN where an outcome function returned None (or failed, under errors="skip")
     rewards: torch.Tensor
-    # per function, outcome functions first, then process functions: rows whose call failed or timed out (always 0
-    # under errors="raise")
+    # per function, outcome functions first, then process functions, then turn functions: rows whose call failed or
+    # timed out (always 0 under errors="raise")
     errors: list[int]
     seconds: float  # wall-clock time of the whole scoring
     # (B, K_process, width) float32: each step's reward at its last token, NaN elsewhere (and on rows a process
     # function returned None for or failed on); (B, 0, width) without process functions
     step_rewards: torch.Tensor | None = None
+    # (B, K_turn, N) float32: turn function k's score of each row's policy turn n (N: the most turns of a row), NaN
+    # past a row's turns and where it gave none; (B, 0, N) without turn functions
+    turn_rewards: torch.Tensor | None = None
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -98,16 +103,17 @@ def score_with_model(
     return scores
 
 
-def _warn_unscored(rewards: torch.Tensor, step_rewards: torch.Tensor, any_failed: bool) -> None:
-    """Warn about rows that no function scored: no outcome value and no step reward. They get advantage 0."""
-    if rewards.shape[1] + step_rewards.shape[1] == 0:  # nothing was asked to score: nothing to warn about
+def _warn_unscored(rewards: torch.Tensor, step_rewards: torch.Tensor, turn_rewards: torch.Tensor, failed: bool):
+    """Warn about rows that no function scored: no outcome value, step reward or turn score. They get advantage 0."""
+    if rewards.shape[1] + step_rewards.shape[1] + turn_rewards.shape[1] == 0:  # nothing was asked to score
         return
     no_steps = torch.isnan(step_rewards).flatten(1).all(dim=1)  # (B,), True when K_process = 0
-    unscored = (torch.isnan(rewards).all(dim=1) & no_steps).nonzero().flatten().tolist()
+    no_turns = torch.isnan(turn_rewards).flatten(1).all(dim=1)  # (B,), True when K_turn = 0
+    unscored = (torch.isnan(rewards).all(dim=1) & no_steps & no_turns).nonzero().flatten().tolist()
     if unscored:
         warnings.warn(
             f"No reward function scored row(s) {unscored[:20]}{' ...' if len(unscored) > 20 else ''} of this batch "
-            f"({len(unscored)} of {rewards.shape[0]}): each returned None{' or failed' if any_failed else ''}. "
+            f"({len(unscored)} of {rewards.shape[0]}): each returned None{' or failed' if failed else ''}. "
             "These rows get advantage 0. Make sure at least one reward function applies to every row.",
             stacklevel=4,
         )
@@ -117,6 +123,7 @@ def score_rewards(
     outcome_funcs: Sequence[Callable | PreTrainedModel],
     outcome_tokenizers: Sequence[Any],
     process_funcs: Sequence[Callable],
+    turn_funcs: Sequence[Callable] = (),
     *,
     prompts: list,
     completions: list,
@@ -136,8 +143,9 @@ def score_rewards(
     tokenizers, aligned) and every process function, all called the same way (see grpo/rewards/runner.py for
     `errors`, `timeout`, `num_workers` and `worker_type`). Returns the (B, K_outcome) rewards, the
     (B, K_process, width) step rewards (`tokenizer`: the policy's, which maps `char_ends` to tokens; `width`: the
-    longest completion when None), the failed rows per function (outcome functions first) and the time taken.
-    Reward models render conversations with `chat_template_kwargs`."""
+    longest completion when None), the (B, K_turn, N) scores of each policy turn (`turn_funcs`; a row's turns are
+    its completion's assistant messages), the failed rows per function (outcome functions first) and the time
+    taken. Reward models render conversations with `chat_template_kwargs`."""
     if errors not in REWARD_ERRORS:
         raise ValueError(f"errors={errors!r} must be one of {REWARD_ERRORS}.")
     if worker_type not in REWARD_WORKER_TYPES:
@@ -145,15 +153,11 @@ def score_rewards(
     began = time.perf_counter()
     num_rows = len(prompts)
     width = max((len(ids) for ids in completion_ids), default=0) if width is None else width
-    available = {
-        **columns,
-        "prompts": prompts,
-        "completions": completions,
-        "completion_ids": completion_ids,
-        "trainer_state": trainer_state,
-    }
-    funcs = [*outcome_funcs, *process_funcs]
+    available = {**columns, "prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+    available["trainer_state"] = trainer_state
+    funcs = [*outcome_funcs, *process_funcs, *turn_funcs]
     checks = [check_rewards] * len(outcome_funcs) + [check_step_rewards] * len(process_funcs)
+    checks += [check_turn_rewards] * len(turn_funcs)
     values, failed = run_reward_functions(
         funcs, checks, available, errors=errors, timeout=timeout, num_workers=num_workers, worker_type=worker_type
     )
@@ -167,11 +171,12 @@ def score_rewards(
             rewards[:, k] = torch.tensor(scores)
         else:
             rewards[:, k] = torch.tensor([math.nan if v is None else v for v in values[k]], dtype=torch.float32)
-    process_values = values[len(outcome_funcs) :]
+    turns_start = len(funcs) - len(turn_funcs)  # values: outcome, then process, then turn functions
+    process_values = values[len(outcome_funcs) : turns_start]
     step_rewards = _step_rewards(process_funcs, process_values, completion_ids, completions, tokenizer, width)
-
-    _warn_unscored(rewards, step_rewards, any(failed))
-    return RewardScores(rewards, failed, time.perf_counter() - began, step_rewards)
+    turn_rewards = _turn_rewards(turn_funcs, values[turns_start:], completions)
+    _warn_unscored(rewards, step_rewards, turn_rewards, any(failed))
+    return RewardScores(rewards, failed, time.perf_counter() - began, step_rewards, turn_rewards)
 
 
 def _step_rewards(
@@ -191,16 +196,27 @@ def _step_rewards(
     return torch.stack(laid_out, dim=1) if laid_out else torch.empty(len(completion_ids), 0, width)
 
 
+def _turn_rewards(turn_funcs: Sequence[Callable], values: list, completions: list) -> torch.Tensor:
+    """The turn functions' results (`values`, aligned with them) per policy turn (`lay_out_turns`): (B, K_turn, N),
+    N the most turns of a row, NaN past a row's turns and where a function gave no score."""
+    counts = [policy_turns(c) for c in completions]
+    most = max(counts, default=0)
+    laid_out = [lay_out_turns(v, counts, most, reward_name(f)) for f, v in zip(turn_funcs, values)]
+    return torch.stack(laid_out, dim=1) if laid_out else torch.empty(len(completions), 0, most)
+
+
 class RewardSet:
     """The trainer's reward functions, built once: names, signatures and weights checked before any reward model
     loads, then rewards given as strings resolved and reward-model tokenizers loaded (`load_reward_funcs`), and the
-    functions split by kind, since outcome and process functions give different advantages (grpo/objective/loss.py
-    `mixed_advantages`) but are called the same way (`score`).
+    functions split by kind, since outcome, process and turn functions give different advantages
+    (grpo/objective/advantages.py) but are called the same way (`score`).
 
-    Attributes: `names` (outcome functions first, then process functions: the order of the reward columns in
-    metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward functions and reward
-    models, with the models' tokenizers; a caller may replace the models, e.g. with ones prepared for its devices),
-    `outcome_weights` and `process_weights` (float32 tensors) and `process_funcs` (`@process_reward` functions)."""
+    Attributes: `names` (outcome functions first, then process functions, then turn functions: the order of the
+    reward columns in metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward
+    functions and reward models, with the models' tokenizers; a caller may replace the models, e.g. with ones
+    prepared for its devices), `outcome_weights`, `process_weights` and `turn_weights` (float32 tensors),
+    `process_funcs` (`@process_reward` functions) and `turn_funcs` (`@turn_reward` ones and environments'
+    `get_turn_rewards`)."""
 
     def __init__(
         self,
@@ -213,27 +229,41 @@ class RewardSet:
             reward_funcs, reward_processing_classes, reward_weights, trust_remote_code
         )
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
-        is_process = [is_process_reward(f) for f in funcs]
-        self.outcome_funcs = [f for f, p in zip(funcs, is_process) if not p]
-        self.outcome_tokenizers = [t for t, p in zip(tokenizers, is_process) if not p]
-        self.outcome_weights = torch.tensor([w for w, p in zip(weights, is_process) if not p], dtype=torch.float32)
-        self.process_funcs = [f for f, p in zip(funcs, is_process) if p]
-        self.process_weights = torch.tensor([w for w, p in zip(weights, is_process) if p], dtype=torch.float32)
+        kinds = ["process" if is_process_reward(f) else "turn" if is_turn_reward(f) else "outcome" for f in funcs]
+        self.outcome_funcs = [f for f, k in zip(funcs, kinds) if k == "outcome"]
+        self.outcome_tokenizers = [t for t, k in zip(tokenizers, kinds) if k == "outcome"]
+        self.process_funcs = [f for f, k in zip(funcs, kinds) if k == "process"]
+        self.turn_funcs = [f for f, k in zip(funcs, kinds) if k == "turn"]
+        self.outcome_weights, self.process_weights, self.turn_weights = (
+            torch.tensor([w for w, k in zip(weights, kinds) if k == kind], dtype=torch.float32)
+            for kind in ("outcome", "process", "turn")
+        )
         # Two functions of one name get `<name>` and `<name>_2`: their metrics would otherwise merge.
-        self.names = distinct_names([reward_name(f) for f in [*self.outcome_funcs, *self.process_funcs]])
+        self.names = distinct_names(
+            [reward_name(f) for f in [*self.outcome_funcs, *self.process_funcs, *self.turn_funcs]]
+        )
 
     def score(self, **keywords) -> RewardScores:
         """Every function of the set on one batch, in one pass: `score_rewards` with this set's functions and the
         same keywords (prompts, completions, completion_ids, columns, trainer_state, tokenizer, width, errors,
-        timeout, num_workers, worker_type, model_batch_size, chat_template_kwargs). `rewards` is (B, K_outcome), `step_rewards`
-        (B, K_process, width) and `errors` has one count per function in `names` order."""
-        return score_rewards(self.outcome_funcs, self.outcome_tokenizers, self.process_funcs, **keywords)
+        timeout, num_workers, worker_type, model_batch_size, chat_template_kwargs). `rewards` is (B, K_outcome),
+        `step_rewards` (B, K_process, width), `turn_rewards` (B, K_turn, N) and `errors` has one count per function
+        in `names` order."""
+        return score_rewards(
+            self.outcome_funcs, self.outcome_tokenizers, self.process_funcs, self.turn_funcs, **keywords
+        )
 
-    def columns(self, rewards_per_func: torch.Tensor, step_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def columns(
+        self, rewards_per_func: torch.Tensor, step_rewards: torch.Tensor, turn_rewards: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, K) one reward column per function in `names` order (a process function's: the sum of its step
-        rewards, NaN without steps) and the combined reward of each row over every function that scored it."""
-        columns = torch.cat([rewards_per_func, step_reward_sums(step_rewards)], dim=1)
-        return columns, combine_rewards(columns, torch.cat([self.outcome_weights, self.process_weights]))
+        rewards, NaN without steps; a turn function's: the sum of its turn scores, NaN without any) and the combined
+        reward of each row over every function that scored it."""
+        if turn_rewards is None:
+            turn_rewards = rewards_per_func.new_empty(rewards_per_func.shape[0], len(self.turn_funcs), 0)
+        sums = [rewards_per_func, step_reward_sums(step_rewards), turn_reward_sums(turn_rewards)]
+        weights = torch.cat([self.outcome_weights, self.process_weights, self.turn_weights])
+        return torch.cat(sums, dim=1), combine_rewards(torch.cat(sums, dim=1), weights)
 
 
 def call_settings(args, mode: str) -> dict[str, Any]:

@@ -189,7 +189,7 @@ def add_reward_call_metrics(
 def round_samples(rollout, rewards, advantages: torch.Tensor, output_dir: str, is_main: bool) -> list[dict]:
     """`log_completions`: the records of a scored round's rows of every process (`sample_records`); a collective
     call. Rows that carry images (`log_multimodal`) get them saved under `output_dir` (logged_images.py)."""
-    columns, _ = rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+    columns, _ = rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
     prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
     images = None if rollout.images is None else save_logged_images(output_dir, rollout.images, is_main)
     return sample_records(prompts, completions, columns, advantages, images)
@@ -297,14 +297,16 @@ def add_episode_metrics(window: MetricsWindow, stats: dict[str, float], accelera
     """The tool metrics of a round of multi-turn episodes (grpo/generation/episodes.py), from this process's sums
     (`episode_stats`) summed over processes: per episode `tools/turns` (policy turns), `tools/call_frequency`,
     `tools/errors`, `tools/timeouts`, `tools/parse_failures` and `tools/budget_cut_ratio` (episodes whose tool
-    answers did not fit in max_completion_length); `tools/failure_frequency`, failed calls over calls (TRL's)."""
+    answers did not fit in max_completion_length); `tools/failure_frequency`, TRL's (errors + timeouts + unknown
+    tools) / (calls + unknown tools): TRL counts a call of an unknown tool as a failed call."""
     names = list(stats)
     totals = accelerator.reduce(torch.tensor([stats[n] for n in names], device=accelerator.device), reduction="sum")
     total = dict(zip(names, totals.tolist()))
     episodes = total.pop("episodes")
+    unknown = total.pop("unknown_tools", 0.0)  # counted in tools/parse_failures already
     renamed = {"tool_calls": "call_frequency", "tool_errors": "errors", "tool_timeouts": "timeouts"}
     for name, value in total.items():
         name = "budget_cut_ratio" if name == "budget_cuts" else renamed.get(name, name)
         window.add_mean(f"tools/{name}", value, episodes)
-    failed = total["tool_errors"] + total["tool_timeouts"]
-    window.add_mean("tools/failure_frequency", failed, max(total["tool_calls"], 1.0))
+    failed = total["tool_errors"] + total["tool_timeouts"] + unknown
+    window.add_mean("tools/failure_frequency", failed, max(total["tool_calls"] + unknown, 1.0))

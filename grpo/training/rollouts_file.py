@@ -24,7 +24,7 @@ def save_round(output_dir: str, accelerator, rollout: Rollout, rewards, step: in
     form offline training reads back: prompt, completion, reward (the combined reward), rewards (per function),
     truncated (cut off without EOS) and step (the optimizer step it was sampled at). Every process calls it; the
     main process writes. `rewards`: the run's `RewardSet`, which names the functions and combines their columns."""
-    columns, combined = rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+    columns, combined = rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
     prompts, completions = gather_object(rollout.prompts), gather_object(rollout.completions)
     truncated = gather_rows(accelerator, rollout.is_truncated).tolist()
     if not accelerator.is_main_process:

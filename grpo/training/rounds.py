@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.policy_weights import zero3_gathered_for_generation
 from grpo.models import unwrap_parallel
-from grpo.objective.advantages import mixed_advantages
+from grpo.objective.advantages import mixed_advantages, turn_credit_advantages
 from grpo.objective.loss import window_token_totals
 from grpo.objective.reference import reference_policy
 from grpo.objective.settings import ObjectiveSettings
@@ -43,6 +44,8 @@ from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.metrics import MetricsWindow
 from grpo.training.nonfinite import check_reward_spread, finite_rewards
 from grpo.training.rollouts_file import save_round
+
+logger = logging.getLogger(__name__)
 
 
 class RoundContext(NamedTuple):
@@ -93,6 +96,7 @@ class RoundMaker:
         self.num_tokens = 0  # prompt + completion tokens seen in training, all processes
         self.samples: list[dict] = []  # the latest round's completions, for `log_completions`
         self.warned_truncation = False  # prompts were cut to max_prompt_length and warned about
+        self.warned_extra_sequences = False  # an agent's extra sequences were dropped and warned about
         # With async_generation, rounds made ahead in a producer thread on a shared sampler (async_rounds.py).
         self.async_rounds = AsyncRounds(self) if args.async_generation else None
         # A sampler that holds something to release (a colocated vLLM engine, and the environment variables it set)
@@ -148,17 +152,25 @@ class RoundMaker:
 
     def local_scores(self, rollout: Rollout, columns: dict[str, list], mode: str | None, state: TrainerState):
         """Every reward function on this process's rows (`RewardSet.score`); no collective call, so the async
-        producer thread calls it too."""
-        return self.rewards.score(
-            prompts=rollout.prompts,
-            completions=rollout.completions,
-            completion_ids=rollout.completion_lists(),
-            columns=columns,
-            trainer_state=state,
-            tokenizer=self.tokenizer,
-            width=rollout.completion_ids.shape[1],
-            **call_settings(self.args, mode),
-        )
+        producer thread calls it too. The episodes' environment objects, which the rewards see live, are then free
+        for the next round's episodes."""
+        try:
+            scores = self.rewards.score(
+                prompts=rollout.prompts,
+                completions=rollout.completions,
+                completion_ids=rollout.completion_lists(),
+                columns=columns,
+                trainer_state=state,
+                tokenizer=self.tokenizer,
+                width=rollout.completion_ids.shape[1],
+                **call_settings(self.args, mode),
+            )
+            # agent_func's failed episodes (generation/agent_function.py) get agent_failure_reward.
+            score_failures = getattr(self.agent, "score_failures", None)
+            return scores if score_failures is None else score_failures(scores, columns)
+        finally:
+            if self.agent is not None:
+                self.agent.give_back(columns)
 
     def score_round(self, rollout: Rollout, columns, mode: str | None, state: TrainerState, scores=None) -> Rollout:
         """Step 4: every reward function on this process's rows (unless `scores` has them), then the rewards of
@@ -174,9 +186,20 @@ class RoundMaker:
         rewards = self.finite_rewards(scores.rewards.to(device), names, rollout.num_rows, global_step)
         # Step rewards: (B, K_p, T), padded to the longest completion of all processes before gathering.
         steps = self.accelerator.pad_across_processes(scores.step_rewards.to(device), dim=2, pad_index=torch.nan)
-        process_names = names[len(self.rewards.outcome_funcs) :]
-        steps = self.finite_rewards(steps, process_names, rollout.num_rows, global_step)
-        return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
+        kinds = len(self.rewards.outcome_funcs), len(self.rewards.process_funcs)
+        steps = self.finite_rewards(steps, names[kinds[0] : sum(kinds)], rollout.num_rows, global_step)
+        if rollout.turn_index is None:  # single-turn completions: nothing per turn
+            return replace(rollout, rewards_per_func=rewards, step_rewards=steps)
+        # Multi-turn episodes: each token's turn and each turn's scores, gathered like the step rewards (N: turns).
+        turns = self.accelerator.pad_across_processes(rollout.turn_index, dim=1, pad_index=-1)
+        turns = gather_rows(self.accelerator, turns, -1)
+        turn_rewards = self.accelerator.pad_across_processes(
+            scores.turn_rewards.to(device), dim=2, pad_index=torch.nan
+        )
+        turn_rewards = self.finite_rewards(turn_rewards, names[sum(kinds) :], rollout.num_rows, global_step)
+        return replace(
+            rollout, rewards_per_func=rewards, step_rewards=steps, turn_index=turns, turn_rewards=turn_rewards
+        )
 
     def finite_rewards(self, rewards: torch.Tensor, names: list[str], rows: int, step: int) -> torch.Tensor:
         """All processes' `rewards` (gathered) through `finite_rewards` (nonfinite.py), counting what it unscored."""
@@ -187,14 +210,15 @@ class RoundMaker:
         return rewards
 
     def advantages(self, rollout: Rollout, mode: str, step: int) -> torch.Tensor:
-        """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards."""
+        """Step 5: advantages of all processes' rows, (B_global,), or (B_global, T_global) with process rewards or
+        turn-level credit."""
         rewards = combine_rewards(rollout.rewards_per_func, self.rewards.outcome_weights)  # (B_global,)
         groups = rollout.groups(self.args.generations(mode))  # G, or each group's size (offline)
         check_reward_spread(rewards, groups, step)
         weights = self.rewards.process_weights.to(rewards.device)
         per_func = (rollout.rewards_per_func, self.rewards.outcome_weights.to(rewards.device))  # GDPO's inputs
         s = self.settings.advantages
-        return mixed_advantages(
+        advantages = mixed_advantages(
             rewards,
             rollout.step_rewards,
             weights,
@@ -203,6 +227,18 @@ class RoundMaker:
             baseline=s.baseline,
             aggregation=s.aggregation,
             per_func=per_func,
+        )
+        if s.turn_scheme is None or rollout.turn_rewards is None:
+            return advantages
+        return turn_credit_advantages(
+            advantages,
+            rollout.turn_rewards,
+            self.rewards.turn_weights.to(rewards.device),
+            rollout.turn_index,
+            groups,
+            s.turn_scheme,
+            s.turn_coef,
+            s.scale_rewards,
         )
 
     def dynamic_sampling(self, rollout: Rollout, context: RoundContext) -> Rollout:
@@ -239,21 +275,39 @@ class RoundMaker:
             advantages=local if local.dim() == 1 else local[:, : rollout.completion_ids.shape[1]],
             sampling_logps=rollout.sampling_logps if self.settings.loss.keeps_sampling_logps else None,
         )
-        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-        if self.settings.loss.beta != 0:
-            with torch.no_grad(), reference_policy(context.model, context.reference) as reference:
-                rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
         if args.log_completions and mode == "train":  # with log_multimodal, the prompts' images saved beside
             main = self.accelerator.is_main_process
             self.samples = metrics.round_samples(rollout, self.rewards, advantages, args.output_dir, main)
         if args.save_rollouts and mode == "train":  # to output_dir/rollouts.jsonl
             step = context.state.global_step
             save_round(args.output_dir, self.accelerator, rollout, self.rewards, step)
-        return replace(rollout, images=None)
+        rollout = self.with_extra_sequences(replace(rollout, images=None))
+        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        if self.settings.loss.beta != 0:
+            with torch.no_grad(), reference_policy(context.model, context.reference) as reference:
+                rollout.ref_logps, _ = self.logprobs(reference, rollout, batch_size=chunk)
+        return rollout
+
+    def with_extra_sequences(self, rollout: Rollout) -> Rollout:
+        """An agent's episodes with several trained sequences (agent_function.py): the extra ones become rows of
+        their own, with their episode's advantage. Per-token advantages (process rewards, turn-level credit) belong
+        to each row's own tokens, so there the extra sequences are not trained, and a warning says so once."""
+        if rollout.extra_sequences is None:
+            return rollout
+        if rollout.advantages.dim() == 2:
+            if not self.warned_extra_sequences and any(rollout.extra_sequences):
+                self.warned_extra_sequences = True
+                logger.warning(
+                    "Some agent episodes have several trained sequences (the agent edited its history), but the "
+                    "advantages are per token (process rewards or turn_advantage), which only the first sequence "
+                    "has: the others are not trained. Keep the agent's history growing, or use outcome rewards."
+                )
+            return replace(rollout, extra_sequences=None)
+        return rollout.with_extra_sequences(self.tokenizer.pad_token_id, self.args.mask_truncated_completions)
 
     def record_metrics(self, mode: str, rollout: Rollout) -> None:
         """Metrics of one generation round, over the rows of all processes (metrics.py)."""
-        columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards)
+        columns, rewards = self.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
         lengths = gather_rows(self.accelerator, rollout.sampled_mask.sum(dim=1))  # (B_global,) policy tokens
         truncated = gather_rows(self.accelerator, rollout.is_truncated)
         window, groups = self.metric_windows[mode], rollout.groups(self.args.generations(mode))
@@ -308,8 +362,9 @@ class RoundMaker:
         self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
 
     def close(self) -> None:
-        """At the end of training: stop the producer thread and close the agent's tool executor. The sampler stays:
-        evaluation after `train()` samples with it (its own `close` runs when the round maker is collected)."""
+        """At the end of training: stop the producer thread, then close the agent's tool executor and environments
+        (evaluation after `train()` makes new ones). The sampler stays: evaluation after `train()` samples with it
+        (its own `close` runs when the round maker is collected)."""
         if self.async_rounds is not None:
             self.async_rounds.close()
         if self.agent is not None:

@@ -18,7 +18,8 @@ from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
 from grpo.data.sampler import check_dataset_sizes
 from grpo.data.vision import check_vision_run, has_images, text_tokenizer
 from grpo.generation.episodes import make_agent
-from grpo.generation.tools import Toolbox
+from grpo.generation.rollout_function import check_episodes, make_function_agent
+from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
 from grpo.objective import old_policy
 from grpo.objective.logprobs import LogProbs
@@ -29,6 +30,7 @@ from grpo.objective.step_loss import StepContext, StepLoss
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet
 from grpo.rewards.stored import offline_rewards
+from grpo.rewards.turns import check_turn_credit
 from grpo.rollout import MicroBatch
 from grpo.training import checkpoints, hub_log, metrics
 from grpo.training.checkpoints import ResumableTrainer
@@ -51,11 +53,11 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
          (`self.rounds`, grpo/training/rounds.py), step 8 the step loss's (`self.step_loss`, objective/step_loss.py).
       2. Generate one completion per row (`self.rounds.generation`).
       3. Cut each completion after its first EOS; flag the truncated ones.
-      4. Score every completion with every reward function (process functions: step rewards); gather rewards
+      4. Score every completion with every reward function (process: step rewards; turn: turn scores); gather rewards
          from all processes. With `dynamic_sampling`, replace zero-advantage groups from extra rounds (4b).
          With `async_generation`, the next round's steps 2-4 on this process run in a producer thread while this one
          trains (grpo/training/async_rounds.py); the rewards are gathered when the trainer takes the round.
-      5. Group advantages over the gathered rewards (per token with process rewards); keep this process's rows.
+      5. Group advantages over the gathered rewards (per token with process rewards or turn credit); keep own rows.
       6. pi_old: a micro-batch trained before its round's first optimizer step has it in its own training pass
          (old = logp.detach(), kept for replays); the others get old log-probs from a pass before any update.
       7. Reference log-probs, only when beta != 0.
@@ -82,6 +84,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             policy (beta != 0) is the same network with the adapter disabled, not a copy (docs/peft.md).
         tools, environment_factory: multi-turn episodes: the functions the model may call, or a factory of
             environments whose methods are its tools (docs/agents.md).
+        agent_func: any agent, run unchanged: `f(row, endpoint)` (sync or async) calls the trainer's OpenAI-compatible
+            endpoint and returns a dict of columns for the rewards, or None (docs/agents.md, "Any agent").
+        rollout_func: TRL's `f(prompts, trainer) -> dict` (prompt_ids, completion_ids, logprobs, optional env_mask,
+            extra fields for the rewards) makes each round itself (docs/agents.md, "TRL's rollout_func").
     """
 
     # compute_loss divides for gradient accumulation itself; Trainer must not divide again.
@@ -101,6 +107,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         peft_config=None,
         tools: list[Callable] | None = None,
         environment_factory=None,
+        agent_func: Callable | None = None,
+        rollout_func: Callable | None = None,
     ):
         model = source = os.fspath(model) if isinstance(model, os.PathLike) else model
         args = GRPOConfig.for_model(model) if args is None else args
@@ -110,7 +118,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.settings = args.stage_settings()  # the objective's typed settings, checked (objective/settings.py)
         # 1. Everything that needs no weights, then the rewards (reward models named by path load here).
         reference_moves(args, peft=peft_config is not None or is_peft_model(model))  # a PEFT reference cannot move
-        episodes = (tools, environment_factory)
+        episodes = (tools, environment_factory, agent_func, rollout_func)
         train_dataset = self._before_weights(
             args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset, processing_class, episodes
         )
@@ -120,7 +128,9 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         )
         self.tokenizer = tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
         check_prompt_lengths(tokenizer, model.config, args, train_dataset, eval_dataset)  # room to complete
-        self.agent = make_agent(self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset)
+        self.agent = make_function_agent(episodes, self, tokenizer, self.eos_token_ids, args) or make_agent(
+            self.toolbox, tokenizer, self.eos_token_ids, args, train_dataset
+        )
         self.ref_model, self._reference_moves = make_reference(model, args, source)  # pi_ref (objective/reference.py)
         layout = forward_layout(args, model, announce=args.process_index == 0)  # padding-free, shared prompt
         router_coef = router_aux_coef(model.config, args.router_aux_loss_coef)  # a MoE router's loss, checked
@@ -155,14 +165,16 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
         check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
-        tools, environment_factory = episodes
-        check_vision_run(args, processing_class, self.vision, tools or environment_factory, self.offline_data)
+        check_episodes(*episodes, vision=self.vision, offline=self.offline_data)  # each alone, callable, on its data
+        check_vision_run(args, processing_class, self.vision, episodes[0] or episodes[1], self.offline_data)
         # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
-        self.toolbox = Toolbox(tools or (), environment_factory) if tools or environment_factory else None
-        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights)
+        self.toolbox = make_toolbox(*episodes[:2], args)
+        turn_credit = args.turn_advantage is not None  # environments' get_turn_rewards score each turn too
+        reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights, turn_credit)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
+        check_turn_credit(args.turn_advantage, self.toolbox, self.rewards.turn_funcs)
         return train_dataset
 
     def _on_the_accelerator(self, layout: tuple[bool, bool], router_coef: float, processing_class, train_dataset):
@@ -210,9 +222,12 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
     def generation(self, backend) -> None:
         self.rounds.generation = backend
 
+    num_generations = property(lambda self: self.args.num_generations)  # TRL's G, which rollout functions read
+    num_generations_eval = property(lambda self: self.args.eval_generations)  # G in evaluation
+
     @property
     def reward_names(self) -> list[str]:
-        """The reward functions' names: outcome functions first, then process functions (the metric columns)."""
+        """The reward functions' names: outcome, then process, then turn functions (the metric columns)."""
         return self.rewards.names
 
     @property
@@ -241,9 +256,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         args, schedule, rounds = self.args, self.step_schedule, self.rounds
         if not self._buffer:  # first call; after a resume only when the checkpoint held no buffer (another trainer's)
             self._step = schedule.first_micro_step(self.state.global_step)
-        if (
-            rounds.async_rounds is not None
-        ):  # the sampler gets the weights of every optimizer step, not only at a round
+        if rounds.async_rounds is not None:  # the sampler gets every optimizer step's weights, not only a round's
             rounds.sync_weights(self.model, self.state.global_step)
         if not self._buffer or self._step % args.micro_steps_per_round == 0:
             self._buffer = rounds.micro_batches(rounds.make(inputs, "train", self.round_context()), "train")

@@ -8,7 +8,7 @@ import json
 
 from datasets import Dataset
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, turn_reward
 from grpo.generation import Completions
 from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.testing import tiny_model, tiny_tokenizer
@@ -48,17 +48,20 @@ class ScriptedTurns:
     """A sampler that answers every context with script[k] + EOS, k = the tool answers already in the context. At the
     first turn row r of a call takes `scripts[(offset + r) % len(scripts)]` (`offset`: the global index of this
     process's first row), so the rows of a group can differ; later turns go on with the script whose first turn the
-    context holds. `calls` records the prompt ids of every call."""
+    context holds. `calls` records the prompt ids of every call, `limits` the `max_new_tokens` it was asked for (the
+    turns are short enough never to need cutting)."""
 
     def __init__(self, tokenizer, scripts=(SCRIPT,), offset=0):
         self.tokenizer, self.scripts, self.offset = tokenizer, list(scripts), offset
         self.calls: list[list[list[int]]] = []
+        self.limits: list[int | None] = []
 
     def sync_weights(self, model, version):
         pass
 
-    def generate(self, model, prompt_ids):
+    def generate(self, model, prompt_ids, max_new_tokens=None):
         self.calls.append([list(p) for p in prompt_ids])
+        self.limits.append(max_new_tokens)
         out = []
         for r, ids in enumerate(prompt_ids):
             context = self.tokenizer.decode(ids)
@@ -71,6 +74,12 @@ class ScriptedTurns:
             turn = script[min(answers, len(script) - 1)]
             out.append(self.tokenizer(turn, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
         return Completions(out)
+
+
+def turn_starts(rollout, row: int) -> list[int]:
+    """Where each policy turn of episode `row` starts in its completion: at 0, and after each tool answer."""
+    sampled = rollout.sampled_mask[row].tolist()
+    return [0] + [i for i in range(1, len(sampled)) if sampled[i] and not sampled[i - 1]]
 
 
 def tool_tokenizer():
@@ -88,6 +97,12 @@ def chat_prompts(n: int) -> Dataset:
 
 def reward_25(prompts, completions, **kwargs):
     return [float("25" in c[-1]["content"]) for c in completions]
+
+
+@turn_reward
+def tool_call_turns(completions, **kwargs):
+    """A turn score for turn-level credit: 1 for each assistant turn that calls a tool, 0 for one that does not."""
+    return [[float("tool_calls" in m) for m in c if m["role"] == "assistant"] for c in completions]
 
 
 # One SGD step on episodes: G = 4, completions of up to three turns (byte tokens: long), prompts kept whole.
@@ -109,16 +124,17 @@ AGENT = dict(
 )
 
 
-def agent_step_update(output_dir, **config):
+def agent_step_update(output_dir, rewards=(reward_25,), **config):
     """(parameter update, trainer) after one plain-SGD step on the episodes of 4 prompts, whose rows take SCRIPT,
-    ONE_CALL or WRONG (three, two or one policy turns) by global row index. Rows 4-7 (the second process's in a
-    two-process run of 4 rows each) never take SCRIPT: that process runs out of episodes a turn before the first,
-    which must still generate with it (`lockstep`)."""
+    ONE_CALL or WRONG (three, two or one policy turns) by global row index, scored by `rewards`. Rows 4-7 (the
+    second process's in a two-process run of 4 rows each) never take SCRIPT: that process runs out of episodes a
+    turn before the first, which must still generate with it (`lockstep`), and its episodes have fewer turns to
+    score (turn-level credit)."""
     tokenizer = tool_tokenizer()
     args = GRPOConfig(output_dir=str(output_dir), **{**AGENT, **config})
     trainer = GRPOTrainer(
         tiny_model(tokenizer),
-        reward_25,
+        list(rewards),
         args=args,
         train_dataset=chat_prompts(4),
         processing_class=tokenizer,
@@ -168,3 +184,37 @@ def always_add(text, tool_names):
 def last_turn_length(prompts, completions, **kwargs):
     """A reward with a spread for random turns: the length of the episode's last policy turn."""
     return [float(len(c[-1]["content"])) for c in completions]
+
+
+def again_agent(row, endpoint):
+    """An agent program in plain HTTP (no client library): it asks, then says "Again." after the answer, so each
+    episode is two calls that merge into one trained sequence (the vLLM tier's endpoint tests)."""
+    import urllib.request
+
+    messages, answers = list(row["prompt"]), []
+    for _ in range(2):
+        request = urllib.request.Request(
+            endpoint.base_url + "/chat/completions",
+            data=json.dumps({"messages": messages, "max_tokens": 6}).encode(),
+            headers={"Authorization": f"Bearer {endpoint.api_key}"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            message = json.loads(response.read())["choices"][0]["message"]
+        answers.append(message["content"])
+        messages += [message, {"role": "user", "content": "Again."}]
+    return {"answers": answers}
+
+
+def talkative_agent_trainer(tmp_path, args: GRPOConfig) -> GRPOTrainer:
+    """A trainer of `args` whose episodes are `again_agent`'s, on the talkative tiny model (saved under `tmp_path`)
+    and 8 rows of two "Add i." conversations; the reward is the last answer's length (a spread for random turns)."""
+    tokenizer = tool_tokenizer()
+    path = save_talkative_model(tmp_path / "talkative", tokenizer)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Add {i}."}] for i in range(2)] * 4})
+    return GRPOTrainer(
+        str(path), answer_length, args=args, train_dataset=data, processing_class=tokenizer, agent_func=again_agent
+    )
+
+
+def answer_length(completions, answers, **kwargs):
+    return [float(len(a[-1] or "")) for a in answers]

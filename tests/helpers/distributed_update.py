@@ -14,7 +14,7 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
-from tests.helpers.agents import agent_step_update
+from tests.helpers.agents import agent_step_update, reward_25, tool_call_turns
 from tests.helpers.net import end_launched_process
 from tests.helpers.scripted import (
     TINY,
@@ -66,8 +66,9 @@ VARIANTS = {
 }
 
 # "agent": multi-turn episodes with tools whose rows take one to three turns (tests/helpers/agents.py), so the two
-# processes run different numbers of turns. "lora": run only where peft is installed.
-EXTRA = ("agent", "lora") if importlib.util.find_spec("peft") is not None else ("agent",)
+# processes run different numbers of turns; "agent_turns": the same with turn-level credit, whose turn indices and
+# turn scores are gathered from processes with different widths. "lora": run only where peft is installed.
+EXTRA = ("agent", "agent_turns", "lora") if importlib.util.find_spec("peft") is not None else ("agent", "agent_turns")
 
 
 def lora_config():
@@ -107,9 +108,14 @@ def one_step(name, per_device, accumulation, output_dir):
         update, trainer = lora_step_update(
             output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
         )
-    elif name == "agent":
+    elif name in ("agent", "agent_turns"):
+        turns = dict(rewards=(reward_25, tool_call_turns), turn_advantage="mt_grpo") if name == "agent_turns" else {}
         update, trainer = agent_step_update(
-            output_dir, beta=0.04, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation
+            output_dir,
+            beta=0.04,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            **turns,
         )
     else:
         settings = dict(loss_type=name) if name in LOSS_TYPES else VARIANTS[name]

@@ -277,11 +277,16 @@ class VLLMColocateGeneration:
         self.last_sync = {"seconds": time.perf_counter() - start}
 
     def generate(
-        self, model: nn.Module, prompt_ids: list[list[int]], images: ImagePrompts | None = None
+        self,
+        model: nn.Module,
+        prompt_ids: list[list[int]],
+        images: ImagePrompts | None = None,
+        max_new_tokens: int | None = None,
     ) -> Completions:
         """`images` (vision-language models): each row's images and its prompt with one placeholder per image,
         which vLLM expands against the images (into `prompt_ids`, which is checked); the image placeholder tokens
-        are never sampled (`placeholder_bias`)."""
+        are never sampled (`placeholder_bias`). `max_new_tokens`: at most that many tokens per row (an episode's
+        turn; None: `max_completion_length`)."""
         from vllm import SamplingParams
 
         if self.synced_version is None:
@@ -293,6 +298,8 @@ class VLLMColocateGeneration:
         # + r (vLLM gives the i-th of n samples seed + i).
         seed, start = request_seed(self.rng), 0
         settings = dict(self.sampling)
+        if max_new_tokens is not None:
+            settings["max_tokens"] = min(max_new_tokens, settings["max_tokens"])
         if self.regex is not None:
             settings["structured_outputs"] = structured_outputs(self.regex)
         if images is not None:

@@ -181,10 +181,16 @@ class VLLMGeneration:
         start = self.accelerator.process_index * len(prompt_ids)
         return Completions(ids[start : start + len(prompt_ids)], logprobs[start : start + len(prompt_ids)])
 
-    def generate_local(self, model: nn.Module, prompt_ids: list[list[int]]) -> Completions:
+    def generate_local(
+        self, model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int | None = None
+    ) -> Completions:
         """This process's rows, sent by this process itself, with no collective call (the async producer thread,
-        grpo/generation/async_engine.py). Each run of equal rows goes as one prompt with n = its length (a group split
-        between processes is two runs), one request per distinct length."""
+        grpo/generation/async_engine.py, and episodes' turns, at most `max_new_tokens` tokens each). Each run of
+        equal rows goes as one prompt with n = its length (a group split between processes is two runs), one
+        request per distinct length."""
+        sampling = dict(self.sampling)
+        if max_new_tokens is not None:
+            sampling["max_tokens"] = min(max_new_tokens, sampling["max_tokens"])
         runs = equal_runs(prompt_ids)
         by_count: dict[int, list[int]] = {}
         for i, (_, count) in enumerate(runs):
@@ -192,7 +198,7 @@ class VLLMGeneration:
         seed = request_seed(self.rng)
         samples: list = [None] * len(runs)  # per run: (its completion ids, their log-probs)
         for k, (count, members) in enumerate(by_count.items()):
-            reply = self.client.generate([runs[i][0] for i in members], n=count, seed=seed + k, **self.sampling)
+            reply = self.client.generate([runs[i][0] for i in members], n=count, seed=seed + k, **sampling)
             self._check_version(reply)
             for j, i in enumerate(members):
                 rows = slice(j * count, (j + 1) * count)
