@@ -11,6 +11,8 @@ import random
 import re
 from pathlib import Path
 
+from grpo import turn_reward
+
 ROWS = Path(__file__).with_suffix(".jsonl")
 
 
@@ -53,6 +55,26 @@ def final_answer(completions, answer, **kwargs):
         numbers = re.findall(r"-?\d+", last["content"]) if answered else []
         rewards.append(float(bool(numbers) and numbers[-1] == str(gold).strip()))
     return rewards
+
+
+@turn_reward
+def right_steps(prompts, completions, **kwargs):
+    """Turn-level credit (`turn_advantage`): per policy turn, 1.0 when it is the right step of the plan, else 0.0:
+    turn 1 calls `multiply(a, b)`, turn 2 calls `add(a * b, c)`, turn 3 calls nothing. The episode's answer is paid by
+    `final_answer`; these say which turn went wrong when it is not."""
+    out = []
+    for prompt, completion in zip(prompts, completions):
+        question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        a, b, c = (int(n) for n in re.findall(r"\d+", question)[-3:])
+        wanted = [("multiply", {"a": a, "b": b}), ("add", {"a": a * b, "b": c}), None]
+        turns = [m for m in completion if m.get("role") == "assistant"]
+        scores = []
+        for k, turn in enumerate(turns):
+            calls = [(t["function"]["name"], t["function"]["arguments"]) for t in turn.get("tool_calls") or []]
+            goal = wanted[k] if k < len(wanted) else None
+            scores.append(float(calls == ([goal] if goal is not None else [])))
+        out.append(scores)
+    return out
 
 
 def rows(count: int = 432, seed: int = 0) -> list[dict]:
