@@ -203,7 +203,7 @@ class Rollout:
         for name, side in self._tensors(LOCAL):
             value = getattr(self, name)
             if side is not None:
-                fill = pad_token_id if name.endswith("_ids") else 0
+                fill = padding_value(name, pad_token_id)
                 value = accelerator.pad_across_processes(value, dim=1, pad_index=fill, pad_first=side == "left")
             out[name] = gather(value)
         return replace(self, **out)

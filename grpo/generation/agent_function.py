@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from grpo.data import RESERVED_COLUMNS, InputError, encode_prompts, is_conversational
-from grpo.generation.base import cut_at_eos
+from grpo.generation.base import cut_at_eos, policy_logprobs
 from grpo.generation.call_chains import Chain, Choice, assistant_message, for_template
 from grpo.generation.endpoint import MODEL_NAME, Call, ChatEndpoint, RequestError
 from grpo.generation.episodes import EPISODE_STATS, ToolTurnTokens, turn_sampler
@@ -385,11 +385,7 @@ class EndpointAgent:
         values = choice.logprobs
         if values is None and choice.ids:
             context = chain.prompt_ids + chain.ids
-            device = next(model.parameters()).device
-            inputs = torch.tensor([context + choice.ids], device=device)
-            logits = model(input_ids=inputs).logits[0, len(context) - 1 : -1].float() / self.sampling.temperature
-            picked = torch.tensor(choice.ids, device=device)[:, None]
-            values = logits.log_softmax(-1).gather(-1, picked)[:, 0].tolist()
+            (values,) = policy_logprobs(model, [context], [choice.ids], self.sampling.temperature)
         out = []
         for token, value in zip(choice.ids, values or []):
             text = self.tokenizer.decode([token])

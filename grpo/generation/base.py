@@ -139,3 +139,24 @@ def equal_runs(rows: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
         else:
             runs.append((list(row), 1))
     return runs
+
+
+@torch.no_grad()
+def policy_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], temperature: float):
+    """The log-prob of each completion token under `model` at `temperature`, one forward pass per row (a sampler
+    that reports none, such as `model.generate`): log softmax(logits / temperature) at the token, per row a list."""
+    device, was_training = next(model.parameters()).device, model.training
+    model.eval()  # no dropout: the log-probs of the policy that sampled
+    try:
+        out = []
+        for prompt, ids in zip(prompt_ids, completion_ids):
+            if not ids:
+                out.append([])
+                continue
+            inputs = torch.tensor([prompt + ids], device=device)
+            logits = model(input_ids=inputs).logits[0, len(prompt) - 1 : -1].float() / temperature  # (T, V)
+            picked = torch.tensor(ids, device=device)[:, None]
+            out.append(logits.log_softmax(-1).gather(-1, picked)[:, 0].tolist())
+        return out
+    finally:
+        model.train(was_training)

@@ -36,7 +36,7 @@ import torch
 
 from grpo.data import RESERVED_COLUMNS, InputError, decode_completions, encode_prompts, is_conversational
 from grpo.generation.agent_function import check_agent_func, make_endpoint_agent
-from grpo.generation.base import cut_at_eos
+from grpo.generation.base import cut_at_eos, policy_logprobs
 from grpo.generation.episodes import turn_sampler
 from grpo.generation.settings import SamplingSettings
 from grpo.rollout import Rollout
@@ -256,27 +256,6 @@ def generate_rollout_completions(
             "GRPOTrainer(..., rollout_func=f) and call the helper from f."
         )
     return agent.generate(prompts, as_chat)
-
-
-@torch.no_grad()
-def policy_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], temperature: float):
-    """The log-prob of each completion token under `model` at `temperature`, one forward pass per row (a sampler
-    that reports none, such as `model.generate`): log softmax(logits / temperature) at the token, per row a list."""
-    device, was_training = next(model.parameters()).device, model.training
-    model.eval()  # no dropout: the log-probs of the policy that sampled
-    try:
-        out = []
-        for prompt, ids in zip(prompt_ids, completion_ids):
-            if not ids:
-                out.append([])
-                continue
-            inputs = torch.tensor([prompt + ids], device=device)
-            logits = model(input_ids=inputs).logits[0, len(prompt) - 1 : -1].float() / temperature  # (T, V)
-            picked = torch.tensor(ids, device=device)[:, None]
-            out.append(logits.log_softmax(-1).gather(-1, picked)[:, 0].tolist())
-        return out
-    finally:
-        model.train(was_training)
 
 
 # ---- Checking what the function returned ----
