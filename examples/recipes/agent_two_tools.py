@@ -60,19 +60,36 @@ def final_answer(completions, answer, **kwargs):
 @turn_reward
 def right_steps(prompts, completions, **kwargs):
     """Turn-level credit (`turn_advantage`): per policy turn, 1.0 when it is the right step of the plan, else 0.0:
-    turn 1 calls `multiply(a, b)`, turn 2 calls `add(a * b, c)`, turn 3 calls nothing. The episode's answer is paid by
-    `final_answer`; these say which turn went wrong when it is not."""
+    turn 1 calls `multiply(a, b)`, turn 2 calls `add(a * b, c)`, turn 3 calls nothing and its last integer is
+    `a * b + c` (a turn cut off by the token budget in the middle of a call is not an answer). The episode's answer is
+    paid by `final_answer` too; these say which turn went wrong when it is not.
+
+    >>> prompt = [{"role": "user", "content": "Calculate 12 * 34 + 56."}]
+    >>> call = lambda name, a, b: {"role": "assistant", "content": "...", "tool_calls": [
+    ...     {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}]}
+    >>> right_steps([prompt] * 3, [
+    ...     [call("multiply", 12, 34), {"role": "tool", "content": "408"}, call("add", 408, 56),
+    ...      {"role": "tool", "content": "464"}, {"role": "assistant", "content": "408 + 56 = 464"}],
+    ...     [call("multiply", 12, 34), {"role": "tool", "content": "408"}, call("add", 408, 65),
+    ...      {"role": "tool", "content": "473"}, {"role": "assistant", "content": "408 + 65 = 473"}],
+    ...     [call("add", 12, 34), {"role": "tool", "content": "46"}, {"role": "assistant", "content": "408 + 56:\\n<tool"}],
+    ... ])
+    [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0]]
+    """
     out = []
     for prompt, completion in zip(prompts, completions):
         question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
         a, b, c = (int(n) for n in re.findall(r"\d+", question)[-3:])
-        wanted = [("multiply", {"a": a, "b": b}), ("add", {"a": a * b, "b": c}), None]
+        wanted = [[("multiply", {"a": a, "b": b})], [("add", {"a": a * b, "b": c})], []]
         turns = [m for m in completion if m.get("role") == "assistant"]
         scores = []
         for k, turn in enumerate(turns):
             calls = [(t["function"]["name"], t["function"]["arguments"]) for t in turn.get("tool_calls") or []]
-            goal = wanted[k] if k < len(wanted) else None
-            scores.append(float(calls == ([goal] if goal is not None else [])))
+            right = k < len(wanted) and calls == wanted[k]
+            if right and k == 2:  # the answer: no call, and the sum as its last number
+                numbers = re.findall(r"-?\d+", turn["content"])
+                right = bool(numbers) and int(numbers[-1]) == a * b + c
+            scores.append(float(right))
         out.append(scores)
     return out
 
