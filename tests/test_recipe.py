@@ -718,7 +718,7 @@ def test_two_tool_recipe_checks_and_pays_multiply_then_add(tmp_path, monkeypatch
     assert "400 training prompts, 32 held out" in out and "agent_two_tools:multiply, agent_two_tools:add" in out
     parsed = load_recipe(recipe)
     tools = [resolve_tool(path, [recipe.parent]) for path in parsed.tools]
-    reward = resolve_reward(parsed.rewards[0], [recipe.parent])
+    rewards = [resolve_reward(name, [recipe.parent]) for name in parsed.rewards]  # final_answer, right_steps
     generator = sys.modules["agent_two_tools"]
     rows = [json.loads(line) for line in (recipe.parent / "agent_two_tools.jsonl").read_text().splitlines()]
     assert rows == generator.rows()  # the committed rows are what `python agent_two_tools.py` writes
@@ -728,9 +728,10 @@ def test_two_tool_recipe_checks_and_pays_multiply_then_add(tmp_path, monkeypatch
     assert len(questions[0]) == 400 and len(questions[1]) == 32 and not questions[0] & questions[1]  # kept apart
 
     tokenizer = tool_tokenizer()
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**AGENT, "max_tool_calling_iterations": 2})
+    settings = {**AGENT, "max_tool_calling_iterations": 2, "turn_advantage": parsed.config["turn_advantage"]}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **settings)
     model = tiny_model(tokenizer, max_position_embeddings=2048)  # room for the recipe's long prompts
-    trainer = GRPOTrainer(model, reward, args=args, train_dataset=train, processing_class=tokenizer, tools=tools)
+    trainer = GRPOTrainer(model, rewards, args=args, train_dataset=train, processing_class=tokenizer, tools=tools)
     episodes = [held_out[i] for i in range(4)]
     for stop_after, paid in ((2, 1.0), (1, 0.0)):
         rollout, columns = trainer.sample_round(episodes, _TwoToolScript(tokenizer, stop_after))
@@ -740,3 +741,6 @@ def test_two_tool_recipe_checks_and_pays_multiply_then_add(tmp_path, monkeypatch
         ]
         assert called == [["multiply", "add"][:stop_after]] * 4
         assert rollout.rewards_per_func[:, 0].tolist() == [paid] * 4
+        # right_steps per turn: multiply(a, b), add(a * b, c), the sum; or multiply, then an answer where add belongs
+        columns, _ = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
+        assert columns[:, 1].tolist() == [3.0 if stop_after == 2 else 1.0] * 4
