@@ -24,7 +24,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # "-c constraints-cpu.txt" for pip where the pin applies (see above), else nothing; run inside a recipe.
 TORCH_PIN = $$( { [ -n "$$CI" ] || ! $(PY) -c "import torch" 2>/dev/null; } && echo "-c constraints-cpu.txt" )
 
-.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent demo-agent-openai bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
+.PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent demo-agent-openai demo-agent-two-tools bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
 
 help: ## list the targets (the default goal)
 	@echo "make TARGET, where TARGET is one of:"
@@ -171,6 +171,10 @@ demo-agent: $(STAMP) ## the tool-calling demo (multiply tool), offline
 demo-agent-openai: $(STAMP) ## the calculator demo with an openai-client agent program, offline
 	@if [ -e outputs/agent_calculator_openai ]; then echo "make demo-agent-openai: removing outputs/agent_calculator_openai from an earlier run"; rm -rf outputs/agent_calculator_openai; fi
 	$(PY) -m grpo train examples/recipes/agent_calculator_openai.yaml
+
+demo-agent-two-tools: $(STAMP) ## the two-tool demo (multiply, then add), offline
+	@if [ -e outputs/agent_two_tools ]; then echo "make demo-agent-two-tools: removing outputs/agent_two_tools from an earlier run"; rm -rf outputs/agent_two_tools; fi
+	$(PY) -m grpo train examples/recipes/agent_two_tools.yaml
 
 clean: ## remove the environments and build outputs
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) .pytest_cache .ruff_cache site

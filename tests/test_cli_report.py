@@ -7,7 +7,7 @@ import os
 import torch
 from datasets import Dataset
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, StepRewards, process_reward
 from grpo.cli import _quiet_deepspeed_on_cpu, before_after_report, evaluate_held_out, greedy_metrics, greedy_samples
 from grpo.cli.plot import panels, split_history
 from grpo.rewards import completion_text
@@ -41,6 +41,7 @@ def test_greedy_samples_cover_every_row_and_carry_their_rewards(tmp_path, tiny_m
         expected = [even_length([s["completion"]])[0], has_a([s["completion"]])[0]]
         assert s["rewards"] == expected
         assert s["reward"] == expected[0] + 0.5 * expected[1]  # the weighted sum, as the trainer's `reward`
+        assert s["outcome"] == s["reward"]  # every function is an outcome function
     # Greedy: the same completions again (a sampler at temperature 1 would not repeat 6 random completions).
     assert [s["completion"] for s in greedy_samples(trainer, held_out)] == [s["completion"] for s in samples]
     assert [s["completion"] for s in greedy_samples(trainer, held_out, count=2)] == [
@@ -53,6 +54,31 @@ def test_greedy_metrics_by_hand():
     # Reward >= 1 on 2 of 5 prompts (NaN is not correct); mean reward (1 + 0 + 1.5 + 0.5) / 5 = 0.6, NaN as 0.
     assert greedy_metrics(samples) == {"eval_greedy_accuracy": 0.4, "eval_greedy_reward": 0.6}
     assert greedy_metrics([]) == {}
+
+
+@process_reward
+def whole_text_step(completions, **kwargs):
+    """One step, the whole completion, worth 2: enough alone to lift any total reward to 1 or more."""
+    return [StepRewards([2.0], char_ends=[len(completion_text(c))]) for c in completions]
+
+
+def even_question(prompts, **kwargs):
+    """1 for the even-numbered questions ("Question 4: ..."): right and wrong answers side by side, whatever is decoded."""
+    return [float(int(p.split()[1].rstrip(":")) % 2 == 0) for p in prompts]
+
+
+def test_greedy_accuracy_counts_the_outcome_reward_only(tmp_path, tiny_model_path):
+    # Step (and turn) scores say how an answer was reached, not whether it is right: with a process function that
+    # pays 2 for anything, every total is >= 1, but a greedy answer is right only when the outcome function pays 1.
+    held_out = Dataset.from_dict({"prompt": [f"Question {i}: count to three." for i in range(6)]})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=4, **TINY)
+    trainer = GRPOTrainer(
+        tiny_model_path, [even_question, whole_text_step], args=args, train_dataset=held_out, eval_dataset=held_out
+    )
+    samples = greedy_samples(trainer, held_out)
+    assert [s["outcome"] for s in samples] == [1.0, 0.0] * 3
+    assert [s["reward"] for s in samples] == [3.0, 2.0] * 3
+    assert greedy_metrics(samples)["eval_greedy_accuracy"] == 0.5
 
 
 def test_greedy_tool_use_counts_episodes_with_a_well_formed_call():

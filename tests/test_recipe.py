@@ -1,5 +1,6 @@
 """Recipes: parsing, validation with suggestions, overrides, rewards by name, data sources and column mapping."""
 
+import doctest
 import json
 import re
 import sys
@@ -667,3 +668,79 @@ def test_an_empty_recipe_says_it_is_empty(tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "is empty" in err and "dataset section needs" not in err
+
+
+class _TwoToolScript:
+    """A sampler playing the two-tool recipe's episodes on its real prompts, in the form of its worked examples: it
+    reads `a * b + c` from the context's last question and, by the tool answers that follow it, writes the multiply
+    call, then the product echoed and the add call, each time answering instead once `stop_after` tool answers are
+    in: `<product> + c = <the last tool answer>` (the product itself when no add was called)."""
+
+    def __init__(self, tokenizer, stop_after):
+        self.tokenizer, self.stop_after = tokenizer, stop_after
+
+    def sync_weights(self, model, version):
+        pass
+
+    def generate(self, model, prompt_ids):
+        from grpo.generation import Completions
+        from tests.helpers.agents import call
+
+        out = []
+        for ids in prompt_ids:
+            context = self.tokenizer.decode(ids)
+            question = context[context.rindex("Calculate ") :]
+            a, b, c = (int(n) for n in re.findall(r"\d+", question.split(".")[0]))
+            answers = re.findall(r"<tool_response>\n(-?\d+)\n", question)
+            if len(answers) == self.stop_after:
+                turn = f"{answers[0]} + {c} = {answers[-1]}"
+            elif not answers:
+                turn = call("multiply", a=a, b=b)
+            else:  # the product echoed, then the call, as in the recipe's worked examples
+                turn = f"{answers[0]} + {c}:\n" + call("add", a=int(answers[0]), b=c)
+            out.append(self.tokenizer(turn, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
+        return Completions(out)
+
+
+def test_two_tool_recipe_checks_and_pays_multiply_then_add(tmp_path, monkeypatch, capsys):
+    """The two-tool recipe passes `grpo check`; its rows are its generator's and its docstrings' examples hold; played
+    through a trainer on its own prompts, tools and reward, episodes that call multiply then add earn 1 and those
+    that answer the product 0."""
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.testing import tiny_model
+    from tests.helpers.agents import AGENT, tool_tokenizer
+
+    root = RECIPES[0].parent.parent.parent
+    monkeypatch.chdir(root)  # the recipe names its rows relative to the repository's root
+    recipe = Path("examples/recipes/agent_two_tools.yaml")
+    assert main(["check", str(recipe), "--output_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "400 training prompts, 32 held out" in out and "agent_two_tools:multiply, agent_two_tools:add" in out
+    parsed = load_recipe(recipe)
+    tools = [resolve_tool(path, [recipe.parent]) for path in parsed.tools]
+    rewards = [resolve_reward(name, [recipe.parent]) for name in parsed.rewards]  # final_answer, right_steps
+    generator = sys.modules["agent_two_tools"]
+    rows = [json.loads(line) for line in (recipe.parent / "agent_two_tools.jsonl").read_text().splitlines()]
+    assert rows == generator.rows()  # the committed rows are what `python agent_two_tools.py` writes
+    assert doctest.testmod(generator).failed == 0  # the reward's and the generator's examples
+    train, held_out = load_prompt_datasets(parsed.dataset)
+    questions = [{p[-1]["content"] for p in data["prompt"]} for data in (train, held_out)]
+    assert len(questions[0]) == 400 and len(questions[1]) == 32 and not questions[0] & questions[1]  # kept apart
+
+    tokenizer = tool_tokenizer()
+    settings = {**AGENT, "max_tool_calling_iterations": 2, "turn_advantage": parsed.config["turn_advantage"]}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **settings)
+    model = tiny_model(tokenizer, max_position_embeddings=2048)  # room for the recipe's long prompts
+    trainer = GRPOTrainer(model, rewards, args=args, train_dataset=train, processing_class=tokenizer, tools=tools)
+    episodes = [held_out[i] for i in range(4)]
+    for stop_after, paid in ((2, 1.0), (1, 0.0)):
+        rollout, columns = trainer.sample_round(episodes, _TwoToolScript(tokenizer, stop_after))
+        rollout = trainer.rounds.score_round(rollout, columns, None, trainer.state)
+        called = [
+            [m["tool_calls"][0]["function"]["name"] for m in e if m.get("tool_calls")] for e in rollout.completions
+        ]
+        assert called == [["multiply", "add"][:stop_after]] * 4
+        assert rollout.rewards_per_func[:, 0].tolist() == [paid] * 4
+        # right_steps per turn: multiply(a, b), add(a * b, c), the sum; or multiply, then an answer where add belongs
+        columns, _ = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
+        assert columns[:, 1].tolist() == [3.0 if stop_after == 2 else 1.0] * 4

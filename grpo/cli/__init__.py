@@ -38,10 +38,13 @@ from grpo.training.preemption import Preempted
 
 def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
     """Greedy completions of the first `count` rows of `dataset` (every row when None), each with its rewards (one
-    per function) and `reward`, their weighted sum (the trainer's `reward`), made the way the trainer makes a round
+    per function), `reward`, their weighted sum (the trainer's `reward`), and `outcome`, the weighted sum of the
+    outcome functions' alone (the episode's answer; `reward` when every function scores steps or turns), made the
+    way the trainer makes a round
     (`GRPOTrainer.sample_round`, `score_round`) with a greedy sampler, `per_device_eval_batch_size` rows at a time. Every
     process decodes every row: the rows are few, and the report needs them all in one place."""
     from grpo.generation import TransformersGeneration
+    from grpo.rewards.scoring import combine_rewards
 
     count = len(dataset) if count is None else min(count, len(dataset))
     greedy = TransformersGeneration(
@@ -61,11 +64,18 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         rollout = trainer.rounds.score_round(rollout, columns, None, trainer.state)
         # All processes' rows (a round may span processes), then this process's.
         per_func, total = trainer.rewards.columns(rollout.rewards_per_func, rollout.step_rewards, rollout.turn_rewards)
+        outcome = total
+        if trainer.rewards.outcome_funcs:
+            outcome = combine_rewards(rollout.rewards_per_func, trainer.rewards.outcome_weights)
         local = rollout.local_slice(trainer.accelerator.process_index)
         samples += [
-            {"prompt": p, "completion": c, "rewards": r, "reward": t}
-            for p, c, r, t in zip(
-                rollout.prompts, rollout.completions, per_func[local].tolist(), total[local].tolist()
+            {"prompt": p, "completion": c, "rewards": r, "reward": t, "outcome": o}
+            for p, c, r, t, o in zip(
+                rollout.prompts,
+                rollout.completions,
+                per_func[local].tolist(),
+                total[local].tolist(),
+                outcome[local].tolist(),
             )
         ]
     return samples
@@ -73,21 +83,27 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
 
 def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]:
     """The held-out metrics of greedy completions (`greedy_samples` of every held-out row): `eval_greedy_accuracy`,
-    the share of prompts whose greedy completion earns a reward of at least 1 (a correct answer, for rewards that
-    pay 1 for one, like the demo's and the built-in `accuracy`), and `eval_greedy_reward`, their mean reward. With
+    the share of prompts whose greedy completion earns an outcome reward of at least 1 (a correct answer, for
+    rewards that pay 1 for one, like the demo's and the built-in `accuracy`; turn and step scores do not count), and
+    `eval_greedy_reward`, their mean reward over every function. With
     `tools` (multi-turn episodes), also `eval_greedy_tool_use`: the share of prompts whose greedy episode called a
     tool (a well-formed call of one of its tools; a malformed one is a parse failure, not a use)."""
     if not samples:
         return {}
     rewards = [s["reward"] for s in samples]
     metrics = {
-        "eval_greedy_accuracy": sum(r >= 1 for r in rewards) / len(rewards),  # NaN (unscored) counts as wrong
+        "eval_greedy_accuracy": sum(_right(s) for s in samples) / len(samples),
         "eval_greedy_reward": sum(r for r in rewards if r == r) / len(rewards),
     }
     if tools:
         used = [any(m.get("tool_calls") for m in s["completion"]) for s in samples]
         metrics["eval_greedy_tool_use"] = sum(used) / len(used)
     return metrics
+
+
+def _right(sample: dict) -> bool:
+    """Whether a greedy sample counts as a correct answer: an outcome reward of at least 1 (NaN, unscored, is not)."""
+    return sample.get("outcome", sample["reward"]) >= 1
 
 
 def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
@@ -129,20 +145,20 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
     if samples_after:
         lines.append(
             f"(eval_reward: mean reward of sampled completions, {len(samples_after)} prompts; eval_greedy_accuracy: "
-            "share of those prompts whose greedy completion earns reward >= 1)"
+            "share of those prompts whose greedy completion earns outcome reward >= 1)"
         )
     return "\n".join(lines + _greedy_changes(samples_before or [], samples_after, shown))
 
 
 def _greedy_changes(samples_before: list[dict], samples_after: list[dict], shown: int) -> list[str]:
-    """How the greedy answers changed (counts over every held-out prompt, correct meaning reward >= 1), then the
+    """How the greedy answers changed (counts over every held-out prompt, correct meaning `_right`), then the
     completions of `shown` prompts: those whose answer turned right or wrong first, in data order, so that what is
     printed is what changed, in the proportions the counts give."""
     paired = len(samples_before) == len(samples_after)  # the same rows, in the same order (greedy_samples)
     pairs = list(zip(samples_before, samples_after)) if paired else [(None, a) for a in samples_after]
     lines = []
     if paired and pairs:
-        kinds = [(b["reward"] >= 1, a["reward"] >= 1) for b, a in pairs]
+        kinds = [(_right(b), _right(a)) for b, a in pairs]
         lines.append(
             f"greedy answers of the {len(pairs)} prompts: {kinds.count((False, True))} turned right, "
             f"{kinds.count((True, False))} turned wrong, {kinds.count((True, True))} right before and after, "
