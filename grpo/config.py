@@ -245,6 +245,29 @@ class GRPOConfig(TrainingArguments):
         "batch x length x vocabulary logits are never built). None picks it from the vocabulary size so one "
         "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster.",
     )
+    tiled_mlp_tokens: int | None = option(
+        default=None,
+        section=Section.MODEL,
+        range=Interval(1, why="tokens per chunk, or None (off)"),
+        help="Compute the MLP of every decoder layer of the policy this many tokens at a time, in the forward and "
+        "in its backward (TiledMLP of Arctic Long Sequence Training, arXiv:2506.13996): a layer keeps only the "
+        "MLP's input for backward and builds its (tokens x intermediate_size) tensors for one chunk at a time, "
+        "instead of four of them for every token of the micro-batch, which is the largest part of a layer's "
+        "recomputation under gradient checkpointing. Costs one more forward of the MLP per step; values and "
+        "gradients equal the plain MLP's. For long completions: a value near the hidden size (e.g. 1024 to "
+        "4096) keeps a chunk's tensors about the size of one MLP weight; passes of at most that many tokens run "
+        "as before. None (default): off. Dense MLPs only (the `mlp` of each decoder layer, as in Llama, Qwen2, "
+        "Mistral, Gemma); a Mixture-of-Experts model, or one without such a module, is refused.",
+    )
+    activation_offloading: bool = option(
+        default=False,
+        section=Section.MODEL,
+        help="Keep the tensors the policy's training forward saves for backward in pinned host memory, copied "
+        "back to the GPU as the backward reads them (TRL's SFTConfig has this field): with gradient checkpointing "
+        "these are each layer's input, so the GPU holds one layer's at a time instead of every layer's. Parameters "
+        "and tensors under 256 KiB stay on the device. Values and gradients are unchanged; each step copies the "
+        "saved activations over PCIe twice. On a CUDA device only: elsewhere a no-op, said in one log line.",
+    )
     padding_free: bool | None = option(
         default=None,
         section=Section.MODEL,

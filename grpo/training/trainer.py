@@ -21,7 +21,7 @@ from grpo.generation.episodes import make_agent
 from grpo.generation.rollout_function import check_episodes, make_function_agent
 from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
-from grpo.objective import old_policy
+from grpo.objective import activation_memory, old_policy
 from grpo.objective.logprobs import LogProbs
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves
 from grpo.objective.regularizers import router_aux_coef
@@ -178,15 +178,15 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         return train_dataset
 
     def _on_the_accelerator(self, layout: tuple[bool, bool], router_coef: float, processing_class, train_dataset):
-        """Step 3 of the constructor, once Trainer made the accelerator: the log-prob pass (with the forward
-        `layout`: padding-free, shared prompt), the step loss, the non-finite guard, the reference's updates, the
-        frozen models on the device, and the round maker with its sampler."""
+        """Step 3 of the constructor, once Trainer made the accelerator: the log-prob pass (forward `layout`:
+        padding-free, shared prompt; tiled MLPs, offloaded activations), the step loss, the non-finite guard, the
+        reference's updates, the frozen models on the device, and the round maker with its sampler."""
         if self.args.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            # Opt-in CPU tuning: process-wide malloc settings (grpo/contrib/cpu/memory.py), loaded only when asked for.
-            from grpo.contrib.cpu import memory
+            from grpo.contrib.cpu import memory  # opt-in CPU tuning (process-wide malloc settings), only when asked
 
             memory.keep_freed_memory()
-        self.logprobs = LogProbs(self.settings.logprobs, *layout, autocast=self.accelerator.autocast)
+        context = activation_memory.forward_context(self.model, self.accelerator, self.args)  # tiled MLPs, offloading
+        self.logprobs = LogProbs(self.settings.logprobs, *layout, autocast=context)
         self.step_loss = StepLoss(self.settings.loss, self.accelerator, router_coef)
         self.gradient_guard = GradientGuard(self.accelerator, self.args.nonfinite, self.metric_windows["train"])
         self.add_callback(self.gradient_guard)
