@@ -72,7 +72,8 @@ class Rollout:
     turn_index: torch.Tensor | None = _tensor(GATHERED, "right", True)
     turn_rewards: torch.Tensor | None = _tensor(GATHERED, "right", True)
     sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
-    prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,) bool: cut to max_prompt_length
+    # (B,) long: 0, or the prompt was cut to max_prompt_length: the whole turns a conversation lost, 1 for a string
+    prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)
     # Filled after scoring (steps 5-7), local rows only:
     advantages: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,), or (B, T) with process rewards
     old_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_old, when batches are reused
@@ -254,7 +255,7 @@ class Rollout:
         )
         added.advantages = self.advantages[torch.tensor(owners, device=self.advantages.device)]
         if self.prompt_truncated is not None:
-            added.prompt_truncated = torch.tensor([s.get("prompt_cut", False) for s in flat], dtype=torch.bool)
+            added.prompt_truncated = torch.tensor([s.get("prompt_cut", 0) for s in flat], dtype=torch.long)
         out: dict[str, Any] = {
             "prompts": self.prompts + added.prompts,
             "completions": self.completions + added.completions,

@@ -15,7 +15,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.data import InputError, cut_prompt, encode_prompts
+from grpo.data import InputError, conversation_turns, cut_prompt, encode_prompts, render_prompt
 from grpo.testing import tiny_model
 from grpo.training.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.training.metrics import MetricsWindow, add_round_metrics
@@ -513,25 +513,90 @@ def test_gradients_finite_takes_the_exact_check_only_when_the_sum_is_not_finite(
 
 def test_cut_prompt_by_hand():
     ids = list(range(10))
-    assert cut_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the end: the question and the generation prompt
+    assert cut_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the end: the question
     assert cut_prompt(ids, 4, "right") == [0, 1, 2, 3]
-    assert cut_prompt(ids, 4, "left", head=2) == [0, 1, 8, 9]  # a 2-token system message kept, the cut after it
-    assert cut_prompt(ids, 4, "left", head=4) == [6, 7, 8, 9]  # no room beside it: as without one
-    assert cut_prompt(ids, 10, "left", head=2) == ids  # not too long: untouched
+    assert cut_prompt(ids, 10, "left") == ids  # not too long: untouched
 
 
-def test_a_long_chat_prompt_keeps_its_system_message_and_its_end(tokenizer):
-    system = {"role": "system", "content": "Answer in one word."}
-    long = [system, {"role": "user", "content": "x" * 10_000 + " What is 2 + 2?"}]
-    (left, short), cut = encode_prompts([long, "short"], tokenizer, 64, "left")
-    assert cut == [True, False]
-    text = tokenizer.decode(left)
-    assert len(left) == 64 and text.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>\n")
-    assert text.endswith("2 + 2?<|im_end|>\n<|im_start|>assistant\n")  # the question and generation prompt survive
-    assert short == tokenizer("short", add_special_tokens=False)["input_ids"]
-    (right,), cut = encode_prompts([long], tokenizer, 64, "right")
-    assert cut == [True] and tokenizer.decode(right).startswith("<|im_start|>system\nAnswer in one word.")
-    assert "assistant" not in tokenizer.decode(right)
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+
+
+def few_shot(question: str, shots: int = 3) -> list[dict]:
+    """A system message, `shots` worked examples as user/assistant turns, then the question."""
+    turns = []
+    for k in range(shots):
+        turns += [{"role": "user", "content": f"Example {k}: " + "x" * 40}, {"role": "assistant", "content": f"{k}"}]
+    return [SYSTEM, *turns, {"role": "user", "content": question}]
+
+
+def test_conversation_turns_by_hand():
+    user, answer, tool = ({"role": r, "content": r[0]} for r in ("user", "assistant", "tool"))
+    assert conversation_turns([SYSTEM, user, answer, tool, answer, user]) == (
+        [SYSTEM],
+        [[user, answer, tool, answer], [user]],
+    )
+    assert conversation_turns([answer, user, answer]) == ([], [[answer], [user, answer]])  # a leading answer alone
+
+
+def test_a_long_conversation_loses_whole_oldest_turns_never_part_of_one(tokenizer):
+    prompt = few_shot("What is 2 + 2?")
+
+    def length(messages):
+        return len(tokenizer(render_prompt(messages, tokenizer), add_special_tokens=False)["input_ids"])
+
+    for dropped in (1, 2, 3):
+        kept = [SYSTEM, *prompt[1 + 2 * dropped :]]  # the system message and the turns after the dropped ones
+        limit = length(kept)  # fits exactly, while one turn more does not
+        (ids, short), cut = encode_prompts([prompt, "short"], tokenizer, limit, "left")
+        assert cut == [dropped, 0]
+        assert ids == tokenizer(render_prompt(kept, tokenizer), add_special_tokens=False)["input_ids"]
+        assert short == tokenizer("short", add_special_tokens=False)["input_ids"]
+        # truncation_side is for strings: a conversation loses its oldest turns on either side.
+        assert encode_prompts([prompt], tokenizer, limit, "right") == ([ids], [dropped])
+    whole = encode_prompts([prompt], tokenizer, None)[0][0]
+    assert encode_prompts([prompt], tokenizer, len(whole)) == ([whole], [0])
+    # The system message and the question alone do not fit: refused, named, with the fixes.
+    too_short = length([SYSTEM, prompt[-1]]) - 1
+    with pytest.raises(InputError, match=r"row 5: .*alone are \d+ tokens.*max_prompt_length=None") as caught:
+        encode_prompts([prompt], tokenizer, too_short, names=["train_dataset row 5"])
+    assert f"Raise max_prompt_length to at least {too_short + 1}" in str(caught.value)
+    with pytest.raises(InputError, match=r"The prompt whose last message begins 'What is 2 \+ 2\?'"):
+        encode_prompts([prompt], tokenizer, too_short)
+
+
+def test_by_default_prompts_are_kept_whole_as_in_trl(tmp_path, tokenizer):
+    # About 700 tokens of worked examples (byte-level tokenizer): the default used to cut them at 512.
+    prompts = [few_shot(f"Question {i}: count to three.", shots=12) for i in range(4)]
+    trainer = make_trainer(tmp_path, tokenizer, Dataset.from_dict({"prompt": prompts}), [reward_len])
+    assert trainer.args.max_prompt_length is None
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * 4, trainer.generation)
+    whole = encode_prompts(prompts[:1], tokenizer, None)[0][0]
+    assert len(whole) > 512
+    assert rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist() == whole
+    assert rollout.prompt_truncated.tolist() == [0] * 4
+
+
+def test_a_conversation_no_cut_of_whole_turns_fits_is_refused_when_the_trainer_is_built(tmp_path, tokenizer):
+    prompts = [few_shot("Short question?") for _ in range(4)]
+    prompts[2] = few_shot("A long question: " + "y" * 300)  # its last turn alone is longer than the limit
+    data = Dataset.from_dict({"prompt": prompts})
+    with pytest.raises(InputError, match=r"train_dataset row 2: .*longer than max_prompt_length=200"):
+        make_trainer(tmp_path, tokenizer, data, [reward_len], max_prompt_length=200)
+
+
+def test_turns_cut_from_conversations_are_counted_and_warned_about_once(tmp_path, tokenizer):
+    prompts = [few_shot(f"Question {i}: count to three.") for i in range(8)]
+    limit = len(encode_prompts([[SYSTEM, *prompts[0][3:]]], tokenizer, None)[0][0])  # room for all but one turn
+    data = Dataset.from_dict({"prompt": prompts})
+    trainer = make_trainer(tmp_path, tokenizer, data, [reward_len], max_steps=2, max_prompt_length=limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    cut = [w for w in caught if f"longer than max_prompt_length={limit}" in str(w.message)]
+    assert len(cut) == 1, [str(w.message) for w in caught]
+    assert "lost their oldest whole turns (4 turns in all" in str(cut[0].message)  # 4 prompts a round, 1 turn each
+    assert [e["prompts/turns_cut"] for e in trainer.state.log_history if "prompts/turns_cut" in e] == [1.0, 1.0]
+    assert [e["prompts/truncated"] for e in trainer.state.log_history if "prompts/truncated" in e] == [1.0, 1.0]
 
 
 def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer):

@@ -75,18 +75,30 @@ class MetricsWindow:
         return out
 
 
-def add_prompt_metrics(window: MetricsWindow, truncated: torch.Tensor, args, warned: bool) -> bool:
-    """`prompts/truncated`: the fraction of a round's prompts, all processes' rows (B_g,) bool, that were cut to
-    max_prompt_length. The first round with a cut prompt warns, unless `warned`; returns whether it was warned."""
-    window.add_mean("prompts/truncated", truncated.float().sum(), truncated.numel())
-    count = int(truncated.sum())
+def add_prompt_metrics(window: MetricsWindow, cut: torch.Tensor, args, warned: bool, conversations: bool) -> bool:
+    """`prompts/truncated`: the fraction of a round's prompts, all processes' rows `cut` (B_g,) long (0: whole;
+    else the prompt was cut to max_prompt_length: the whole turns a conversation lost, 1 for a string), that were
+    cut; with `conversations`, `prompts/turns_cut`: the mean number of whole turns a prompt lost. The first round
+    with a cut prompt warns, unless `warned`; returns whether it was warned."""
+    shortened = (cut > 0).float()
+    window.add_mean("prompts/truncated", shortened.sum(), cut.numel())
+    if conversations:
+        window.add_mean("prompts/turns_cut", cut.float().sum(), cut.numel())
+    count = int(shortened.sum())
     if count and not warned:
-        kept = "the end (and a leading system message)" if args.truncation_side == "left" else "the start"
+        if conversations:
+            how = (
+                f"lost their oldest whole turns ({int(cut.sum())} turns in all; a leading system message and the "
+                "last turn are always kept)"
+            )
+        else:
+            kept = "the end" if args.truncation_side == "left" else "the start"
+            how = f"were cut on the {args.truncation_side} (truncation_side), keeping {kept}"
         warnings.warn(
-            f"{count} of {truncated.numel()} prompts of this round are longer than max_prompt_length="
-            f"{args.max_prompt_length} tokens and were cut on the {args.truncation_side}, keeping {kept}. Raise "
-            "max_prompt_length, shorten those prompts, or choose truncation_side; `prompts/truncated` logs the "
-            "fraction cut in every round.",
+            f"{count} of {cut.numel()} prompts of this round are longer than max_prompt_length="
+            f"{args.max_prompt_length} tokens and {how}. Raise max_prompt_length, set it to None to keep whole "
+            "prompts (as TRL does), or shorten those prompts; `prompts/truncated` logs the fraction cut in every "
+            f"round{' and `prompts/turns_cut` the turns each lost' if conversations else ''}.",
             stacklevel=3,
         )
     return warned or count > 0

@@ -26,6 +26,7 @@ import torch
 from accelerate.utils import gather
 from transformers import TrainerState
 
+from grpo.data import is_conversational
 from grpo.data.sampler import StepSchedule
 from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
@@ -314,7 +315,8 @@ class RoundMaker:
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
         if rollout.prompt_truncated is not None:  # prompts cut to max_prompt_length: counted, and warned of once
             cut = gather_rows(self.accelerator, rollout.prompt_truncated)
-            self.warned_truncation = metrics.add_prompt_metrics(window, cut, self.args, self.warned_truncation)
+            chats = is_conversational(rollout.prompts[0]) if rollout.prompts else False
+            self.warned_truncation = metrics.add_prompt_metrics(window, cut, self.args, self.warned_truncation, chats)
         if rollout.episode_stats is not None:  # multi-turn episodes: tools/* per episode, over all processes
             metrics.add_episode_metrics(window, rollout.episode_stats, self.accelerator)
         if mode == "train":
