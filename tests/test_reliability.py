@@ -31,7 +31,7 @@ from grpo.training.nonfinite import (
     terms_finite,
 )
 from tests.helpers.losses import loss_with
-from tests.helpers.scripted import TINY, reward_len
+from tests.helpers.scripted import TINY, ScriptedGeneration, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 
 
@@ -615,29 +615,107 @@ def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer
 # ---- Evaluation sets (issue 38) ----
 
 
-def test_an_evaluation_set_too_small_for_one_batch_is_refused_before_the_model_loads(
-    tmp_path, tokenizer, prompt_dataset, monkeypatch
-):
-    # It used to fail after two training steps, at the first evaluation, with a message about the training setting.
+def test_an_empty_evaluation_set_is_refused_before_the_model_loads(tmp_path, prompt_dataset, monkeypatch):
     import grpo.training.trainer as trainer_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the evaluation set was checked")
 
     monkeypatch.setattr(trainer_module, "load_policy", no_load)
-    three = Dataset.from_dict({"prompt": ["a", "b", "c"]})
-    cases = [
-        ({"per_device_eval_batch_size": 16}, "num_generations = 16 / 4", 4),
-        ({"per_device_eval_batch_size": 8, "num_generations_eval": 2}, "num_generations_eval = 8 / 2", 4),
-    ]
-    for settings, ratio, prompts in cases:
-        args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, eval_strategy="steps", eval_steps=2, **settings)
-        with pytest.raises(InputError) as caught:
-            GRPOTrainer("unused", [reward_len], args=args, train_dataset=prompt_dataset, eval_dataset=three)
-        message = str(caught.value)
-        assert f"The evaluation set has 3 prompts, but one evaluation batch takes {prompts}" in message
-        assert f"(per_device_eval_batch_size x processes / {ratio})" in message
-        assert "Use at least 4 evaluation prompts, or lower per_device_eval_batch_size" in message
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, eval_strategy="steps", eval_steps=2)
+    with pytest.raises(InputError, match=r"The evaluation set is empty.*eval_dataset=None"):
+        GRPOTrainer(
+            "unused", [reward_len], args=args, train_dataset=prompt_dataset, eval_dataset=prompt_dataset.select([])
+        )
+
+
+def test_an_evaluation_set_smaller_than_one_batch_is_evaluated_as_in_trl(tmp_path, tokenizer, prompt_dataset):
+    # TRL 1.16 trains and evaluates with 2 evaluation prompts, an evaluation batch of 3 and num_generations_eval=1;
+    # this trainer used to refuse it when built.
+    seen = []
+
+    def recorded(prompts, completions, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, sorted(p for p in prompts if p.startswith("Held"))))
+        return [float(len(c)) for c in completions]
+
+    held_out = Dataset.from_dict({"prompt": ["Held out 0", "Held out 1"]})
+    settings = dict(per_device_eval_batch_size=3, num_generations_eval=1, eval_strategy="steps", eval_steps=1)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**TINY, "max_steps": 2, **settings})
+    with pytest.warns(UserWarning, match=r"2 prompts make 0 evaluation batch\(es\) of 3 prompts .* shorter one of 2"):
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer),
+            recorded,
+            args=args,
+            train_dataset=prompt_dataset,
+            eval_dataset=held_out,
+            processing_class=tokenizer,
+        )
+    trainer.train()
+    evaluated = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert len(evaluated) == 2 and all(math.isfinite(e["eval_reward"]) for e in evaluated)
+    assert [names for _, names in seen if names] == [["Held out 0", "Held out 1"]] * 2  # both, once each time
+
+
+def test_an_uneven_last_evaluation_batch_counts_by_its_rows(tmp_path, tokenizer, prompt_dataset):
+    # 5 prompts, 2 completions each, 4 rows a batch: batches of 4, 4 and 2 rows (the last prompt used to be dropped).
+    batches = []
+
+    def recorded(prompts, completions, **kwargs):
+        # Different rewards within a group (its completions' lengths), so the policy loss of a batch is not 0.
+        rewards = [10.0 * int(p.split()[-1]) + len(c) for p, c in zip(prompts, completions)]
+        batches.append(rewards)
+        return rewards
+
+    held_out = Dataset.from_dict({"prompt": [f"Held out {i}" for i in range(5)]})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, num_generations_eval=2, per_device_eval_batch_size=4)
+    with pytest.warns(UserWarning, match=r"last, shorter one of 1"):
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer),
+            recorded,
+            args=args,
+            train_dataset=prompt_dataset,
+            eval_dataset=held_out,
+            processing_class=tokenizer,
+        )
+    trainer.generation = ScriptedGeneration(2, 8)  # ragged lengths: a group's token-mean advantage is not 0
+    losses = []
+    compute_loss = trainer.compute_loss
+
+    def recording_loss(model, inputs, *args, **kwargs):
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        losses.append((float(loss), inputs.loss_mask.shape[0]))
+        return loss
+
+    trainer.compute_loss = recording_loss
+    metrics = trainer.evaluate()
+    assert [len(b) for b in batches] == [4, 4, 2]
+    rewards = [r for b in batches for r in b]
+    assert metrics["eval_reward"] == pytest.approx(sum(rewards) / len(rewards))  # every row counts once
+    assert metrics["eval_reward"] != pytest.approx(sum(sum(b) / len(b) for b in batches) / 3)  # not per batch
+    assert [rows for _, rows in losses] == [4, 4, 2]
+    assert any(loss != 0 for loss, _ in losses)
+    weighted = sum(loss * rows for loss, rows in losses) / sum(rows for _, rows in losses)
+    assert metrics["eval_loss"] == pytest.approx(weighted, rel=1e-5, abs=1e-7)
+
+
+def test_evaluation_batches_by_hand():
+    from types import SimpleNamespace
+
+    from grpo.data.sampler import eval_batches
+
+    def args(per_device, generations):
+        return SimpleNamespace(
+            per_device_eval_batch_size=per_device, eval_generations=generations, eval_name="num_generations_eval"
+        )
+
+    # 2 processes x 2 rows a round; the last round (3 rows) split 1 / 2: nothing given twice, nothing left out.
+    assert eval_batches(args(2, 1), 7, 0, 2) == [[0, 1], [4]]
+    assert eval_batches(args(2, 1), 7, 1, 2) == [[2, 3], [5, 6]]
+    assert eval_batches(args(3, 1), 2, 0, 1) == [[0, 1]]  # fewer prompts than one batch: one shorter batch
+    assert eval_batches(args(2, 2), 3, 0, 2) == [[0, 0], [2]]  # a group of the last round spans the processes
+    assert eval_batches(args(2, 2), 3, 1, 2) == [[1, 1], [2]]
+    with pytest.raises(InputError, match=r"last batch holds 1 prompt\(s\) x num_generations_eval=1 = 1 rows for 2"):
+        eval_batches(args(2, 1), 5, 0, 2)  # one row cannot feed two processes
 
 
 def test_num_generations_eval_samples_that_many_completions_per_evaluation_prompt(tmp_path, tokenizer, prompt_dataset):

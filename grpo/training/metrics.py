@@ -128,17 +128,19 @@ def add_round_metrics(
         valid = column[~torch.isnan(column)]
         window.add_mean(f"rewards/{name}/mean", valid.sum(), valid.numel())
         if valid.numel() > 1:
-            window.add_mean(f"rewards/{name}/std", valid.std(), 1)
-    valid = rewards[~torch.isnan(rewards)]
+            window.add_mean(f"rewards/{name}/std", valid.std() * valid.numel(), valid.numel())
+    valid, rows = rewards[~torch.isnan(rewards)], rewards.numel()
     window.add_mean("reward", valid.sum(), valid.numel())
+    # A round's statistics count by its rows: rounds of one run differ in size in evaluation (a last, shorter
+    # batch) and with offline groups of different sizes.
     for key, value in group_reward_stats(rewards, num_generations).items():
-        window.add_mean(key, value, 1)
+        window.add_mean(key, value * rows, rows)
     # Unscored rows (NaN: None, a failed call, or +-inf under nonfinite="skip") get nothing from that function.
     missing = torch.isnan(torch.cat([reward_columns, rewards.unsqueeze(1)], dim=1)).float().mean(dim=0).tolist()
     unscored, none = dict(zip(names, missing[:-1])), missing[-1]  # by function; by every function
     for name, fraction in unscored.items():
-        window.add_mean(f"rewards/{name}/unscored_ratio", fraction, 1)
-    window.add_mean("frac_reward_unscored", none, 1)
+        window.add_mean(f"rewards/{name}/unscored_ratio", fraction * rows, rows)
+    window.add_mean("frac_reward_unscored", none * rows, rows)
     warn_mostly_unscored(unscored, none, rewards.numel())
 
 
@@ -179,12 +181,15 @@ def add_token_metrics(window: MetricsWindow, totals: torch.Tensor, names: list[s
 
 def add_loss_metrics(window: MetricsWindow, result) -> None:
     """One micro-step's `StepLossResult` (grpo/objective/step_loss.py): its token-weighted statistics and entropy,
-    the sampler's correction (sampling/*) and, at a step's end, the entropy coefficient the next step starts from."""
+    the sampler's correction (sampling/*), at a step's end the entropy coefficient the next step starts from, and
+    in evaluation the batch's loss (which replaces Trainer's eval_loss, a plain mean over batches)."""
     if result.sampling is not None:
         add_sampling_metrics(window, result.sampling)
     if result.entropy_coef is not None:
         window.add_mean("entropy_coef", result.entropy_coef)
     add_token_metrics(window, result.token_totals, result.token_names)
+    if result.evaluated is not None:  # evaluation: `loss` (eval_loss), each batch counted by its rows
+        window.add_mean("loss", result.evaluated[0], result.evaluated[1])
 
 
 def add_reward_call_metrics(

@@ -37,7 +37,7 @@ from grpo.objective.loss import window_token_totals
 from grpo.objective.reference import reference_policy
 from grpo.objective.settings import ObjectiveSettings
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
-from grpo.rollout import MicroBatch, Rollout, gather_rows
+from grpo.rollout import MicroBatch, Rollout, first_row, gather_rows
 from grpo.training import metrics
 from grpo.training.async_rounds import AsyncRounds
 from grpo.training.checkpoints import any_process
@@ -112,6 +112,8 @@ class RoundMaker:
         """Steps 2-7 for the loader's rows `inputs` in `mode` ("train" or "eval"): this process's rows, with their
         advantages and (beta != 0) reference log-probs."""
         rollout = self.sample_and_score(inputs, mode, context)
+        if mode == "eval" and rollout.first_row is None:  # a last, shorter batch may split unevenly among processes
+            rollout.first_row = first_row(self.accelerator, rollout.num_rows)
         if mode == "train" and self.args.dynamic_sampling:
             rollout = self.dynamic_sampling(rollout, context)
         return self.prepare(rollout, mode, context)
