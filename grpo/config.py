@@ -28,6 +28,7 @@ from grpo.data import TRUNCATION_SIDES
 from grpo.generation.settings import check_continuous_batching, check_generation_kwargs, check_vllm_engine
 from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
+from grpo.training.inherited_fields import check_inherited_fields
 
 # The largest learning_rate taken without `allow_large_learning_rate`. Fine-tuning uses 1e-6 to 1e-4 (TRL's default
 # is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
@@ -1089,6 +1090,7 @@ class GRPOConfig(TrainingArguments):
             self.dataloader_pin_memory = False  # pinned memory only speeds copies to a GPU; on CPU torch warns
         self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
+        check_inherited_fields(self)  # TrainingArguments fields this trainer would otherwise ignore
         self._check_launch()
         self._check_values()
         self._check_rendering_and_logging()

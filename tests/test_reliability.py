@@ -703,9 +703,12 @@ def test_evaluation_batches_by_hand():
 
     from grpo.data.sampler import eval_batches
 
-    def args(per_device, generations):
+    def args(per_device, generations, drop_last=False):
         return SimpleNamespace(
-            per_device_eval_batch_size=per_device, eval_generations=generations, eval_name="num_generations_eval"
+            per_device_eval_batch_size=per_device,
+            eval_generations=generations,
+            eval_name="num_generations_eval",
+            dataloader_drop_last=drop_last,
         )
 
     # 2 processes x 2 rows a round; the last round (3 rows) split 1 / 2: nothing given twice, nothing left out.
@@ -716,6 +719,11 @@ def test_evaluation_batches_by_hand():
     assert eval_batches(args(2, 2), 3, 1, 2) == [[1, 1], [2]]
     with pytest.raises(InputError, match=r"last batch holds 1 prompt\(s\) x num_generations_eval=1 = 1 rows for 2"):
         eval_batches(args(2, 1), 5, 0, 2)  # one row cannot feed two processes
+    # dataloader_drop_last (TrainingArguments'): the last, shorter batch is dropped, as it asks.
+    assert eval_batches(args(2, 1, drop_last=True), 7, 1, 2) == [[2, 3]]
+    assert eval_batches(args(2, 1, drop_last=True), 5, 0, 2) == [[0, 1]]
+    with pytest.raises(InputError, match=r"dataloader_drop_last=True drops that shorter batch, leaving nothing"):
+        eval_batches(args(3, 1, drop_last=True), 2, 0, 1)
 
 
 def test_num_generations_eval_samples_that_many_completions_per_evaluation_prompt(tmp_path, tokenizer, prompt_dataset):

@@ -92,7 +92,7 @@ def train_sampler(args, num_samples: int, groups: bool = False) -> RepeatSampler
         prompts_per_round=args.generation_batch_size // args.num_generations,
         repeat_count=args.micro_steps_per_round,
         shuffle=args.shuffle_dataset,
-        seed=args.seed,
+        seed=args.seed if args.data_seed is None else args.data_seed,  # TrainingArguments' seed of the data order
     )
 
 
@@ -115,7 +115,8 @@ def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
     """The rows of one evaluation round (batch k of every process together): `per_device_eval_batch_size x
     processes`, whole groups of `args.eval_generations` (`num_generations_eval`, or G) rows. Checks that the set of
     `num_samples` prompts can be evaluated: it is not empty, and the last round, which holds the prompts left over
-    and may be shorter, gives every process at least one row."""
+    and may be shorter, gives every process at least one row (or, with `dataloader_drop_last`, is dropped, and one
+    whole round remains)."""
     rows, generations, name = args.per_device_eval_batch_size * num_processes, args.eval_generations, args.eval_name
     if rows % generations != 0:
         raise InputError(
@@ -126,7 +127,14 @@ def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
         raise InputError("The evaluation set is empty. Give it prompts, or pass eval_dataset=None to skip evaluation.")
     prompts = rows // generations
     left = num_samples % prompts  # the prompts of a last, shorter round
-    if left and left * generations < num_processes:
+    if args.dataloader_drop_last and num_samples < prompts:
+        raise InputError(
+            f"The evaluation set has {num_samples} prompts, fewer than one evaluation batch takes ({prompts}: "
+            f"per_device_eval_batch_size x processes / {name} = {rows} / {generations}), and "
+            "dataloader_drop_last=True drops that shorter batch, leaving nothing to evaluate. Set "
+            f"dataloader_drop_last=False (a shorter last batch is evaluated), or lower per_device_eval_batch_size."
+        )
+    if left and left * generations < num_processes and not args.dataloader_drop_last:
         raise InputError(
             f"The evaluation set's last batch holds {left} prompt(s) x {name}={generations} = "
             f"{left * generations} rows for {num_processes} processes, and every process needs at least one row "
@@ -138,14 +146,14 @@ def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
 
 def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
     """The evaluation order: every prompt once, in order, `args.eval_generations` times, in rounds of whole groups
-    (`eval_round_rows`, which checks the set); a last, shorter round is kept."""
+    (`eval_round_rows`, which checks the set); a last, shorter round is kept unless `dataloader_drop_last`."""
     prompts = eval_round_rows(args, num_samples, num_processes) // args.eval_generations
     return RepeatSampler(
         num_samples=num_samples,
         num_generations=args.eval_generations,
         prompts_per_round=min(prompts, num_samples),
         shuffle=False,
-        keep_last=True,
+        keep_last=not args.dataloader_drop_last,
     )
 
 
@@ -181,15 +189,19 @@ def check_dataset_sizes(args, train_dataset, eval_dataset, groups: bool = False)
 
 def warn_short_eval_batch(args, num_samples: int, rows: int) -> None:
     """One warning, when the trainer is built, for an evaluation set whose last batch of `rows`-row rounds is
-    shorter: it is evaluated, and its metrics count by the rows it holds."""
+    shorter: it is evaluated, its metrics counting by the rows it holds, or dropped with `dataloader_drop_last`."""
     prompts = rows // args.eval_generations
     left = num_samples % prompts
     if left:
+        what = (
+            "dropped (dataloader_drop_last=True): those prompts are not evaluated"
+            if args.dataloader_drop_last
+            else "evaluated, and each batch's metrics count by the rows it holds"
+        )
         warnings.warn(
             f"The evaluation set's {num_samples} prompts make {num_samples // prompts} evaluation batch(es) of "
             f"{prompts} prompts (per_device_eval_batch_size x processes / {args.eval_name} = {rows} / "
-            f"{args.eval_generations}) and a last, shorter one of {left}: every prompt is evaluated, and each "
-            "batch's metrics count by the rows it holds.",
+            f"{args.eval_generations}) and a last, shorter one of {left}, which is {what}.",
             stacklevel=4,
         )
 

@@ -59,6 +59,10 @@ class RoundLoaders(Trainer):
             collate_fn=self.data_collator,
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            in_order=args.dataloader_in_order,
         )
 
     def planned_steps(self) -> int | None:
