@@ -92,9 +92,7 @@ def check_inherited_fields(args) -> None:
     for name, (accepted, why) in UNHONOURED.items():
         value = getattr(args, name)
         if value != accepted and not (accepted == [] and value is None):
-            raise ValueError(
-                f"{name}={value!r} is not supported by GRPOTrainer: it {why}. Leave it at {accepted!r}."
-            )
+            raise ValueError(f"{name}={value!r} is not supported by GRPOTrainer: it {why}. Leave it at {accepted!r}.")
     accelerator = getattr(args, "accelerator_config", None)
     for name, (accepted, why) in UNHONOURED_ACCELERATOR.items():
         value = getattr(accelerator, name, accepted)
