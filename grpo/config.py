@@ -28,6 +28,7 @@ from grpo.data import TRUNCATION_SIDES
 from grpo.generation.settings import check_continuous_batching, check_generation_kwargs, check_vllm_engine
 from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
+from grpo.training.inherited_fields import check_inherited_fields
 
 # The largest learning_rate taken without `allow_large_learning_rate`. Fine-tuning uses 1e-6 to 1e-4 (TRL's default
 # is 1e-6); Adam moves each weight by about lr per step, and an LM's weights are of order 0.02, so lr > 1 cannot be
@@ -344,18 +345,20 @@ class GRPOConfig(TrainingArguments):
         "beta KL term, are 0: a group of one has no spread). per_device_eval_batch_size x processes must be a multiple of it.",
     )
     max_prompt_length: int | None = option(
-        default=512,
+        default=None,
         section=Section.DATA,
         range=Interval(1, why="a number of tokens, or None for no limit"),
-        help="Longest prompt, in tokens; longer ones are cut (see truncation_side), counted in `prompts/truncated` "
-        "and warned about once. None keeps whole prompts.",
+        help="Longest prompt, in tokens. None (default, as in TRL 1.16) keeps whole prompts. A longer conversation "
+        "loses its oldest whole turns (its system message and last turn are kept; one that still does not fit is "
+        "refused, when the trainer is built for the data sets' rows), a longer string is cut on truncation_side; "
+        "counted in `prompts/truncated` (and `prompts/turns_cut`) and warned about once.",
     )
     truncation_side: str = option(
         default="left",
         section=Section.DATA,
-        help="Which end of a prompt longer than max_prompt_length is cut. 'left' (default, as before this field) "
-        "drops its start and keeps the end, where the question and the generation prompt are; a leading system "
-        "message is kept whole and the cut falls right after it. 'right' keeps the start and drops the end.",
+        help="Which end of a string prompt longer than max_prompt_length is cut: 'left' (default) drops its start "
+        "and keeps the end, where the question is; 'right' keeps the start and drops the end. Conversations are "
+        "never cut inside a turn: they lose whole turns, the oldest first.",
     )
     max_completion_length: int = option(
         default=256,
@@ -1110,6 +1113,7 @@ class GRPOConfig(TrainingArguments):
             self.dataloader_pin_memory = False  # pinned memory only speeds copies to a GPU; on CPU torch warns
         self._check_fields()  # before TrainingArguments', which fails deep inside on a string or a NaN
         super().__post_init__()
+        check_inherited_fields(self)  # TrainingArguments fields this trainer would otherwise ignore
         self._check_launch()
         self._check_values()
         self._check_rendering_and_logging()
@@ -1246,7 +1250,7 @@ class GRPOConfig(TrainingArguments):
         if self.truncation_side not in TRUNCATION_SIDES:
             raise ValueError(
                 f"truncation_side={self.truncation_side!r} is not one of {TRUNCATION_SIDES}: 'left' keeps the end of "
-                "a long prompt (and its system message), 'right' keeps its start."
+                "a long string prompt, 'right' keeps its start."
             )
 
     def _resolve_sampling_cap(self):

@@ -72,13 +72,14 @@ class Rollout:
     turn_index: torch.Tensor | None = _tensor(GATHERED, "right", True)
     turn_rewards: torch.Tensor | None = _tensor(GATHERED, "right", True)
     sampling_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) the sampler's own (vLLM)
-    prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,) bool: cut to max_prompt_length
+    # (B,) long: 0, or the prompt was cut to max_prompt_length: the whole turns a conversation lost, 1 for a string
+    prompt_truncated: torch.Tensor | None = _tensor(LOCAL, default_none=True)
     # Filled after scoring (steps 5-7), local rows only:
     advantages: torch.Tensor | None = _tensor(LOCAL, default_none=True)  # (B,), or (B, T) with process rewards
     old_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_old, when batches are reused
     ref_logps: torch.Tensor | None = _tensor(LOCAL, "right", True)  # (B, T) pi_ref, when beta != 0
     # Offline data (grpo/data/offline.py): groups of different sizes that never span processes, so processes hold
-    # different row counts. `group_sizes`: every process's groups, in gathered order (None: groups of G rows);
+    # different row counts (as they may in a last, shorter evaluation batch). `group_sizes`: every process's groups, in gathered order (None: groups of G rows);
     # `first_row`: this process's first row in the gathered fields (None: process index x B).
     group_sizes: list[int] | None = None
     first_row: int | None = None
@@ -254,7 +255,7 @@ class Rollout:
         )
         added.advantages = self.advantages[torch.tensor(owners, device=self.advantages.device)]
         if self.prompt_truncated is not None:
-            added.prompt_truncated = torch.tensor([s.get("prompt_cut", False) for s in flat], dtype=torch.bool)
+            added.prompt_truncated = torch.tensor([s.get("prompt_cut", 0) for s in flat], dtype=torch.long)
         out: dict[str, Any] = {
             "prompts": self.prompts + added.prompts,
             "completions": self.completions + added.completions,
@@ -362,6 +363,15 @@ def gather_rows(accelerator, value: torch.Tensor, fill: float = 0) -> torch.Tens
     padded = accelerator.pad_across_processes(value, dim=0, pad_index=fill).to(value.dtype)
     everyone, width = gather(padded), padded.shape[0]
     return torch.cat([everyone[p * width : p * width + count] for p, count in enumerate(counts)])
+
+
+def first_row(accelerator, rows: int) -> int:
+    """This process's first row among every process's `rows`, in process order: a collective call, for processes
+    that hold different row counts (a last, shorter evaluation batch)."""
+    if accelerator.num_processes == 1:
+        return 0
+    counts = gather(torch.tensor([rows], device=accelerator.device)).tolist()
+    return sum(counts[: accelerator.process_index])
 
 
 def padding_value(name: str, pad_token_id: int) -> float:

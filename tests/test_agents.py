@@ -475,12 +475,14 @@ def test_async_generation_runs_the_episodes_in_the_producer(tmp_path, model_path
     assert len(scripted.calls) == 2 * 3  # two rounds of three turns, all in the producer thread
 
 
-def test_a_long_episode_prompt_keeps_the_tool_schemas_and_is_counted(tmp_path, model_path):
-    """Cut on the left (the default truncation_side), an episode's prompt keeps the system turn that carries the
-    tools' schemas, and its question's end; the cut is counted in prompts/truncated."""
+def test_a_long_episode_prompt_loses_whole_turns_keeps_the_tool_schemas_and_is_counted(tmp_path, model_path):
+    """With max_prompt_length set, an episode's conversation loses its oldest whole turns; the system turn that
+    carries the tools' schemas and the last turn stay, and the cut is counted in prompts/turns_cut. One whose schemas
+    and last turn alone are too long is refused, naming the schemas."""
     tokenizer = tool_tokenizer()
-    long = [{"role": "user", "content": "x" * 3000 + " What is 2 + 3, then times 5?"}]
-    data = Dataset.from_dict({"prompt": [long, long]})
+    question = {"role": "user", "content": "What is 2 + 3, then times 5?"}
+    shot = [{"role": "user", "content": "x" * 1500 + " An example."}, {"role": "assistant", "content": "25"}]
+    data = Dataset.from_dict({"prompt": [[*shot, question]] * 2})
     trainer = GRPOTrainer(
         model_path,
         reward_25,
@@ -492,11 +494,23 @@ def test_a_long_episode_prompt_keeps_the_tool_schemas_and_is_counted(tmp_path, m
     trainer.generation = ScriptedTurns(tokenizer, [SCRIPT])
     trainer.train()
     first_context = tokenizer.decode(trainer.generation.calls[0][0])
-    assert len(trainer.generation.calls[0][0]) == 1500
     assert first_context.startswith("<|im_start|>system\nYou can call functions.")  # the schemas survived
-    assert '"name": "multiply"' in first_context
+    assert '"name": "multiply"' in first_context and "x" * 10 not in first_context  # the example turn went whole
     assert first_context.endswith("then times 5?<|im_end|>\n<|im_start|>assistant\n")
-    assert trainer.state.log_history[0]["prompts/truncated"] == 1.0
+    logged = trainer.state.log_history[0]
+    assert logged["prompts/truncated"] == 1.0 and logged["prompts/turns_cut"] == 1.0
+    # Without the schemas (as the trainer reads the rows when built) it fits; with them, its one turn does not.
+    alone = Dataset.from_dict({"prompt": [[{"role": "user", "content": "y" * 800 + " What is 2 + 3?"}]] * 2})
+    trainer = GRPOTrainer(
+        model_path,
+        reward_25,
+        args=config(tmp_path, max_prompt_length=1500),
+        train_dataset=alone,
+        processing_class=tokenizer,
+        tools=[add, multiply],
+    )
+    with pytest.raises(InputError, match=r"last turn alone are \d+ tokens \(with the tools' schemas\)"):
+        trainer.sample_round([alone[0]] * 4, trainer.generation)
 
 
 @pytest.mark.parametrize("weights", [[2.0], [2.0, 3.0]], ids=["trl-one-per-function", "one-per-reward"])

@@ -51,3 +51,23 @@ def test_two_processes_match_one_with_images(tmp_path):
         assert sum(d.abs().sum() for d in reference.values()) > 0
         assert loss == pytest.approx(reference_loss, rel=1e-4, abs=1e-6), kind
         assert_same_update(update, reference, params, what=f"vlm {kind}")
+
+
+@pytest.mark.distributed
+def test_a_last_shorter_evaluation_batch_gives_the_same_metrics_with_two_processes(tmp_path):
+    """7 held-out prompts, 2 rows a process: 2 processes evaluate a batch of 4 rows and a last one of 3 (split 1 / 2,
+    no row given twice), 1 process batches of 2, 2, 2 and 1; each batch counts by its rows, so the metrics agree."""
+    from tests.helpers.eval_two_processes import LOSS_TYPES, evaluate
+
+    out_file = tmp_path / "two.pt"
+    launch_two_processes(ROOT / "tests" / "helpers" / "eval_two_processes.py", out_file)
+    results = torch.load(out_file)
+    for loss_type in LOSS_TYPES:
+        two, seen = results[loss_type]
+        one, seen_alone = evaluate(str(tmp_path / loss_type), loss_type)
+        assert sorted(seen) == sorted(seen_alone) == [f"Held out {i}" for i in range(7)]  # each prompt once
+        assert set(two) == set(one) and one["eval_loss"] > 0 and one["eval_kl"] > 0
+        for key, value in one.items():
+            if key.endswith("/std"):  # a function's spread within each batch: it depends on how rows are batched
+                continue
+            assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), f"{loss_type}: {key}"

@@ -18,6 +18,7 @@ from grpo.objective.loss import (
     aggregate,
     kl_k3,
     masked_mean,
+    process_weight,
     spans_the_step,
     window_token_totals,
 )
@@ -749,6 +750,29 @@ def test_bnpo_is_not_accumulation_invariant_by_design():
     one_loss, _ = _accumulated("bnpo", logps, old, ref, advantages, mask, 1)
     loss, _ = _accumulated("bnpo", logps, old, ref, advantages, mask, 4)
     assert abs(loss.item() - one_loss.item()) > 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+def test_process_weights_make_uneven_processes_losses_the_loss_of_all_their_rows(loss_type):
+    # A last, shorter evaluation batch of 5 rows split 2 / 3 between two processes: each process aggregates its own
+    # rows (a loss normalised over the step by the batch's tokens over P = 2, as in evaluation), and the mean of the
+    # two weighted by process_weight is the loss of all 5 rows aggregated on one process.
+    torch.manual_seed(0)
+    per_token = torch.randn(5, 6, dtype=torch.float64)
+    mask = (torch.rand(5, 6) < 0.7).long()
+    mask[:, 0] = 1  # every row has a loss token
+    whole = aggregate(per_token, mask, loss_type, max_completion_length=6, normalizer=mask.sum())
+    losses, weights = [], []
+    for rows in (slice(0, 2), slice(2, 5)):
+        normalizer, _ = accumulation(loss_type, 1, mask.sum().double(), 2)
+        losses.append(
+            aggregate(per_token[rows], mask[rows], loss_type, max_completion_length=6, normalizer=normalizer)
+        )
+        weights.append(process_weight(loss_type, rows.stop - rows.start, mask[rows].sum()).double())
+    mean = sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
+    torch.testing.assert_close(mean, whole, **F64)
+    plain = sum(losses) / 2  # what an unweighted mean over the processes gives: another number but for the step
+    assert spans_the_step(loss_type) or abs(plain.item() - whole.item()) > 1e-3
 
 
 def test_aggregate_and_masked_mean_edge_cases():

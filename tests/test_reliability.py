@@ -15,7 +15,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.data import InputError, cut_prompt, encode_prompts
+from grpo.data import InputError, conversation_turns, cut_prompt, encode_prompts, render_prompt
 from grpo.testing import tiny_model
 from grpo.training.checkpoints import CheckpointError, newest_checkpoint, resolve_resume
 from grpo.training.metrics import MetricsWindow, add_round_metrics
@@ -31,7 +31,7 @@ from grpo.training.nonfinite import (
     terms_finite,
 )
 from tests.helpers.losses import loss_with
-from tests.helpers.scripted import TINY, reward_len
+from tests.helpers.scripted import TINY, ScriptedGeneration, reward_len
 from tests.test_cli import run_grpo, write_tiny_recipe
 
 
@@ -513,25 +513,90 @@ def test_gradients_finite_takes_the_exact_check_only_when_the_sum_is_not_finite(
 
 def test_cut_prompt_by_hand():
     ids = list(range(10))
-    assert cut_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the end: the question and the generation prompt
+    assert cut_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the end: the question
     assert cut_prompt(ids, 4, "right") == [0, 1, 2, 3]
-    assert cut_prompt(ids, 4, "left", head=2) == [0, 1, 8, 9]  # a 2-token system message kept, the cut after it
-    assert cut_prompt(ids, 4, "left", head=4) == [6, 7, 8, 9]  # no room beside it: as without one
-    assert cut_prompt(ids, 10, "left", head=2) == ids  # not too long: untouched
+    assert cut_prompt(ids, 10, "left") == ids  # not too long: untouched
 
 
-def test_a_long_chat_prompt_keeps_its_system_message_and_its_end(tokenizer):
-    system = {"role": "system", "content": "Answer in one word."}
-    long = [system, {"role": "user", "content": "x" * 10_000 + " What is 2 + 2?"}]
-    (left, short), cut = encode_prompts([long, "short"], tokenizer, 64, "left")
-    assert cut == [True, False]
-    text = tokenizer.decode(left)
-    assert len(left) == 64 and text.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>\n")
-    assert text.endswith("2 + 2?<|im_end|>\n<|im_start|>assistant\n")  # the question and generation prompt survive
-    assert short == tokenizer("short", add_special_tokens=False)["input_ids"]
-    (right,), cut = encode_prompts([long], tokenizer, 64, "right")
-    assert cut == [True] and tokenizer.decode(right).startswith("<|im_start|>system\nAnswer in one word.")
-    assert "assistant" not in tokenizer.decode(right)
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+
+
+def few_shot(question: str, shots: int = 3) -> list[dict]:
+    """A system message, `shots` worked examples as user/assistant turns, then the question."""
+    turns = []
+    for k in range(shots):
+        turns += [{"role": "user", "content": f"Example {k}: " + "x" * 40}, {"role": "assistant", "content": f"{k}"}]
+    return [SYSTEM, *turns, {"role": "user", "content": question}]
+
+
+def test_conversation_turns_by_hand():
+    user, answer, tool = ({"role": r, "content": r[0]} for r in ("user", "assistant", "tool"))
+    assert conversation_turns([SYSTEM, user, answer, tool, answer, user]) == (
+        [SYSTEM],
+        [[user, answer, tool, answer], [user]],
+    )
+    assert conversation_turns([answer, user, answer]) == ([], [[answer], [user, answer]])  # a leading answer alone
+
+
+def test_a_long_conversation_loses_whole_oldest_turns_never_part_of_one(tokenizer):
+    prompt = few_shot("What is 2 + 2?")
+
+    def length(messages):
+        return len(tokenizer(render_prompt(messages, tokenizer), add_special_tokens=False)["input_ids"])
+
+    for dropped in (1, 2, 3):
+        kept = [SYSTEM, *prompt[1 + 2 * dropped :]]  # the system message and the turns after the dropped ones
+        limit = length(kept)  # fits exactly, while one turn more does not
+        (ids, short), cut = encode_prompts([prompt, "short"], tokenizer, limit, "left")
+        assert cut == [dropped, 0]
+        assert ids == tokenizer(render_prompt(kept, tokenizer), add_special_tokens=False)["input_ids"]
+        assert short == tokenizer("short", add_special_tokens=False)["input_ids"]
+        # truncation_side is for strings: a conversation loses its oldest turns on either side.
+        assert encode_prompts([prompt], tokenizer, limit, "right") == ([ids], [dropped])
+    whole = encode_prompts([prompt], tokenizer, None)[0][0]
+    assert encode_prompts([prompt], tokenizer, len(whole)) == ([whole], [0])
+    # The system message and the question alone do not fit: refused, named, with the fixes.
+    too_short = length([SYSTEM, prompt[-1]]) - 1
+    with pytest.raises(InputError, match=r"row 5: .*alone are \d+ tokens.*max_prompt_length=None") as caught:
+        encode_prompts([prompt], tokenizer, too_short, names=["train_dataset row 5"])
+    assert f"Raise max_prompt_length to at least {too_short + 1}" in str(caught.value)
+    with pytest.raises(InputError, match=r"The prompt whose last message begins 'What is 2 \+ 2\?'"):
+        encode_prompts([prompt], tokenizer, too_short)
+
+
+def test_by_default_prompts_are_kept_whole_as_in_trl(tmp_path, tokenizer):
+    # About 700 tokens of worked examples (byte-level tokenizer): the default used to cut them at 512.
+    prompts = [few_shot(f"Question {i}: count to three.", shots=12) for i in range(4)]
+    trainer = make_trainer(tmp_path, tokenizer, Dataset.from_dict({"prompt": prompts}), [reward_len])
+    assert trainer.args.max_prompt_length is None
+    rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * 4, trainer.generation)
+    whole = encode_prompts(prompts[:1], tokenizer, None)[0][0]
+    assert len(whole) > 512
+    assert rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist() == whole
+    assert rollout.prompt_truncated.tolist() == [0] * 4
+
+
+def test_a_conversation_no_cut_of_whole_turns_fits_is_refused_when_the_trainer_is_built(tmp_path, tokenizer):
+    prompts = [few_shot("Short question?") for _ in range(4)]
+    prompts[2] = few_shot("A long question: " + "y" * 300)  # its last turn alone is longer than the limit
+    data = Dataset.from_dict({"prompt": prompts})
+    with pytest.raises(InputError, match=r"train_dataset row 2: .*longer than max_prompt_length=200"):
+        make_trainer(tmp_path, tokenizer, data, [reward_len], max_prompt_length=200)
+
+
+def test_turns_cut_from_conversations_are_counted_and_warned_about_once(tmp_path, tokenizer):
+    prompts = [few_shot(f"Question {i}: count to three.") for i in range(8)]
+    limit = len(encode_prompts([[SYSTEM, *prompts[0][3:]]], tokenizer, None)[0][0])  # room for all but one turn
+    data = Dataset.from_dict({"prompt": prompts})
+    trainer = make_trainer(tmp_path, tokenizer, data, [reward_len], max_steps=2, max_prompt_length=limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    cut = [w for w in caught if f"longer than max_prompt_length={limit}" in str(w.message)]
+    assert len(cut) == 1, [str(w.message) for w in caught]
+    assert "lost their oldest whole turns (4 turns in all" in str(cut[0].message)  # 4 prompts a round, 1 turn each
+    assert [e["prompts/turns_cut"] for e in trainer.state.log_history if "prompts/turns_cut" in e] == [1.0, 1.0]
+    assert [e["prompts/truncated"] for e in trainer.state.log_history if "prompts/truncated" in e] == [1.0, 1.0]
 
 
 def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer):
@@ -550,29 +615,115 @@ def test_truncated_prompts_are_counted_and_warned_about_once(tmp_path, tokenizer
 # ---- Evaluation sets (issue 38) ----
 
 
-def test_an_evaluation_set_too_small_for_one_batch_is_refused_before_the_model_loads(
-    tmp_path, tokenizer, prompt_dataset, monkeypatch
-):
-    # It used to fail after two training steps, at the first evaluation, with a message about the training setting.
+def test_an_empty_evaluation_set_is_refused_before_the_model_loads(tmp_path, prompt_dataset, monkeypatch):
     import grpo.training.trainer as trainer_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the evaluation set was checked")
 
     monkeypatch.setattr(trainer_module, "load_policy", no_load)
-    three = Dataset.from_dict({"prompt": ["a", "b", "c"]})
-    cases = [
-        ({"per_device_eval_batch_size": 16}, "num_generations = 16 / 4", 4),
-        ({"per_device_eval_batch_size": 8, "num_generations_eval": 2}, "num_generations_eval = 8 / 2", 4),
-    ]
-    for settings, ratio, prompts in cases:
-        args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, eval_strategy="steps", eval_steps=2, **settings)
-        with pytest.raises(InputError) as caught:
-            GRPOTrainer("unused", [reward_len], args=args, train_dataset=prompt_dataset, eval_dataset=three)
-        message = str(caught.value)
-        assert f"The evaluation set has 3 prompts, but one evaluation batch takes {prompts}" in message
-        assert f"(per_device_eval_batch_size x processes / {ratio})" in message
-        assert "Use at least 4 evaluation prompts, or lower per_device_eval_batch_size" in message
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, eval_strategy="steps", eval_steps=2)
+    with pytest.raises(InputError, match=r"The evaluation set is empty.*eval_dataset=None"):
+        GRPOTrainer(
+            "unused", [reward_len], args=args, train_dataset=prompt_dataset, eval_dataset=prompt_dataset.select([])
+        )
+
+
+def test_an_evaluation_set_smaller_than_one_batch_is_evaluated_as_in_trl(tmp_path, tokenizer, prompt_dataset):
+    # TRL 1.16 trains and evaluates with 2 evaluation prompts, an evaluation batch of 3 and num_generations_eval=1;
+    # this trainer used to refuse it when built.
+    seen = []
+
+    def recorded(prompts, completions, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, sorted(p for p in prompts if p.startswith("Held"))))
+        return [float(len(c)) for c in completions]
+
+    held_out = Dataset.from_dict({"prompt": ["Held out 0", "Held out 1"]})
+    settings = dict(per_device_eval_batch_size=3, num_generations_eval=1, eval_strategy="steps", eval_steps=1)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**TINY, "max_steps": 2, **settings})
+    with pytest.warns(UserWarning, match=r"2 prompts make 0 evaluation batch\(es\) of 3 prompts .* shorter one of 2"):
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer),
+            recorded,
+            args=args,
+            train_dataset=prompt_dataset,
+            eval_dataset=held_out,
+            processing_class=tokenizer,
+        )
+    trainer.train()
+    evaluated = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert len(evaluated) == 2 and all(math.isfinite(e["eval_reward"]) for e in evaluated)
+    assert [names for _, names in seen if names] == [["Held out 0", "Held out 1"]] * 2  # both, once each time
+
+
+def test_an_uneven_last_evaluation_batch_counts_by_its_rows(tmp_path, tokenizer, prompt_dataset):
+    # 5 prompts, 2 completions each, 4 rows a batch: batches of 4, 4 and 2 rows (the last prompt used to be dropped).
+    batches = []
+
+    def recorded(prompts, completions, **kwargs):
+        # Different rewards within a group (its completions' lengths), so the policy loss of a batch is not 0.
+        rewards = [10.0 * int(p.split()[-1]) + len(c) for p, c in zip(prompts, completions)]
+        batches.append(rewards)
+        return rewards
+
+    held_out = Dataset.from_dict({"prompt": [f"Held out {i}" for i in range(5)]})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY, num_generations_eval=2, per_device_eval_batch_size=4)
+    with pytest.warns(UserWarning, match=r"last, shorter one of 1"):
+        trainer = GRPOTrainer(
+            tiny_model(tokenizer),
+            recorded,
+            args=args,
+            train_dataset=prompt_dataset,
+            eval_dataset=held_out,
+            processing_class=tokenizer,
+        )
+    trainer.generation = ScriptedGeneration(2, 8)  # ragged lengths: a group's token-mean advantage is not 0
+    losses = []
+    compute_loss = trainer.compute_loss
+
+    def recording_loss(model, inputs, *args, **kwargs):
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        losses.append((float(loss), inputs.loss_mask.shape[0]))
+        return loss
+
+    trainer.compute_loss = recording_loss
+    metrics = trainer.evaluate()
+    assert [len(b) for b in batches] == [4, 4, 2]
+    rewards = [r for b in batches for r in b]
+    assert metrics["eval_reward"] == pytest.approx(sum(rewards) / len(rewards))  # every row counts once
+    assert metrics["eval_reward"] != pytest.approx(sum(sum(b) / len(b) for b in batches) / 3)  # not per batch
+    assert [rows for _, rows in losses] == [4, 4, 2]
+    assert any(loss != 0 for loss, _ in losses)
+    weighted = sum(loss * rows for loss, rows in losses) / sum(rows for _, rows in losses)
+    assert metrics["eval_loss"] == pytest.approx(weighted, rel=1e-5, abs=1e-7)
+
+
+def test_evaluation_batches_by_hand():
+    from types import SimpleNamespace
+
+    from grpo.data.sampler import eval_batches
+
+    def args(per_device, generations, drop_last=False):
+        return SimpleNamespace(
+            per_device_eval_batch_size=per_device,
+            eval_generations=generations,
+            eval_name="num_generations_eval",
+            dataloader_drop_last=drop_last,
+        )
+
+    # 2 processes x 2 rows a round; the last round (3 rows) split 1 / 2: nothing given twice, nothing left out.
+    assert eval_batches(args(2, 1), 7, 0, 2) == [[0, 1], [4]]
+    assert eval_batches(args(2, 1), 7, 1, 2) == [[2, 3], [5, 6]]
+    assert eval_batches(args(3, 1), 2, 0, 1) == [[0, 1]]  # fewer prompts than one batch: one shorter batch
+    assert eval_batches(args(2, 2), 3, 0, 2) == [[0, 0], [2]]  # a group of the last round spans the processes
+    assert eval_batches(args(2, 2), 3, 1, 2) == [[1, 1], [2]]
+    with pytest.raises(InputError, match=r"last batch holds 1 prompt\(s\) x num_generations_eval=1 = 1 rows for 2"):
+        eval_batches(args(2, 1), 5, 0, 2)  # one row cannot feed two processes
+    # dataloader_drop_last (TrainingArguments'): the last, shorter batch is dropped, as it asks.
+    assert eval_batches(args(2, 1, drop_last=True), 7, 1, 2) == [[2, 3]]
+    assert eval_batches(args(2, 1, drop_last=True), 5, 0, 2) == [[0, 1]]
+    with pytest.raises(InputError, match=r"dataloader_drop_last=True drops that shorter batch, leaving nothing"):
+        eval_batches(args(3, 1, drop_last=True), 2, 0, 1)
 
 
 def test_num_generations_eval_samples_that_many_completions_per_evaluation_prompt(tmp_path, tokenizer, prompt_dataset):

@@ -79,14 +79,18 @@ def test_chat_template_kwargs_reach_generation_evaluation_reward_models_and_the_
 ):
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = FLAVOURED + CHATML_TEMPLATE
-    # A context of 60 positions, prompts cut to 48 tokens with a 16-token completion: the trainer reads every prompt
-    # against the context (check_prompt_lengths), and a long prompt keeps its system message (system_head).
-    model_path = save_tiny_model(tmp_path / "model", max_position_embeddings=60)
+    # A context of 80 positions, prompts cut to 56 tokens with a 32-token completion: the trainer reads every prompt
+    # against the context (check_prompt_lengths), and a long conversation loses its first turn (cut_turns).
+    model_path = save_tiny_model(tmp_path / "model", max_position_embeddings=80)
     reward_path = save_tiny_reward_model(tmp_path / "rm")
-    system = {"role": "system", "content": "Be brief."}
-    prompts = [[system, {"role": "user", "content": f"Question {i}: " + "x" * 60}] for i in range(2)]
+    system, answer, go_on = (
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Go on."},
+    )
+    prompts = [[system, {"role": "user", "content": f"Question {i}: " + "x" * 60}, answer, go_on] for i in range(2)]
     data = Dataset.from_dict({"prompt": prompts})
-    args = config(tmp_path, max_prompt_length=48, max_completion_length=16, chat_template_kwargs={"flavour": "mint"})
+    args = config(tmp_path, max_prompt_length=56, max_completion_length=32, chat_template_kwargs={"flavour": "mint"})
     with pytest.warns(UserWarning):  # prompts cut, and too long for a whole completion: warned of
         trainer = GRPOTrainer(
             str(model_path),
@@ -100,11 +104,12 @@ def test_chat_template_kwargs_reach_generation_evaluation_reward_models_and_the_
         trainer.train()
         trainer.evaluate()
     callers = {name for name, _ in template_calls}
-    assert {"render_prompt", "system_head", "score_with_model"} <= callers
+    assert {"render_prompt", "score_with_model"} <= callers
     assert all(kwargs.get("flavour") == "mint" for _, kwargs in template_calls)
     # The rendered prompt the policy saw carries the variable's value.
     rollout, _ = trainer.sample_round([data[0]] * G, trainer.generation)
     assert tokenizer.decode(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()]).startswith("[mint]")
+    assert rollout.prompt_truncated.tolist() == [1] * G  # its first turn dropped, rendered with the variable
 
 
 def test_chat_template_kwargs_reach_the_turns_of_an_episode(tmp_path, template_calls):

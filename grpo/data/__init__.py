@@ -8,7 +8,6 @@ the tokenizer's chat template. Completions come back in the same form: strings, 
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -93,46 +92,63 @@ def tokenize_prompts(
     return ids
 
 
-def cut_prompt(ids: list[int], max_length: int, side: str, head: int = 0) -> list[int]:
-    """`ids` cut to `max_length` tokens: "right" keeps the first ones; "left" keeps the last ones, after the first
-    `head` tokens (a system message) when they leave room for at least one more token, else the last ones alone."""
+def cut_prompt(ids: list[int], max_length: int, side: str) -> list[int]:
+    """`ids` cut to `max_length` tokens: "right" keeps the first ones, "left" the last ones."""
     if len(ids) <= max_length:
         return list(ids)
-    if side == "right":
-        return list(ids[:max_length])
-    if head >= max_length:  # the system message alone does not fit: keep the end, as without one
-        head = 0
-    return list(ids[:head]) + list(ids[len(ids) - (max_length - head) :])
+    return list(ids[:max_length]) if side == "right" else list(ids[len(ids) - max_length :])
 
 
-def system_head(
-    prompt: str | list[dict],
-    text: str,
+def conversation_turns(prompt: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """A conversation as its leading system message (a list of zero or one) and its turns: a turn opens with a user
+    message and runs up to the next one (the answer, tool messages); messages before the first user message make
+    a turn of their own.
+
+        [system, user, assistant, user, assistant, user] -> [system], [[user, assistant], [user, assistant], [user]]
+    """
+    head = prompt[:1] if prompt[0]["role"] == "system" else []
+    turns: list[list[dict]] = []
+    for message in prompt[len(head) :]:
+        if not turns or message["role"] == "user":
+            turns.append([])
+        turns[-1].append(message)
+    return head, turns
+
+
+def cut_turns(
+    prompt: list[dict],
     tokenizer,
+    max_length: int,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
-) -> str:
-    """The start of `text` (the rendered `prompt`) that its leading system message makes up, with the tools' schemas
-    where the template renders them there (a system turn of their own when the prompt has no system message), up to
-    the next message's content; "" for a string prompt, a prompt with no such turn, or a template that renders the
-    turn differently depending on what follows. Found as the common start of two renderings of that turn followed by
-    a one-letter user message (templates refuse to render no messages at all)."""
-    if isinstance(prompt, str):
-        return ""
-    lead = prompt[:1] if prompt[0]["role"] == "system" else []
-    if (not lead and not tools) or len(prompt) == len(lead):
-        return ""
-    try:
-        a, b = (
-            tokenizer.apply_chat_template(
-                lead + [{"role": "user", "content": c}], tools=tools, tokenize=False, **(chat_template_kwargs or {})
-            )
-            for c in ("a", "b")
-        )
-    except Exception:  # a template that cannot render that turn with a user message after it: no head to keep
-        return ""
-    head = os.path.commonprefix([a, b]) if isinstance(a, str) and isinstance(b, str) else ""
-    return head if head and text.startswith(head) and head != text else ""
+    name: str | None = None,
+) -> tuple[list[int], int]:
+    """The token ids of the conversation `prompt`, longer than `max_length` tokens, with its oldest turns dropped
+    (`conversation_turns`) until it fits, and how many were dropped. Its leading system message (with the tools'
+    schemas the template renders there) and its last turn are always kept and no turn is cut inside, so a
+    conversation whose system message and last turn alone are too long is refused with an `InputError` naming it
+    (`name`, e.g. "train_dataset row 7", else the start of its last message) and the fixes."""
+    head, turns = conversation_turns(prompt)
+    length = None
+    for dropped in range(1, len(turns)):
+        kept = head + [message for turn in turns[dropped:] for message in turn]
+        text = render_prompt(kept, tokenizer, tools, chat_template_kwargs)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_length:
+            return ids, dropped
+        length = len(ids)
+    if length is None:  # a single turn: the whole prompt is that turn (and the system message)
+        text = render_prompt(prompt, tokenizer, tools, chat_template_kwargs)
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    what = name or f"The prompt whose last message begins {completion_text(prompt)[:60]!r}"
+    kept = "its system message and last turn" if head else "its last turn"
+    schemas = " (with the tools' schemas)" if tools else ""
+    raise InputError(
+        f"{what}: the conversation is longer than max_prompt_length={max_length} tokens, and {kept} alone are "
+        f"{length} tokens{schemas}. A conversation is cut only by whole turns (the oldest first, the system "
+        f"message kept), never inside one. Raise max_prompt_length to at least {length}, set "
+        "max_prompt_length=None to keep whole prompts (as TRL does), or shorten that prompt."
+    )
 
 
 def encode_prompts(
@@ -142,22 +158,25 @@ def encode_prompts(
     side: str = "left",
     tools: Sequence[list[dict] | None] | None = None,
     chat_template_kwargs: dict | None = None,
-) -> tuple[list[list[int]], list[bool]]:
+    names: Sequence[str] | None = None,
+) -> tuple[list[list[int]], list[int]]:
     """Render and tokenize `prompts` (`render_prompt`, `tokenize_prompts`; `tools`: each row's tool schemas, for
-    episodes; `chat_template_kwargs`: the template's variables), and which of them were cut. A prompt longer than `max_prompt_length` cut on the left keeps its leading
-    system message (and the tools' schemas the template renders with it): that turn and the rest are then tokenized
-    apart, and the cut falls right after the turn (`cut_prompt`)."""
+    episodes; `chat_template_kwargs`: the template's variables), and how each was cut: 0 when whole. A prompt
+    longer than `max_prompt_length` is cut: a conversation by whole turns (`cut_turns`, which refuses one that
+    cannot be; `names` name the prompts in that error), and its entry is how many turns it lost; a string on
+    `side` (`cut_prompt`), entry 1."""
     tools = [None] * len(prompts) if tools is None else list(tools)
     texts = [render_prompt(p, tokenizer, t, chat_template_kwargs) for p, t in zip(prompts, tools)]
     ids = tokenize_prompts(texts, tokenizer, None)
-    cut = [max_prompt_length is not None and len(seq) > max_prompt_length for seq in ids]
-    for i in (i for i, long in enumerate(cut) if long):
-        head = system_head(prompts[i], texts[i], tokenizer, tools[i], chat_template_kwargs) if side == "left" else ""
-        if head:
-            head_ids, rest = tokenizer([head, texts[i][len(head) :]], add_special_tokens=False)["input_ids"]
-            ids[i] = cut_prompt(head_ids + rest, max_prompt_length, side, head=len(head_ids))
+    cut = [0] * len(ids)
+    for i, seq in enumerate(ids):
+        if max_prompt_length is None or len(seq) <= max_prompt_length:
+            continue
+        if is_conversational(prompts[i]):
+            name = names[i] if names is not None else None
+            ids[i], cut[i] = cut_turns(prompts[i], tokenizer, max_prompt_length, tools[i], chat_template_kwargs, name)
         else:
-            ids[i] = cut_prompt(ids[i], max_prompt_length, side)
+            ids[i], cut[i] = cut_prompt(seq, max_prompt_length, side), 1
     return ids, cut
 
 
@@ -320,6 +339,39 @@ def _prompt_batches(dataset: Any, batch_size: int) -> Iterator[tuple[int, list]]
             yield start, [dataset[i]["prompt"] for i in range(start, min(start + batch_size, len(dataset)))]
 
 
+def _holds_strings(dataset: Any) -> bool:
+    """Whether a sized data set's prompts are strings (a column holds one kind), from its features, or else from its
+    first prompt."""
+    features = getattr(dataset, "features", None)
+    if features is not None and "prompt" in features:
+        return getattr(features["prompt"], "dtype", None) in ("string", "large_string")
+    return len(dataset) == 0 or isinstance(dataset[0]["prompt"], str)
+
+
+def check_prompt_turns(tokenizer, args, train_dataset: Any, eval_dataset: Any = None, batch_size: int = 1_000) -> None:
+    """With `args.max_prompt_length` set, every conversational prompt of `train_dataset` and `eval_dataset` (which
+    may be a dict of evaluation sets) rendered and tokenized once, as the trainer would (without tool schemas): one
+    that cannot be cut by whole turns (its system message and last turn alone are too long, `cut_turns`) is an
+    `InputError` now, naming its row, not at the round that draws it. Data sets of string prompts are not read."""
+    if args.max_prompt_length is None:
+        return
+    for name, dataset in _each_dataset({"train_dataset": train_dataset, "eval_dataset": eval_dataset}):
+        if _holds_strings(dataset):
+            continue
+        unit = "row" if hasattr(dataset, "select_columns") else "item"
+        for start, prompts in _prompt_batches(dataset, batch_size):
+            rows = [(i, p) for i, p in enumerate(prompts, start) if is_conversational(p)]
+            if not rows:
+                continue
+            encode_prompts(
+                [p for _, p in rows],
+                tokenizer,
+                args.max_prompt_length,
+                chat_template_kwargs=args.chat_template_kwargs,
+                names=[f"{name} {unit} {i}" for i, _ in rows],
+            )
+
+
 def check_prompt_lengths(
     tokenizer, model_config, args, train_dataset: Any, eval_dataset: Any = None, batch_size: int = 1_000
 ) -> None:
@@ -327,10 +379,11 @@ def check_prompt_lengths(
     (no position left for a completion) is an `InputError`, naming the first one, how many there are and the fixes;
     prompts that leave fewer than `args.max_completion_length` positions get one warning, since a completion that
     runs that long goes past the positions the model was trained on (or, with learned position embeddings, fails
-    with 'index out of range'). Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room
-    for a whole completion; otherwise (by default whole prompts, `max_prompt_length=None`) every prompt of
+    with 'index out of range'). Conversations no cut of whole turns fits are refused first (`check_prompt_turns`).
+    Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room for a whole completion; else (by default whole prompts, `max_prompt_length=None`) every prompt of
     `train_dataset` and `eval_dataset` (which may be a dict of evaluation sets; offline training's groups are items
     with a prompt) is rendered and tokenized once, as the trainer would (without tool schemas)."""
+    check_prompt_turns(tokenizer, args, train_dataset, eval_dataset, batch_size)
     context = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
     if not isinstance(context, int):  # a model without positions (or that does not say): nothing to check
         return

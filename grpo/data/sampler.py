@@ -12,12 +12,14 @@ number of micro-steps, which is what `transformers.Trainer` counts for epochs, s
 
 Every process builds the same permutation from `seed + epoch`, and accelerate hands batch k to process
 k % num_processes, so all loaders stay in step and a group may span processes (rewards are gathered before the
-group statistics). A last incomplete round is dropped so that every group is whole.
+group statistics). In training a last incomplete round is dropped so that every round is whole; evaluation keeps it
+(`keep_last`) and evaluates every prompt.
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ class RepeatSampler(Sampler[int]):
         repeat_count: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        keep_last: bool = False,
     ):
         if num_samples < prompts_per_round:
             raise ValueError(
@@ -48,6 +51,7 @@ class RepeatSampler(Sampler[int]):
         self.repeat_count = repeat_count
         self.shuffle = shuffle
         self.seed = seed
+        self.keep_last = keep_last  # a last, shorter round of the prompts left over (evaluation), else dropped
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -55,8 +59,10 @@ class RepeatSampler(Sampler[int]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        num_rounds = self.num_samples // self.prompts_per_round
-        return num_rounds * self.prompts_per_round * self.num_generations * self.repeat_count
+        prompts = (
+            self.num_samples if self.keep_last else self.num_samples // self.prompts_per_round * self.prompts_per_round
+        )
+        return prompts * self.num_generations * self.repeat_count
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -64,7 +70,11 @@ class RepeatSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
-        num_rounds = self.num_samples // self.prompts_per_round
+        num_rounds = (
+            -(-self.num_samples // self.prompts_per_round)
+            if self.keep_last
+            else self.num_samples // self.prompts_per_round
+        )
         for r in range(num_rounds):
             round_prompts = order[r * self.prompts_per_round : (r + 1) * self.prompts_per_round]
             for _ in range(self.repeat_count):
@@ -82,7 +92,7 @@ def train_sampler(args, num_samples: int, groups: bool = False) -> RepeatSampler
         prompts_per_round=args.generation_batch_size // args.num_generations,
         repeat_count=args.micro_steps_per_round,
         shuffle=args.shuffle_dataset,
-        seed=args.seed,
+        seed=args.seed if args.data_seed is None else args.data_seed,  # TrainingArguments' seed of the data order
     )
 
 
@@ -101,38 +111,99 @@ def train_batch_size(args, num_processes: int, groups: bool = False) -> int:
     return count // num_processes
 
 
-def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
-    """The evaluation order: every prompt once, in order, `args.eval_generations` times (`num_generations_eval`, or
-    G); a batch of all processes holds whole groups. `GRPOTrainer` builds it at construction, so an evaluation set
-    too small for one batch stops the run before training, not at its first evaluation."""
+def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
+    """The rows of one evaluation round (batch k of every process together): `per_device_eval_batch_size x
+    processes`, whole groups of `args.eval_generations` (`num_generations_eval`, or G) rows. Checks that the set of
+    `num_samples` prompts can be evaluated: it is not empty, and the last round, which holds the prompts left over
+    and may be shorter, gives every process at least one row (or, with `dataloader_drop_last`, is dropped, and one
+    whole round remains)."""
     rows, generations, name = args.per_device_eval_batch_size * num_processes, args.eval_generations, args.eval_name
     if rows % generations != 0:
         raise InputError(
             f"per_device_eval_batch_size x processes = {rows} is not a multiple of {name}={generations}: each "
             f"evaluation batch must hold whole groups. Change per_device_eval_batch_size or {name}."
         )
+    if num_samples == 0:
+        raise InputError("The evaluation set is empty. Give it prompts, or pass eval_dataset=None to skip evaluation.")
     prompts = rows // generations
-    if num_samples < prompts:
+    left = num_samples % prompts  # the prompts of a last, shorter round
+    if args.dataloader_drop_last and num_samples < prompts:
         raise InputError(
-            f"The evaluation set has {num_samples} prompts, but one evaluation batch takes {prompts} "
-            f"(per_device_eval_batch_size x processes / {name} = {rows} / {generations}). Use at least {prompts} "
-            f"evaluation prompts, or lower per_device_eval_batch_size (or {name}) so that a batch holds at most "
-            f"{num_samples}."
+            f"The evaluation set has {num_samples} prompts, fewer than one evaluation batch takes ({prompts}: "
+            f"per_device_eval_batch_size x processes / {name} = {rows} / {generations}), and "
+            "dataloader_drop_last=True drops that shorter batch, leaving nothing to evaluate. Set "
+            f"dataloader_drop_last=False (a shorter last batch is evaluated), or lower per_device_eval_batch_size."
         )
+    if left and left * generations < num_processes and not args.dataloader_drop_last:
+        raise InputError(
+            f"The evaluation set's last batch holds {left} prompt(s) x {name}={generations} = "
+            f"{left * generations} rows for {num_processes} processes, and every process needs at least one row "
+            f"(the set has {num_samples} prompts, a batch of all processes takes {prompts}). Add or drop prompts so "
+            f"that the last batch holds at least {num_processes} rows, or raise {name}."
+        )
+    return rows
+
+
+def eval_sampler(args, num_samples: int, num_processes: int) -> RepeatSampler:
+    """The evaluation order: every prompt once, in order, `args.eval_generations` times, in rounds of whole groups
+    (`eval_round_rows`, which checks the set); a last, shorter round is kept unless `dataloader_drop_last`."""
+    prompts = eval_round_rows(args, num_samples, num_processes) // args.eval_generations
     return RepeatSampler(
-        num_samples=num_samples, num_generations=generations, prompts_per_round=prompts, shuffle=False
+        num_samples=num_samples,
+        num_generations=args.eval_generations,
+        prompts_per_round=min(prompts, num_samples),
+        shuffle=False,
+        keep_last=not args.dataloader_drop_last,
     )
+
+
+def eval_batches(args, num_samples: int, process_index: int, num_processes: int) -> list[list[int]]:
+    """This process's evaluation batches, as row indices: batch k of every process is evaluation round k
+    (`eval_sampler`'s order), `per_device_eval_batch_size` rows each; the last round, when shorter, is split as
+    evenly as its rows allow (process shares differ by at most one row), so no process is given rows twice.
+
+        7 prompts, G_eval = 1, 2 processes x 2 rows:  process 0: [0, 1] [4]    process 1: [2, 3] [5, 6]
+
+    (With 5 prompts the last round's one row cannot feed both processes: `eval_round_rows` refuses it.)
+    """
+    rows = eval_round_rows(args, num_samples, num_processes)
+    order = list(eval_sampler(args, num_samples, num_processes))
+    batches = []
+    for start in range(0, len(order), rows):
+        round_rows = order[start : start + rows]
+        bounds = [p * len(round_rows) // num_processes for p in range(num_processes + 1)]
+        batches.append(round_rows[bounds[process_index] : bounds[process_index + 1]])
+    return batches
 
 
 def check_dataset_sizes(args, train_dataset, eval_dataset, groups: bool = False) -> None:
     """Enough prompts (or, with `groups`, stored groups) in `train_dataset` for one training round, and in
-    `eval_dataset` (a data set or a dict of them) for one evaluation batch of whole groups: checked when the trainer
-    is built, not at `train()` or at the first evaluation, hours later. Data sets without a length are not checked."""
+    `eval_dataset` (a data set or a dict of them) for evaluation (`eval_round_rows`): checked when the trainer is
+    built, not at `train()` or at the first evaluation, hours later. Data sets without a length are not checked."""
     if hasattr(train_dataset, "__len__"):
         train_sampler(args, len(train_dataset), groups=groups)
     for held_out in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
         if hasattr(held_out, "__len__"):
-            eval_sampler(args, len(held_out), args.world_size)
+            warn_short_eval_batch(args, len(held_out), eval_round_rows(args, len(held_out), args.world_size))
+
+
+def warn_short_eval_batch(args, num_samples: int, rows: int) -> None:
+    """One warning, when the trainer is built, for an evaluation set whose last batch of `rows`-row rounds is
+    shorter: it is evaluated, its metrics counting by the rows it holds, or dropped with `dataloader_drop_last`."""
+    prompts = rows // args.eval_generations
+    left = num_samples % prompts
+    if left:
+        what = (
+            "dropped (dataloader_drop_last=True): those prompts are not evaluated"
+            if args.dataloader_drop_last
+            else "evaluated, and each batch's metrics count by the rows it holds"
+        )
+        warnings.warn(
+            f"The evaluation set's {num_samples} prompts make {num_samples // prompts} evaluation batch(es) of "
+            f"{prompts} prompts (per_device_eval_batch_size x processes / {args.eval_name} = {rows} / "
+            f"{args.eval_generations}) and a last, shorter one of {left}, which is {what}.",
+            stacklevel=4,
+        )
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ def sample_rollout(
     vision = None
     if images[0] is not None:  # vision inputs beside the prompt tokens, from the processor
         images, prompt_ids, vision = _encode_with_images(prompts, images, tokenizer, args)
-        prompt_cut = [False] * len(prompts)
+        prompt_cut = [0] * len(prompts)
         raw = _generate_with_images(backend, model, prompt_ids, vision, prompts, images, tokenizer, args)
     else:
         prompt_ids, prompt_cut = encode_prompts(
@@ -180,7 +180,7 @@ def sample_rollout(
         )
         raw = backend.generate(model, prompt_ids)
     rollout = _cut_and_decode(prompts, prompt_ids, raw, text_tokenizer(tokenizer), eos_token_ids, args)
-    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.bool)
+    rollout.prompt_truncated = torch.tensor(prompt_cut, dtype=torch.long)
     rollout.vision = vision
     if vision is not None and args.log_completions and args.log_multimodal:  # for the completions log only
         rollout.images = images

@@ -329,6 +329,8 @@ class EndpointAgent:
                     [tools],
                     self.args.chat_template_kwargs,
                 )
+            except InputError as error:  # longer than max_prompt_length, even with only the last turn
+                raise RequestError(str(error), "messages") from error
             except Exception as error:  # noqa: BLE001
                 raise RequestError(f"The chat template cannot render the messages: {error}", "messages") from error
             chain = Chain(list(messages), tools, prompt_ids[0], cut[0])
@@ -416,7 +418,7 @@ class EndpointAgent:
             sampled_masks=[r["sampled"] for r in rows],
         )
         rollout.episode_stats = agent_stats(episodes, trained)
-        rollout.prompt_truncated = torch.tensor([r["prompt_cut"] for r in rows], dtype=torch.bool)
+        rollout.prompt_truncated = torch.tensor([r["prompt_cut"] for r in rows], dtype=torch.long)
         extras = [[self._chain_row(c) for c in row[1:]] for row in trained]
         rollout.extra_sequences = extras if any(extras) else None
         return rollout, self._columns(episodes)
@@ -432,7 +434,7 @@ class EndpointAgent:
             "prompt": prompt if isinstance(prompt, str) or is_conversational(prompt or []) else str(prompt),
             "completion": [{"role": "assistant", "content": ""}],
             "prompt_ids": prompt_ids or [self.turn_eos],
-            "prompt_cut": False,
+            "prompt_cut": 0,
             "completion_ids": [self.turn_eos],
             "sampled": [0],
             "logprobs": [0.0],

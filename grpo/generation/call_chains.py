@@ -122,7 +122,7 @@ class Chain:
     prompt_messages: list[dict]
     tools: list[dict] | None
     prompt_ids: list[int]
-    prompt_cut: bool = False
+    prompt_cut: int = 0  # the whole turns the prompt lost to max_prompt_length (encode_prompts)
     messages: list[dict] = field(default_factory=list)  # everything after the prompt that is in `ids`
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)

@@ -71,7 +71,7 @@ class EpisodeState:
 
     episode: Episode
     prompt_ids: list[int]
-    prompt_cut: bool = False  # the prompt was longer than max_prompt_length (cut on `truncation_side`)
+    prompt_cut: int = 0  # the prompt was longer than max_prompt_length: the whole turns it lost (encode_prompts)
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)  # per token: its policy turn (0, 1, ...), -1 on tool answers
@@ -254,7 +254,7 @@ class AgentLoop:
             turn_indices=[s.turn_ids for s in states],
         )
         rollout.episode_stats = episode_stats(states)
-        rollout.prompt_truncated = torch.tensor([s.prompt_cut for s in states], dtype=torch.bool)
+        rollout.prompt_truncated = torch.tensor([s.prompt_cut for s in states], dtype=torch.long)
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         columns["environments"] = [s.episode.environment for s in states]
         return rollout, columns

@@ -160,7 +160,7 @@ class RolloutFunction:
             sampling_logps=logprobs if with_logprobs else None,
             sampled_masks=rows["env_mask"],
         )
-        rollout.prompt_truncated = torch.zeros(len(prompts), dtype=torch.bool)  # the function tokenized them
+        rollout.prompt_truncated = torch.zeros(len(prompts), dtype=torch.long)  # the function tokenized them
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         for key, value in extras.items():
             columns[key] = list(value) if isinstance(value, list) else [value] * len(prompts)

@@ -91,7 +91,7 @@ class StoredCompletions:
             old_logps=old_logps,
             group_sizes=[s for sizes in everyone for s in sizes],
             first_row=first_row,
-            prompt_truncated=torch.tensor(prompt_cut, dtype=torch.bool),
+            prompt_truncated=torch.tensor(prompt_cut, dtype=torch.long),
         )
         columns = {k: [row[k] for row in rows] for k in rows[0] if k != column}
         return rollout.to(self.accelerator.device), columns

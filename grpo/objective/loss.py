@@ -110,6 +110,19 @@ def accumulation(
     return None, 1.0 / micro_steps
 
 
+def process_weight(loss_type: str, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+    """What one process's micro-batch loss counts for when the P processes' losses of one batch are averaged into
+    the batch's loss and they hold different numbers of rows (a last, shorter evaluation batch), by `loss_type`'s
+    aggregation (`aggregate`): its `rows` for a mean over its rows, its loss `tokens` for a token mean over its
+    micro-batch, and 1 for a loss normalised over the step, which is already P x its share of the batch's token
+    mean (so the plain mean over processes is that token mean). With equal rows, each weighting gives the plain
+    mean for the loss types normalised over the micro-batch, as data parallelism's gradient average does."""
+    kind = loss_type_of(loss_type)
+    if kind.normalised_over == "step":
+        return torch.ones((), device=tokens.device)
+    return tokens.float() if kind.reduction == "token_mean" else torch.tensor(float(rows), device=tokens.device)
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,

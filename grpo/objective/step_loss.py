@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from grpo.objective import old_policy
-from grpo.objective.loss import accumulation, policy_loss
+from grpo.objective.loss import accumulation, policy_loss, process_weight
 from grpo.objective.regularizers import EntropyControl, router_aux_term
 from grpo.objective.settings import LossSettings
 from grpo.objective.token_weights import policy_mask, sampling_weights
@@ -59,7 +59,9 @@ class StepLossResult:
     tokens, stat x tokens, ...] for `token_names` (the stats and the entropy), summed over processes;
     `sampling`: every process's `sampling_summary` (P, 7), or None without a correction; `entropy_coef`: the
     coefficient the next step starts from, at an optimizer step's last micro-batch with an entropy bonus, else
-    None; `old_logps`: the pi_old the ratio used (None: on-policy), for the non-finite guard."""
+    None; `old_logps`: the pi_old the ratio used (None: on-policy), for the non-finite guard; `evaluated`: in
+    evaluation, [the batch's loss x its rows, its rows] over every process's rows of the batch (each process's
+    loss weighted by `process_weight`), so that batches of different sizes count by their rows; else None."""
 
     loss: torch.Tensor
     stats: dict[str, torch.Tensor]
@@ -68,6 +70,7 @@ class StepLossResult:
     sampling: torch.Tensor | None
     entropy_coef: float | None
     old_logps: torch.Tensor | None
+    evaluated: torch.Tensor | None = None
 
     @property
     def terms(self) -> dict[str, torch.Tensor]:
@@ -126,7 +129,17 @@ class StepLoss:
         coef = self.entropy_control.observe(entropy, batch.loss_mask, keep, processes) if context.training else None
         totals, names = token_metric_totals(stats, entropy.detach(), batch.loss_mask)
         totals = processes.reduce(totals, reduction="sum")
-        return StepLossResult(loss, stats, totals, names, sampling, coef, old_logps)
+        evaluated = None if context.training else self.batch_loss(loss.detach(), batch)
+        return StepLossResult(loss, stats, totals, names, sampling, coef, old_logps, evaluated)
+
+    def batch_loss(self, loss: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """An evaluation batch's loss over every process's rows, as [loss x rows, rows] (`StepLossResult.evaluated`):
+        the processes' losses averaged with `process_weight`, which a last, shorter batch split unevenly needs."""
+        rows, tokens = batch.loss_mask.shape[0], batch.loss_mask.sum()
+        weight = process_weight(self.settings.loss_type, rows, tokens)
+        sums = self.collectives.reduce(torch.stack([loss.float() * weight, weight, weight.new_tensor(rows)]), "sum")
+        mean = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1e-12), 0.0)  # no loss token anywhere: 0
+        return torch.stack([mean * sums[2], sums[2]])
 
 
 def token_metric_totals(

@@ -41,7 +41,7 @@ class RefillPrompts:
         """This process's `num_rows` examples of the next round of `generation_batch_size` prompts."""
         if self._indices is None:
             sampler = train_sampler(self.args, len(dataset))
-            sampler.repeat_count, sampler.seed = 1, self.args.seed + 1
+            sampler.repeat_count, sampler.seed = 1, sampler.seed + 1  # another order than the rounds' own
             self._indices = refill_indices(sampler)
             for _ in range(self.position):  # resumed: skip what the stopped run took
                 next(self._indices)

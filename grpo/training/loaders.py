@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import math
 
+from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer
 
-from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
+from grpo.data.sampler import (
+    RepeatSampler,
+    StepSchedule,
+    eval_batches,
+    eval_sampler,
+    step_schedule,
+    train_batch_size,
+    train_sampler,
+)
 
 
 class RoundLoaders(Trainer):
@@ -32,6 +41,29 @@ class RoundLoaders(Trainer):
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
         return eval_sampler(self.args, len(eval_dataset), self.accelerator.num_processes)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """This process's evaluation batches (`eval_batches`): every prompt, a last shorter batch split among the
+        processes by rows. Not prepared by accelerate, whose `even_batches` would fill that batch up with rows from
+        the start of the set, evaluated twice; a batch is a list of data set rows, which need no device."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("GRPOTrainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        accelerator, args = self.accelerator, self.args
+        batches = eval_batches(args, len(dataset), accelerator.process_index, accelerator.num_processes)
+        return DataLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=self.data_collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            in_order=args.dataloader_in_order,
+        )
 
     def planned_steps(self) -> int | None:
         """The optimizer steps of the run, as Trainer counts them: `max_steps`, or `num_train_epochs` epochs of

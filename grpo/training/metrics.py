@@ -75,18 +75,30 @@ class MetricsWindow:
         return out
 
 
-def add_prompt_metrics(window: MetricsWindow, truncated: torch.Tensor, args, warned: bool) -> bool:
-    """`prompts/truncated`: the fraction of a round's prompts, all processes' rows (B_g,) bool, that were cut to
-    max_prompt_length. The first round with a cut prompt warns, unless `warned`; returns whether it was warned."""
-    window.add_mean("prompts/truncated", truncated.float().sum(), truncated.numel())
-    count = int(truncated.sum())
+def add_prompt_metrics(window: MetricsWindow, cut: torch.Tensor, args, warned: bool, conversations: bool) -> bool:
+    """`prompts/truncated`: the fraction of a round's prompts, all processes' rows `cut` (B_g,) long (0: whole;
+    else the prompt was cut to max_prompt_length: the whole turns a conversation lost, 1 for a string), that were
+    cut; with `conversations`, `prompts/turns_cut`: the mean number of whole turns a prompt lost. The first round
+    with a cut prompt warns, unless `warned`; returns whether it was warned."""
+    shortened = (cut > 0).float()
+    window.add_mean("prompts/truncated", shortened.sum(), cut.numel())
+    if conversations:
+        window.add_mean("prompts/turns_cut", cut.float().sum(), cut.numel())
+    count = int(shortened.sum())
     if count and not warned:
-        kept = "the end (and a leading system message)" if args.truncation_side == "left" else "the start"
+        if conversations:
+            how = (
+                f"lost their oldest whole turns ({int(cut.sum())} turns in all; a leading system message and the "
+                "last turn are always kept)"
+            )
+        else:
+            kept = "the end" if args.truncation_side == "left" else "the start"
+            how = f"were cut on the {args.truncation_side} (truncation_side), keeping {kept}"
         warnings.warn(
-            f"{count} of {truncated.numel()} prompts of this round are longer than max_prompt_length="
-            f"{args.max_prompt_length} tokens and were cut on the {args.truncation_side}, keeping {kept}. Raise "
-            "max_prompt_length, shorten those prompts, or choose truncation_side; `prompts/truncated` logs the "
-            "fraction cut in every round.",
+            f"{count} of {cut.numel()} prompts of this round are longer than max_prompt_length="
+            f"{args.max_prompt_length} tokens and {how}. Raise max_prompt_length, set it to None to keep whole "
+            "prompts (as TRL does), or shorten those prompts; `prompts/truncated` logs the fraction cut in every "
+            f"round{' and `prompts/turns_cut` the turns each lost' if conversations else ''}.",
             stacklevel=3,
         )
     return warned or count > 0
@@ -116,17 +128,19 @@ def add_round_metrics(
         valid = column[~torch.isnan(column)]
         window.add_mean(f"rewards/{name}/mean", valid.sum(), valid.numel())
         if valid.numel() > 1:
-            window.add_mean(f"rewards/{name}/std", valid.std(), 1)
-    valid = rewards[~torch.isnan(rewards)]
+            window.add_mean(f"rewards/{name}/std", valid.std() * valid.numel(), valid.numel())
+    valid, rows = rewards[~torch.isnan(rewards)], rewards.numel()
     window.add_mean("reward", valid.sum(), valid.numel())
+    # A round's statistics count by its rows: rounds of one run differ in size in evaluation (a last, shorter
+    # batch) and with offline groups of different sizes.
     for key, value in group_reward_stats(rewards, num_generations).items():
-        window.add_mean(key, value, 1)
+        window.add_mean(key, value * rows, rows)
     # Unscored rows (NaN: None, a failed call, or +-inf under nonfinite="skip") get nothing from that function.
     missing = torch.isnan(torch.cat([reward_columns, rewards.unsqueeze(1)], dim=1)).float().mean(dim=0).tolist()
     unscored, none = dict(zip(names, missing[:-1])), missing[-1]  # by function; by every function
     for name, fraction in unscored.items():
-        window.add_mean(f"rewards/{name}/unscored_ratio", fraction, 1)
-    window.add_mean("frac_reward_unscored", none, 1)
+        window.add_mean(f"rewards/{name}/unscored_ratio", fraction * rows, rows)
+    window.add_mean("frac_reward_unscored", none * rows, rows)
     warn_mostly_unscored(unscored, none, rewards.numel())
 
 
@@ -167,12 +181,15 @@ def add_token_metrics(window: MetricsWindow, totals: torch.Tensor, names: list[s
 
 def add_loss_metrics(window: MetricsWindow, result) -> None:
     """One micro-step's `StepLossResult` (grpo/objective/step_loss.py): its token-weighted statistics and entropy,
-    the sampler's correction (sampling/*) and, at a step's end, the entropy coefficient the next step starts from."""
+    the sampler's correction (sampling/*), at a step's end the entropy coefficient the next step starts from, and
+    in evaluation the batch's loss (which replaces Trainer's eval_loss, a plain mean over batches)."""
     if result.sampling is not None:
         add_sampling_metrics(window, result.sampling)
     if result.entropy_coef is not None:
         window.add_mean("entropy_coef", result.entropy_coef)
     add_token_metrics(window, result.token_totals, result.token_names)
+    if result.evaluated is not None:  # evaluation: `loss` (eval_loss), each batch counted by its rows
+        window.add_mean("loss", result.evaluated[0], result.evaluated[1])
 
 
 def add_reward_call_metrics(

@@ -26,6 +26,7 @@ import torch
 from accelerate.utils import gather
 from transformers import TrainerState
 
+from grpo.data import is_conversational
 from grpo.data.sampler import StepSchedule
 from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
@@ -36,7 +37,7 @@ from grpo.objective.loss import window_token_totals
 from grpo.objective.reference import reference_policy
 from grpo.objective.settings import ObjectiveSettings
 from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
-from grpo.rollout import MicroBatch, Rollout, gather_rows
+from grpo.rollout import MicroBatch, Rollout, first_row, gather_rows
 from grpo.training import metrics
 from grpo.training.async_rounds import AsyncRounds
 from grpo.training.checkpoints import any_process
@@ -111,6 +112,8 @@ class RoundMaker:
         """Steps 2-7 for the loader's rows `inputs` in `mode` ("train" or "eval"): this process's rows, with their
         advantages and (beta != 0) reference log-probs."""
         rollout = self.sample_and_score(inputs, mode, context)
+        if mode == "eval" and rollout.first_row is None:  # a last, shorter batch may split unevenly among processes
+            rollout.first_row = first_row(self.accelerator, rollout.num_rows)
         if mode == "train" and self.args.dynamic_sampling:
             rollout = self.dynamic_sampling(rollout, context)
         return self.prepare(rollout, mode, context)
@@ -314,7 +317,8 @@ class RoundMaker:
         metrics.add_round_metrics(window, lengths, truncated, columns, rewards, self.rewards.names, groups)
         if rollout.prompt_truncated is not None:  # prompts cut to max_prompt_length: counted, and warned of once
             cut = gather_rows(self.accelerator, rollout.prompt_truncated)
-            self.warned_truncation = metrics.add_prompt_metrics(window, cut, self.args, self.warned_truncation)
+            chats = is_conversational(rollout.prompts[0]) if rollout.prompts else False
+            self.warned_truncation = metrics.add_prompt_metrics(window, cut, self.args, self.warned_truncation, chats)
         if rollout.episode_stats is not None:  # multi-turn episodes: tools/* per episode, over all processes
             metrics.add_episode_metrics(window, rollout.episode_stats, self.accelerator)
         if mode == "train":

@@ -178,7 +178,8 @@ class VLLMGeneration:
             answer = [(reply["completion_ids"], reply["logprobs"])]
         answer = broadcast_object_list(answer, from_process=0)
         ids, logprobs = answer[0]
-        start = self.accelerator.process_index * len(prompt_ids)
+        counts = gather_object([len(prompt_ids)])  # a last, shorter evaluation batch may split unevenly
+        start = sum(counts[: self.accelerator.process_index])
         return Completions(ids[start : start + len(prompt_ids)], logprobs[start : start + len(prompt_ids)])
 
     def generate_local(
