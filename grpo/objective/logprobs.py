@@ -370,17 +370,15 @@ def completion_logprobs(
     the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`);
     `pad_to_multiple_of` rounds the widths the forward sees up (`_forward_columns`; not a packed row). `vision`: each
     row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`); rows with
-    images run padded and whole: never packed, never in the grouped layout. `sequence_parallel`: this process's
-    group, which holds the same rows; each process runs its shard of every sequence (sequence_parallel.py
-    `SequenceShards`) and every process gets every row's log-probs.
+    images run padded and whole: never packed, never in the grouped layout. `sequence_parallel`: a group of
+    processes holding the same rows, each running its shard of every sequence (sequence_parallel.py).
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, head_fp32=head_fp32)
         settings.update(padding_free=padding_free, share_prompt=share_prompt, entropy_grad=entropy_grad)
         settings.update(pad_to_multiple_of=pad_to_multiple_of, aux_losses=aux_losses)
-        settings.update(sequence_parallel=sequence_parallel)
-        return _in_row_batches(model, tensors, vision, batch_size, **settings)
+        return _in_row_batches(model, tensors, vision, batch_size, sequence_parallel=sequence_parallel, **settings)
 
     padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
@@ -390,13 +388,9 @@ def completion_logprobs(
     # merges their features into each row's prompt inside its own forward), nor for a router's loss (a mean over one
     # forward's tokens, where each prompt counts once per row).
     plain = pad_to_multiple_of or extra or aux_losses is not None
-    layout = _grouped(model, *batch) if share_prompt and not plain else None
-    if sequence_parallel is not None:
-        layout = SequenceShards(*batch, sequence_parallel, multiple_of=pad_to_multiple_of)
+    layout = _layout(model, batch, share_prompt and not plain, sequence_parallel, pad_to_multiple_of)
     forward = (padding_free, layout, extra, aux_losses)
     logps, entropy = _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad)
-    if sequence_parallel is not None:  # this process's tokens -> every row's
-        logps, entropy = layout.combine(logps), layout.combine(entropy)
     widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
     return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
 
@@ -415,9 +409,10 @@ def _projected(model, batch, forward, temperature, with_entropy, chunk_size, hea
         _check_head_for_fp32(head)
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
-        return _logprobs_from_full_logits(
+        values = _logprobs_from_full_logits(
             model, *batch, temperature, with_entropy, layout, extra, entropy_grad, aux_losses
         )
+        return _every_row(values, layout)
     # Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
     hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra, aux_losses)
     mask = _predicted(batch[3], layout)
@@ -434,7 +429,14 @@ def _projected(model, batch, forward, temperature, with_entropy, chunk_size, hea
         head_fp32=head_fp32,
         entropy_grad=entropy_grad,
     )
-    logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
+    return _every_row((None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values), layout)
+
+
+def _every_row(values, layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logps, entropy) of the pass; under sequence parallelism, this process's tokens joined with its group's."""
+    logps, entropy = values
+    if isinstance(layout, SequenceShards):
+        return layout.combine(logps), layout.combine(entropy)
     return logps, entropy
 
 
@@ -527,6 +529,14 @@ def _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, m
 def _grouped(model: nn.Module, *batch: torch.Tensor) -> GroupedLayout | None:
     """The batch in the grouped layout where the model can take it and a prompt repeats, else None."""
     return grouped_layout(*batch) if unsupported_reason(_language_model(model)) is None else None
+
+
+def _layout(model, batch, shared: bool, sequence_parallel, multiple_of) -> GroupedLayout | SequenceShards | None:
+    """How the forward lays out `batch` other than padded or packed: this process's shard of every row under
+    `sequence_parallel`, else (where `shared`) the grouped layout if it applies, else None."""
+    if sequence_parallel is not None:
+        return SequenceShards(*batch, sequence_parallel, multiple_of=multiple_of)
+    return _grouped(model, *batch) if shared else None
 
 
 def _layout_inputs(model: nn.Module, layout: GroupedLayout | SequenceShards) -> dict:

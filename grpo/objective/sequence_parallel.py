@@ -44,7 +44,9 @@ def parallel_sizes(args) -> tuple[int, int]:
         return int(config.sp_size or 1), int(config.cp_size or 1)
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1, 1
-    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")), int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
+    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")), int(
+        os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1")
+    )
 
 
 def check_config(args, sp_size: int, cp_size: int) -> None:
