@@ -1,7 +1,7 @@
 """Sequence parallelism through DeepSpeed's Ulysses attention (docs/distributed.md, "Sequence parallelism").
 
 The distributed tier launches two CPU processes over gloo as one sequence-parallel group (sp_size 2) under ZeRO-2
-(tests/helpers/sequence_parallel_update.py): each process runs half of every sequence, and their update must equal
+and under ZeRO-3 (tests/helpers/sequence_parallel_update.py): each process runs half of every sequence, and their update must equal
 one process's on the same rows, without sequence parallelism, within float32 rounding (tests/helpers/compare.py).
 The fast tests check the layout's arithmetic and the settings refused at construction."""
 
@@ -12,7 +12,7 @@ import torch
 from accelerate.parallelism_config import ParallelismConfig
 
 from grpo import GRPOConfig
-from grpo.objective.sequence_parallel import SequenceShards, check_model
+from grpo.objective.sequence_parallel import SequenceShards, check_model, gradient_factor
 from grpo.testing import tiny_model
 from tests.helpers.compare import assert_same_update, updates
 
@@ -110,17 +110,18 @@ def test_model_checks():
         check_model(tiny_model(attn_implementation="sdpa"), 4, 0.0)
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every process's results of tests/helpers/sequence_parallel_update.py on 2 processes (sp_size 2)."""
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def launched(request, tmp_path_factory):
+    """(ZeRO stage, every process's results of tests/helpers/sequence_parallel_update.py on 2 processes, sp_size 2,
+    under that stage)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'grpo[deepspeed]'")
     from tests.helpers.net import launch_two_processes
 
-    out_file = tmp_path_factory.mktemp("ulysses") / "two.pt"
-    config = ROOT / "tests" / "configs" / "accelerate_cpu_ulysses.yaml"
+    out_file = tmp_path_factory.mktemp(f"ulysses_zero{request.param}") / "two.pt"
+    config = ROOT / "tests" / "configs" / f"accelerate_cpu_ulysses_zero{request.param}.yaml"
     helper = ROOT / "tests" / "helpers" / "sequence_parallel_update.py"
     launch_two_processes(helper, out_file, config=config, env=DS_ENV)
-    return torch.load(out_file, weights_only=False)
+    return request.param, torch.load(out_file, weights_only=False)
 
 
 def run_names():
@@ -135,12 +136,15 @@ def run_names():
 @pytest.mark.parametrize("name", run_names())
 def test_two_processes_splitting_each_sequence_match_one(launched, tmp_path, name):
     """3 plain-SGD steps with the KL term on: the group of 2 processes, each running half of every sequence (the
-    reference's passes and pi_old's too), ends with the parameters of 1 process on the same rows."""
+    reference's passes and pi_old's too), ends with the parameters of 1 process on the same rows, under ZeRO-2 and
+    ZeRO-3 (whose reduce-scatter divides the gradients by every process, not by the data-parallel groups)."""
     from tests.helpers.fsdp_update import trained
     from tests.helpers.sequence_parallel_update import RUNS
 
-    (params, info), (_, other) = launched[0][name], launched[1][name]
+    stage, (results, other_results) = launched
+    (params, info), (_, other) = results[name], other_results[name]
     assert info["distributed_type"] == "DistributedType.DEEPSPEED" and info["sp_world_size"] == 2
+    assert info["zero_stage"] == stage
     assert info["world_size"] == 2 and info["steps_run"] == 3
     seen, other_seen = info["seen"], other["seen"]
     assert seen["rows"] == other_seen["rows"]  # both processes trained the same micro-batches
@@ -161,7 +165,8 @@ def test_two_processes_splitting_each_sequence_match_one(launched, tmp_path, nam
     assert sorted(params) == sorted(reference)
     expected = updates(reference, trainer.initial)
     assert sum(u.abs().sum() for u in expected.values()) > 0
-    assert_same_update(updates(params, trainer.initial), expected, reference, steps=3, what=f"sp_size 2 {name}")
+    what = f"sp_size 2, ZeRO-{stage}, {name}"
+    assert_same_update(updates(params, trainer.initial), expected, reference, steps=3, what=what)
 
 
 @pytest.mark.distributed
@@ -169,9 +174,19 @@ def test_sampling_runs_whole_sequences(launched):
     """2 steps that sample with the policy's own `model.generate` between sequence-parallel passes: sampling calls
     the plain attention (no Ulysses call beyond the log-prob passes'), and the model's attention layers keep their
     own key/value grouping after the passes."""
-    info = launched[0]["generate"]
+    info = launched[1][0]["generate"]
     assert info["steps_run"] == 2 and all(torch.isfinite(torch.tensor(info["losses"])))
     layers = 2
     passes = len(info["seen"]["shards"])
     assert passes > 0 and len(info["seen"]["ulysses"]) == passes * layers
     assert set(info["kv_groups"]) == {2}
+
+
+def test_gradient_factor_makes_up_for_how_each_zero_stage_divides():
+    """ZeRO-0/1/2 divide the sum of every process's gradient by the data-parallel groups: 1; ZeRO-3's reduce-scatter
+    by every process: sp_size; ZeRO-3 without reduce-scatter (bucket-dependent divisors) is refused."""
+    assert gradient_factor({"zero_optimization": {"stage": 2}}, 4) == 1
+    assert gradient_factor({}, 4) == 1
+    assert gradient_factor({"zero_optimization": {"stage": 3}}, 4) == 4
+    with pytest.raises(ValueError, match="reduce_scatter: false"):
+        gradient_factor({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2)

@@ -17,7 +17,8 @@ What a group of N processes does (N = `sp_size`):
   holds every row's log-probs and computes the same loss, with the token counts of whole sequences.
 - The sum's backward passes each process the gradient of its own pieces only (every process holds the same loss:
   the sum of their gradients would count it N times). DeepSpeed adds the gradients of all processes and divides by
-  the number of data-parallel groups, so the update equals one process's on the same rows.
+  the number of data-parallel groups under ZeRO-1/2, or by the number of processes under ZeRO-3, which the
+  backward makes up for (`gradient_factor`): the update equals one process's on the same rows.
 """
 
 from __future__ import annotations
@@ -111,20 +112,40 @@ def check_model(model, sp_size: int, router_coef: float) -> None:
         )
 
 
+def gradient_factor(deepspeed_config: dict, sp_size: int) -> int:
+    """What a process's gradient is multiplied by so that DeepSpeed's reduction gives one process's update.
+
+    DeepSpeed 0.19 adds the gradients of every process of the run; ZeRO-0/1/2 divide the sum by the data-parallel
+    groups (processes / sp_size), which is the mean over groups: 1. ZeRO-3's reduce-scatter divides it by every
+    process instead (`reduce_scatter_coalesced`), sp_size times more: sp_size. Under ZeRO-3 without reduce_scatter
+    the divisor depends on each bucket's size (its contiguous all-reduce divides as ZeRO-2 does), so it is refused."""
+    zero = deepspeed_config.get("zero_optimization", {})
+    if zero.get("stage", 0) != 3:
+        return 1
+    if not zero.get("reduce_scatter", True):
+        raise ValueError(
+            "Sequence parallelism under ZeRO-3 with reduce_scatter: false: DeepSpeed then divides some gradient "
+            "buckets by the processes and others by the data-parallel groups. Remove reduce_scatter: false."
+        )
+    return sp_size
+
+
 class _SumOverGroup(torch.autograd.Function):
     """Forward: the sum of every group process's tensor (their pieces are disjoint, so the sum is exact). Backward:
-    the gradient as it is. Every process computes the same loss from the sum, so each process's own pieces get the
-    loss's gradient once, from itself; summing the group's gradients would count it once per process."""
+    the gradient times `factor` (`gradient_factor`). Every process computes the same loss from the sum, so each
+    process's own pieces get the loss's gradient once, from itself; summing the group's gradients would count it
+    once per process."""
 
     @staticmethod
-    def forward(ctx, tensor, group):
+    def forward(ctx, tensor, group, factor):
+        ctx.factor = factor
         total = tensor.contiguous().clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad if ctx.factor == 1 else grad * ctx.factor, None, None
 
 
 class SequenceShards:
@@ -174,7 +195,7 @@ class SequenceShards:
 
     def combine(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """(B, T) values of this process's completion tokens (0 elsewhere) -> every row's, on every process."""
-        return None if values is None else _SumOverGroup.apply(values, self.parallel.group)
+        return None if values is None else _SumOverGroup.apply(values, self.parallel.group, self.parallel.factor)
 
 
 class SequenceParallel(TrainerCallback):
@@ -204,6 +225,13 @@ class SequenceParallel(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         install(model.config._attn_implementation)
+
+    @property
+    def factor(self) -> int:
+        """`gradient_factor` of this run's DeepSpeed configuration."""
+        from accelerate.state import AcceleratorState
+
+        return gradient_factor(AcceleratorState().deepspeed_plugin.deepspeed_config, self.size)
 
     @property
     def rank(self) -> int:

@@ -8,6 +8,7 @@ import math
 from transformers import Trainer
 
 from grpo.data.sampler import RepeatSampler, StepSchedule, eval_sampler, step_schedule, train_batch_size, train_sampler
+from grpo.objective.sequence_parallel import gradient_factor
 
 
 class RoundLoaders(Trainer):
@@ -30,6 +31,7 @@ class RoundLoaders(Trainer):
                 f"under DeepSpeed, but this run is {kind}. Launch with a DeepSpeed accelerate config that has a "
                 "parallelism_config section (examples/accelerate_configs/deepspeed_ulysses.yaml)."
             )
+        gradient_factor(self.accelerator.state.deepspeed_plugin.deepspeed_config, size)  # refused settings: now
         self.accelerator.deepspeed_ulysses_dl_adapter = lambda loader, model: loader  # rows are pooled in rounds
 
     def get_sp_size(self) -> int:

@@ -1,7 +1,7 @@
-"""GRPO with DeepSpeed Ulysses sequence parallelism (sp_size 2) on two CPU processes over gloo, ZeRO-2.
+"""GRPO with DeepSpeed Ulysses sequence parallelism (sp_size 2) on two CPU processes over gloo, ZeRO-2 or ZeRO-3.
 
     DS_ACCELERATOR=cpu ACCELERATE_TORCH_DEVICE=cpu accelerate launch \
-        --config_file tests/configs/accelerate_cpu_ulysses.yaml tests/helpers/sequence_parallel_update.py OUT
+        --config_file tests/configs/accelerate_cpu_ulysses_zero2.yaml tests/helpers/sequence_parallel_update.py OUT
 
 The two processes form one sequence-parallel group: each generates half of the group's rows, and both train every
 row, each running its half of every sequence. Saves, for tests/test_sequence_parallel.py, per run in `RUNS` the
@@ -18,6 +18,7 @@ import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
 from grpo import GRPOTrainer
+from grpo.generation.policy_weights import _full
 from grpo.objective import sequence_parallel
 from grpo.rollout import MicroBatch
 from tests.helpers.fsdp_update import describe, route_fsdp_to_cpu, trained
@@ -79,6 +80,7 @@ def ran(trainer):
 
     info = describe(trainer)
     info["sp_world_size"] = groups._get_sequence_parallel_world_size()
+    info["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
     info["seen"] = {key: list(value) for key, value in SEEN.items()}
     info["kv_groups"] = [m.num_key_value_groups for m in trainer.model.modules() if hasattr(m, "num_key_value_groups")]
     SEEN.clear()
@@ -93,7 +95,9 @@ if __name__ == "__main__":
     for name, config in RUNS.items():
         release_groups()
         config = dict(config)
-        params, trainer = trained(f"{out_file}.{name}", config.pop("per_device_train_batch_size"), **config)
+        _, trainer = trained(f"{out_file}.{name}", config.pop("per_device_train_batch_size"), **config)
+        # Whole, gathered where ZeRO-3 partitions them.
+        params = {key: _full(param).clone() for key, param in trainer.model.named_parameters()}
         results[name] = (params, ran(trainer))
     # Sampling with the policy's own `model.generate` (not sequence-parallel) between sequence-parallel passes.
     release_groups()
