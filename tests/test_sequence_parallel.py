@@ -158,6 +158,8 @@ def test_two_processes_splitting_each_sequence_match_one(launched, tmp_path, nam
     assert sum(s[3] for s in seen["shards"]) > 0 and sum(s[3] for s in other_seen["shards"]) > 0
     assert all(a[3] + b[3] == a[4] for a, b in zip(seen["shards"], other_seen["shards"]))
     assert len(seen["ulysses"]) > 0 and set(seen["ulysses"]) == {2}  # DeepSpeed's all-to-all over the group
+    # One Ulysses call per layer (2) and pass, and with gradient checkpointing again in each training backward.
+    assert (len(seen["ulysses"]) > 2 * len(seen["shards"])) == (name == "checkpointed")
     assert set(info["kv_groups"]) == {2}  # the model's own grouping, as Ulysses found it
     reference, trainer = trained(tmp_path, per_device, share_prompt=False, **config)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -35,6 +35,8 @@ RUNS = {
     "dapo": dict(loss_type="dapo", per_device_train_batch_size=2, gradient_accumulation_steps=2, **LONG),
     "dapo_clipped": dict(loss_type="dapo", per_device_train_batch_size=4, max_grad_norm=0.05, **LONG),
     "lora": dict(lora=True, per_device_train_batch_size=4, **LONG),
+    # Each layer's forward again in the backward: its Ulysses attention with it, on both processes.
+    "checkpointed": dict(gradient_checkpointing=True, per_device_train_batch_size=4, **LONG),
 }
 # What the sequence-parallel passes did on this process: their (shard width, full width, first position) and the
 # completion tokens each predicted of all its rows'; Ulysses attention calls; rows of the micro-batches trained.
