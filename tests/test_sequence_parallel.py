@@ -192,3 +192,15 @@ def test_gradient_factor_makes_up_for_how_each_zero_stage_divides():
     assert gradient_factor({"zero_optimization": {"stage": 3}}, 4) == 4
     with pytest.raises(ValueError, match="reduce_scatter: false"):
         gradient_factor({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2)
+
+
+def test_example_config_has_the_tested_section():
+    """examples/accelerate_configs/deepspeed_ulysses.yaml sets the parallelism_config section the distributed tests
+    launch with, under DeepSpeed."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    example = load_config_from_file(str(ROOT / "examples" / "accelerate_configs" / "deepspeed_ulysses.yaml"))
+    tested = load_config_from_file(str(ROOT / "tests" / "configs" / "accelerate_cpu_ulysses_zero2.yaml"))
+    assert example.distributed_type.value == "DEEPSPEED"
+    assert example.parallelism_config == tested.parallelism_config
+    assert example.parallelism_config["parallelism_config_sp_size"] == 2
