@@ -26,6 +26,7 @@ from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATION
 
 from grpo.data import TRUNCATION_SIDES
 from grpo.generation.settings import check_continuous_batching, check_generation_kwargs, check_vllm_engine
+from grpo.objective.sequence_parallel import parallel_sizes
 from grpo.objective.settings import ObjectiveSettings, objective_settings
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 from grpo.training.inherited_fields import check_inherited_fields
@@ -1092,6 +1093,12 @@ class GRPOConfig(TrainingArguments):
         return self.eval_generations if mode == "eval" else self.num_generations
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """The processes that split each sequence: accelerate's sp_size (`parallelism_config`, or an accelerate
+        config's parallelism_config section); 1 without sequence parallelism (grpo/objective/sequence_parallel.py)."""
+        return parallel_sizes(self)[0]
+
+    @property
     def eval_name(self) -> str:
         """The field `eval_generations` comes from, for error messages."""
         return "num_generations" if self.num_generations_eval is None else "num_generations_eval"
@@ -1380,8 +1387,11 @@ class GRPOConfig(TrainingArguments):
     def _resolve_generation_batch(self, spans_the_step: bool):
         """Resolve `generation_batch_size` from `steps_per_generation` or the other way round, then check that a
         generation round splits into whole micro-batches on every process and holds whole groups (and, where the
-        loss type normalises over the whole optimizer step, `spans_the_step`, covers whole optimizer steps)."""
-        rows_per_step = self.per_device_train_batch_size * self.world_size  # rows of one micro-step, all processes
+        loss type normalises over the whole optimizer step, `spans_the_step`, covers whole optimizer steps). Under
+        sequence parallelism the processes of a group train the same rows, each generating 1/sp_size of them."""
+        sp_size = self.sequence_parallel_size
+        # Rows of one micro-step, all processes (a sequence-parallel group trains one micro-batch).
+        rows_per_step = self.per_device_train_batch_size * self.world_size // sp_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError(
                 "Set generation_batch_size or steps_per_generation, not both: each determines the other "
@@ -1400,6 +1410,13 @@ class GRPOConfig(TrainingArguments):
                     "into whole micro-batches."
                 )
             self.steps_per_generation = self.generation_batch_size // rows_per_step
+        if (self.per_device_train_batch_size * self.steps_per_generation) % sp_size != 0:
+            raise ValueError(
+                f"sp_size={sp_size}: each process of a sequence-parallel group generates its share of the group's "
+                f"rows of a round, per_device_train_batch_size x steps_per_generation / sp_size = "
+                f"{self.per_device_train_batch_size} x {self.steps_per_generation} / {sp_size}, which must be a whole "
+                "number. Raise per_device_train_batch_size or steps_per_generation."
+            )
         if self.generation_batch_size % self.num_generations != 0:
             raise ValueError(
                 f"generation_batch_size={self.generation_batch_size} (per_device_train_batch_size x processes x "

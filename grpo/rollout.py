@@ -17,7 +17,7 @@ a rollout from chosen rows of several gathered ones; `micro_batches` cuts the lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
@@ -208,6 +208,28 @@ class Rollout:
                 value = accelerator.pad_across_processes(value, dim=1, pad_index=fill, pad_first=side == "left")
             out[name] = gather(value)
         return replace(self, **out)
+
+    def pooled(self, gather_objects: Callable[[Any], list], pad_token_id: int) -> Rollout:
+        """The local rows of every process of a sequence-parallel group, in its order, with their texts: the same
+        rollout on each of them (grpo/objective/sequence_parallel.py). `gather_objects(value)`: every group
+        process's picklable `value`. Local tensors are padded to the widest (per-token advantages on the right);
+        gathered fields are unchanged. Only a rollout with advantages and nothing per row beyond texts and tensors
+        (no images, no agent's extra sequences) is pooled."""
+        if self.advantages is None or any(v is not None for v in (self.vision, self.images, self.extra_sequences)):
+            raise ValueError("a pooled rollout needs its advantages, and no images or extra sequences")
+        local = self._tensors(LOCAL)
+        mine = {name: getattr(self, name).cpu() for name, _ in local}
+        everyone = gather_objects((self.prompts, self.completions, mine))
+        device = self.prompt_ids.device
+        out: dict[str, Any] = {
+            "prompts": [p for prompts, _, _ in everyone for p in prompts],
+            "completions": [c for _, completions, _ in everyone for c in completions],
+        }
+        for name, side in local:
+            rows = [row.to(device) for _, _, tensors in everyone for row in tensors[name]]
+            per_token = name == "advantages" and rows[0].dim() == 1
+            out[name] = stack_rows(rows, padding_value(name, pad_token_id), "right" if per_token else side)
+        return replace(self, **out, first_row=None)
 
     @classmethod
     def select(cls, rollouts: Sequence[Rollout], rows: Sequence[tuple[int, int]], local: slice, pad_token_id: int):

@@ -220,6 +220,11 @@ def offline_groups(train_dataset, eval_dataset, args, reward_funcs) -> OfflineGr
                 "eval_dataset is not supported when train_dataset holds stored completions (offline training): "
                 "evaluate the trained model separately, e.g. with a GRPOTrainer on prompts and trainer.evaluate()."
             )
+        if getattr(args, "sequence_parallel_size", 1) > 1:
+            raise InputError(
+                "offline training is not supported with sequence parallelism (sp_size > 1) yet: train without "
+                "sp_size, or generate the completions online."
+            )
         groups = OfflineGroups(train_dataset, args, bool(reward_funcs))
         train_batch_size(args, args.world_size, groups=True)  # whole groups per process: fails now, not at training
     except ValueError as e:  # InputError, and the sampler's ValueError

@@ -97,10 +97,11 @@ def train_sampler(args, num_samples: int, groups: bool = False) -> RepeatSampler
 
 
 def train_batch_size(args, num_processes: int, groups: bool = False) -> int:
-    """One process's loader batch: its rows of a round, or with `groups` (offline data) its whole groups of a round,
-    the round's `generation_batch_size / G` groups split evenly so that no group spans two processes."""
+    """One process's loader batch: its rows of a round (per_device_train_batch_size x steps_per_generation, divided
+    by sp_size under sequence parallelism), or with `groups` (offline data) its whole groups of a round, the round's
+    `generation_batch_size / G` groups split evenly so that no group spans two processes."""
     if not groups:
-        return args.per_device_train_batch_size * args.steps_per_generation
+        return args.generation_batch_size // num_processes
     count = args.generation_batch_size // args.num_generations
     if count % num_processes != 0:
         raise ValueError(

@@ -292,6 +292,11 @@ def check_vision_run(args, processing_class, images: bool, tools: Any, offline: 
             "padding_free=True packs sequences into one row, which vision inputs cannot be packed with: set "
             "padding_free=None or False",
         ),
+        (
+            getattr(args, "sequence_parallel_size", 1) > 1,
+            "images are not supported with sequence parallelism (sp_size > 1): a shard of a sequence would hold "
+            "image placeholders whose features the model merges in only with the whole prompt",
+        ),
     ]
     found = [text for problem, text in problems if problem]
     if found:

@@ -18,6 +18,7 @@ from torch import nn
 from grpo.data import content_widths, round_up
 from grpo.data.vision import vision_batch
 from grpo.models import unwrap_parallel
+from grpo.objective.sequence_parallel import SequenceParallel, SequenceShards
 from grpo.objective.settings import LogProbSettings
 from grpo.objective.shared_prompt import GroupedLayout, grouped_layout, sharing_pays, unsupported_reason
 
@@ -350,6 +351,7 @@ def completion_logprobs(
     vision: list[dict[str, torch.Tensor]] | None = None,
     entropy_grad: bool = False,
     aux_losses: list[torch.Tensor] | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every completion token, from logits divided by the sampling temperature.
 
@@ -368,14 +370,15 @@ def completion_logprobs(
     the projection (default: from the vocabulary size); `head_fp32` runs it in float32 (`chunked_logprobs`);
     `pad_to_multiple_of` rounds the widths the forward sees up (`_forward_columns`; not a packed row). `vision`: each
     row's images as the model takes them (grpo/data/vision.py), given with its tokens (`_padded_inputs`); rows with
-    images run padded and whole: never packed, never in the grouped layout.
+    images run padded and whole: never packed, never in the grouped layout. `sequence_parallel`: a group of
+    processes holding the same rows, each running its shard of every sequence (sequence_parallel.py).
     """
     if batch_size is not None and batch_size < prompt_ids.shape[0]:
         tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         settings = dict(temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, head_fp32=head_fp32)
         settings.update(padding_free=padding_free, share_prompt=share_prompt, entropy_grad=entropy_grad)
         settings.update(pad_to_multiple_of=pad_to_multiple_of, aux_losses=aux_losses)
-        return _in_row_batches(model, tensors, vision, batch_size, **settings)
+        return _in_row_batches(model, tensors, vision, batch_size, sequence_parallel=sequence_parallel, **settings)
 
     padding_free = padding_free and vision is None  # rows with images are never packed
     num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
@@ -385,7 +388,7 @@ def completion_logprobs(
     # merges their features into each row's prompt inside its own forward), nor for a router's loss (a mean over one
     # forward's tokens, where each prompt counts once per row).
     plain = pad_to_multiple_of or extra or aux_losses is not None
-    layout = _grouped(model, *batch) if share_prompt and not plain else None
+    layout = _layout(model, batch, share_prompt and not plain, sequence_parallel, pad_to_multiple_of)
     forward = (padding_free, layout, extra, aux_losses)
     logps, entropy = _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad)
     widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
@@ -406,12 +409,13 @@ def _projected(model, batch, forward, temperature, with_entropy, chunk_size, hea
         _check_head_for_fp32(head)
     adapted_head = hasattr(head, "base_layer")  # a PEFT adapter's update is in the wrapper's forward, not its weight
     if adapted_head or (_is_sharded(head.weight) and not _is_dtensor(head.weight)):
-        return _logprobs_from_full_logits(
+        values = _logprobs_from_full_logits(
             model, *batch, temperature, with_entropy, layout, extra, entropy_grad, aux_losses
         )
+        return _every_row(values, layout)
     # Chunked projection of the completion positions only; a sharded (FSDP2) weight read after the forward.
     hidden = _completion_hidden_states(model, *batch, padding_free, layout, extra, aux_losses)
-    mask = batch[3].bool()
+    mask = _predicted(batch[3], layout)
     values = chunked_logprobs(
         hidden,
         _whole(head.weight, hidden.dtype),
@@ -425,7 +429,14 @@ def _projected(model, batch, forward, temperature, with_entropy, chunk_size, hea
         head_fp32=head_fp32,
         entropy_grad=entropy_grad,
     )
-    logps, entropy = (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values)
+    return _every_row((None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for v in values), layout)
+
+
+def _every_row(values, layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logps, entropy) of the pass; under sequence parallelism, this process's tokens joined with its group's."""
+    logps, entropy = values
+    if isinstance(layout, SequenceShards):
+        return layout.combine(logps), layout.combine(entropy)
     return logps, entropy
 
 
@@ -433,11 +444,14 @@ class LogProbs:
     """The log-prob pass of a run, the same for the policy, pi_old and pi_ref: `completion_logprobs` of a batch (a
     `Rollout`, `MicroBatch` or `TokenBatch`: its four token tensors and its images) with the run's `LogProbSettings`
     and forward layout (`padding_free`, `share_prompt`: shared_prompt.py decides), inside `autocast()` (mixed
-    precision: the head in bf16 unless `head_fp32`; each weight cast once)."""
+    precision: the head in bf16 unless `head_fp32`; each weight cast once). With `sequence_parallel_size` > 1, each
+    process of a group runs its shard of every sequence (`sequence_parallel`, its group; None without)."""
 
     def __init__(self, settings: LogProbSettings, padding_free: bool, share_prompt: bool, autocast=None):
         self.settings, self.padding_free, self.share_prompt = settings, padding_free, share_prompt
         self.autocast = autocast or contextlib.nullcontext
+        size = settings.sequence_parallel_size
+        self.sequence_parallel = SequenceParallel(size) if size > 1 else None
 
     def __call__(self, model, batch, with_entropy: bool = False, batch_size: int | None = None, **extra):
         """(logps, entropy or None) of `batch` under `model`; `extra`: `entropy_grad`, `aux_losses`."""
@@ -458,6 +472,7 @@ class LogProbs:
                 pad_to_multiple_of=s.pad_to_multiple_of,
                 share_prompt=self.share_prompt,
                 vision=getattr(batch, "vision", None),  # images (vision-language models), or None
+                sequence_parallel=self.sequence_parallel,
                 **extra,
             )
 
@@ -522,14 +537,31 @@ def _grouped(model: nn.Module, *batch: torch.Tensor) -> GroupedLayout | None:
     return layout if layout is not None and sharing_pays(layout, rows, width, language_model.config) else None
 
 
-def _grouped_inputs(model: nn.Module, layout: GroupedLayout) -> dict[str, torch.Tensor]:
-    """The forward's inputs in the grouped layout: ids, position ids, and the 4D mask for the model's attention."""
+def _layout(model, batch, shared: bool, sequence_parallel, multiple_of) -> GroupedLayout | SequenceShards | None:
+    """How the forward lays out `batch` other than padded or packed: this process's shard of every row under
+    `sequence_parallel`, else (where `shared`) the grouped layout if it applies, else None."""
+    if sequence_parallel is not None:
+        return SequenceShards(*batch, sequence_parallel, multiple_of=multiple_of)
+    return _grouped(model, *batch) if shared else None
+
+
+def _layout_inputs(model: nn.Module, layout: GroupedLayout | SequenceShards) -> dict:
+    """The forward's inputs in the grouped layout (ids, position ids, and the 4D mask for the model's attention), or
+    in the sequence-parallel one (`SequenceShards.model_inputs`)."""
     language_model = _language_model(model)
+    if isinstance(layout, SequenceShards):
+        return layout.model_inputs(language_model)
     return {
         "input_ids": layout.input_ids,
         "position_ids": layout.position_ids,
         "attention_mask": layout.attention_mask(language_model.config, language_model.dtype),
     }
+
+
+def _predicted(completion_mask: torch.Tensor, layout) -> torch.Tensor:
+    """(B, T) bool: the completion tokens this pass predicts, in the order of its hidden states: every one, or under
+    sequence parallelism those of this process's columns."""
+    return layout.completion_mask if isinstance(layout, SequenceShards) else completion_mask.bool()
 
 
 def _completion_hidden_states(
@@ -570,8 +602,8 @@ def _decoder_hidden_states(
     decoder = _language_model(model).get_decoder()
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
     try:
-        if layout is not None:  # each run of identical prompts once (grpo/objective/shared_prompt.py)
-            model(**_grouped_inputs(model, layout), logits_to_keep=1, use_cache=False)
+        if layout is not None:  # each run of identical prompts once (shared_prompt.py), or a shard of every row
+            model(**_layout_inputs(model, layout), logits_to_keep=1, use_cache=False)
             # index_select, never `x[index]`: on CPU the backward of indexing with repeated indices (the prompt's
             # last position predicts token 0 of every completion) accumulates in an order that changes run to run.
             return captured[0].flatten(0, 1).index_select(0, layout.predicting)
@@ -608,11 +640,11 @@ def _logprobs_from_full_logits(
 ):  # fmt: skip
     """Fallback for a ZeRO-3 partitioned output projection, or one a PEFT adapter wraps: the model's forward builds
     the (B, T, V) logits (in the grouped layout: of the columns from the prompt's last on, (U, L - P + 1, V))."""
-    mask = completion_mask.bool()
+    mask = _predicted(completion_mask, layout)
     if layout is not None:
         rows, width = layout.input_ids.shape
         kept = width - layout.completions_from + 1
-        logits = model(**_grouped_inputs(model, layout), logits_to_keep=kept, use_cache=False).logits
+        logits = model(**_layout_inputs(model, layout), logits_to_keep=kept, use_cache=False).logits
         # The predicting positions' flat indices in (U, L), moved to the kept columns' (U, kept).
         row, column = layout.predicting // width, layout.predicting % width
         picked = logits.flatten(0, 1).index_select(0, row * kept + column - (width - kept))[None] / temperature

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from grpo.objective.loss_types import TERM_DEFAULTS, loss_type_of
+from grpo.objective.sequence_parallel import check_config, parallel_sizes
 
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL's `multi_objective_aggregation` values: sum the weighted rewards, then normalise (GRPO); or normalise each reward
@@ -81,16 +82,22 @@ class AdvantageSettings:
 class LogProbSettings:
     """`completion_logprobs`' settings for a whole run: the sampling `temperature` the logits are divided by, the
     projection's row `chunk_size` (None: from the vocabulary), `head_fp32` (`cast_lm_head_to_fp32`), and the widths
-    the forward sees rounded up to `pad_to_multiple_of`."""
+    the forward sees rounded up to `pad_to_multiple_of`, and the processes that split each sequence,
+    `sequence_parallel_size` (accelerate's sp_size; sequence_parallel.py)."""
 
     temperature: float = 1.0
     chunk_size: int | None = None
     head_fp32: bool = False
     pad_to_multiple_of: int | None = None
+    sequence_parallel_size: int = 1
 
     @classmethod
     def from_config(cls, args) -> LogProbSettings:
-        return cls(args.temperature, args.logprobs_chunk_size, args.cast_lm_head_to_fp32, args.pad_to_multiple_of)
+        sp_size, cp_size = parallel_sizes(args)
+        if sp_size > 1 or cp_size > 1:
+            check_config(args, sp_size, cp_size)
+        head = args.cast_lm_head_to_fp32
+        return cls(args.temperature, args.logprobs_chunk_size, head, args.pad_to_multiple_of, sp_size)
 
 
 @dataclass(frozen=True)

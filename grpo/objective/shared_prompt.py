@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from grpo.objective.regularizers import router_aux_coef
+from grpo.objective.sequence_parallel import check_model
+
 logger = logging.getLogger(__name__)
 
 
@@ -106,7 +109,15 @@ def sharing_pays(layout: GroupedLayout, rows: int, width: int, config) -> bool:
 
 def forward_layout(args, model, announce: bool = True) -> tuple[bool, bool]:
     """(padding_free, share_prompt) for a run's log-prob passes, from its `GRPOConfig` and model. Packing sequences
-    without padding pays only with variable-length attention kernels, so `padding_free=None` means flash attention."""
+    without padding pays only with variable-length attention kernels, so `padding_free=None` means flash attention.
+    Sequence parallelism takes neither (Ulysses drops the masks both need; sequence_parallel.py), and checks that
+    it can split the model."""
+    if args.sequence_parallel_size > 1:
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_model(lm, args.sequence_parallel_size, router_aux_coef(lm.config, args.router_aux_loss_coef))
+        if args.share_prompt and announce:
+            logger.info("share_prompt: off under sequence parallelism, whose attention takes no 4D mask.")
+        return False, False
     attention = getattr(model.config, "_attn_implementation", None) or ""
     padding_free = args.padding_free if args.padding_free is not None else "flash_attention" in attention
     return padding_free, shares_prompt(args.share_prompt, model, announce)

@@ -17,11 +17,39 @@ from grpo.data.sampler import (
     train_batch_size,
     train_sampler,
 )
+from grpo.objective.sequence_parallel import gradient_factor
 
 
 class RoundLoaders(Trainer):
     """Trainer's sampler and loader hooks, answered by the repeat sampler. Reads `self.offline_data` (set by
-    `GRPOTrainer` before Trainer's constructor): not None means the training set is a data set of groups."""
+    `GRPOTrainer` before Trainer's constructor): not None means the training set is a data set of groups.
+
+    Under sequence parallelism (accelerate's sp_size) every process still draws and generates its own rows; the
+    group pools them once they are scored (grpo/training/rounds.py). So Trainer must not wrap the loader in
+    DeepSpeed's Ulysses adapter (which shards each batch's token tensors) nor count its batches sp_size times."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        size = self.args.sequence_parallel_size
+        if size == 1:
+            return
+        config, kind = self.accelerator.parallelism_config, str(self.accelerator.distributed_type)
+        if kind != "DistributedType.DEEPSPEED" or config is None or config.sp_size != size:
+            raise ValueError(
+                f"sp_size={size} splits sequences with DeepSpeed's Ulysses attention, which accelerate sets up only "
+                f"under DeepSpeed, but this run is {kind}. Launch with a DeepSpeed accelerate config that has a "
+                "parallelism_config section (examples/accelerate_configs/deepspeed_ulysses.yaml)."
+            )
+        gradient_factor(self.accelerator.state.deepspeed_plugin.deepspeed_config, size)  # refused settings: now
+        self.accelerator.deepspeed_ulysses_dl_adapter = lambda loader, model: loader  # rows are pooled in rounds
+
+    def get_sp_size(self) -> int:
+        """1: each process's loader yields its own rows, one batch per micro-step (class docstring)."""
+        return 1
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Rows of one optimizer step over all processes: a sequence-parallel group trains one micro-batch."""
+        return super().get_total_train_batch_size(args) // args.sequence_parallel_size
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset

@@ -5,7 +5,8 @@ trainer cuts into micro-batches (docs/architecture.md, "One optimizer step").
     4.   score every completion on the process that made it, gather the rewards of all processes, check them
          (`score_round`); with `async_generation`, steps 2-4's local part was made ahead (async_rounds.py)
     4b.  dynamic sampling: zero-advantage groups replaced from extra rounds (`dynamic_sampling`)
-    5.   group advantages over the gathered rewards; this process keeps its rows (`prepare`)
+    5.   group advantages over the gathered rewards; this process keeps its rows, or with sequence parallelism its
+         group's (`prepare`)
     7.   the reference policy's log-probs, when beta != 0 (`prepare`); the round's metrics recorded throughout
 
 It owns the sampler (the generation backend), its random stream and what a checkpoint must carry of the rounds
@@ -285,6 +286,9 @@ class RoundMaker:
             step = context.state.global_step
             save_round(args.output_dir, self.accelerator, rollout, self.rewards, step)
         rollout = self.with_extra_sequences(replace(rollout, images=None))
+        group = getattr(self.logprobs, "sequence_parallel", None)
+        if group is not None:  # a sequence-parallel group trains its processes' rows together
+            rollout = rollout.pooled(group.gather_objects, self.tokenizer.pad_token_id)
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         if self.settings.loss.beta != 0:
             with torch.no_grad(), reference_policy(context.model, context.reference) as reference:

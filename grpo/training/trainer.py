@@ -192,6 +192,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
             self.add_callback(ReferenceUpdate(self))
+        if self.logprobs.sequence_parallel is not None:  # its attention set up once accelerate prepared the model
+            self.add_callback(self.logprobs.sequence_parallel)
         self._frozen_engines = []  # DeepSpeed engines of frozen ZeRO-3 models (grpo.models.prepare_frozen)
         if self.ref_model is not None:  # the reference and the reward models placed on the accelerator's device
             self.ref_model = prepare_frozen(self.ref_model, self.accelerator, self._frozen_engines)
@@ -236,8 +238,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         return self.rewards.outcome_funcs
 
     def round_context(self) -> RoundContext:
-        """What a round reads of this trainer now (rounds.py): the models as Trainer holds them, its state, the
-        micro-step, and the run's step schedule while training."""
+        """What a round reads of this trainer now (rounds.py): models, state, micro-step, step schedule (training)."""
         schedule = self.step_schedule if self.model.training and self.train_dataset is not None else None
         return RoundContext(self.model, self.model_wrapped, self.ref_model, self.state, self._step, schedule)
 
@@ -267,8 +268,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         self._step += 1
         return micro_batch
 
-    def _old_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
-        """pi_old's log-probs of `micro_batch` from a no-grad pass of the current policy (step 6)."""
+    def _old_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:  # step 6: a no-grad pass of the policy
         return self.logprobs(self.model, micro_batch)[0]
 
     # ---- Step 8: the loss ----

@@ -133,7 +133,7 @@ def trained(output_dir, per_device, scripted=True, lora=False, resume=None, mode
         peft_config=lora_config() if lora else None,
     )
     if scripted:
-        offset = trainer.accelerator.process_index * args.per_device_train_batch_size * args.steps_per_generation
+        offset = trainer.accelerator.process_index * args.generation_batch_size // args.world_size  # its first row
         trainer.generation = ScriptedGeneration(args.num_generations, args.max_completion_length, offset=offset)
     trainer.counter = StepCounter()
     trainer.add_callback(trainer.counter)
