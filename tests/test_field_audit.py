@@ -135,6 +135,8 @@ OWN = (
     "logprobs_chunk_size",
     "padding_free",
     "share_prompt",
+    "tiled_mlp_tokens",
+    "activation_offloading",
     "cpu_decode_kernel",
     "cpu_inverse_cdf_sampling",
     "keep_freed_cpu_memory",
