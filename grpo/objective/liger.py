@@ -100,11 +100,16 @@ def check_head(model) -> None:
         )
 
 
+def installed(package: str) -> bool:
+    """Whether `package` is on the path here (looked up, not imported)."""
+    return importlib.util.find_spec(package) is not None
+
+
 def layer_kernels_reason(device: torch.device) -> str | None:
     """Why Liger's layer kernels (Triton kernels that Trainer applies to the model) cannot run here, or None."""
-    if importlib.util.find_spec("liger_kernel") is None:
+    if not installed("liger_kernel"):
         return "liger-kernel is not installed"
-    if importlib.util.find_spec("triton") is None:
+    if not installed("triton"):
         return "they need Triton, which is not installed"
     if device.type == "cpu":
         return "they need a GPU"
@@ -114,7 +119,7 @@ def layer_kernels_reason(device: torch.device) -> str | None:
 def package_reason() -> str | None:
     """Why liger-kernel's GRPO loss cannot be used here (not installed, or a release without what this module
     passes it), or None."""
-    if importlib.util.find_spec("liger_kernel") is None:
+    if not installed("liger_kernel"):
         return "liger-kernel is not installed (pip install 'grpo[liger]')"
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
