@@ -75,9 +75,9 @@ def announcement(reason: str | None, kernels: str | None, device: torch.device) 
     """The log line of `choose`: what computes the loss (and why not Liger), and whether Liger's layer kernels
     apply (`kernels`: why not, or None)."""
     if reason is None:
-        compiled = (
-            "compiled" if device.type == "cuda" else f"not compiled on {device.type}: torch.compile on a GPU only"
-        )
+        compiled = "compiled" if device.type == "cuda" else f"not compiled on {device.type}"
+        if device.type == "cpu":  # docs/performance.md, "Liger's fused GRPO loss"
+            compiled += ", where it is slower than this library's path: use_liger_kernel=False runs that"
         loss = f"the loss runs through Liger's fused linear GRPO loss ({compiled})"
     else:
         loss = (
