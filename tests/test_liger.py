@@ -98,24 +98,24 @@ def test_liger_loss_and_gradients_equal_ours(case):
     assert_close_to_scale(got_grads[1], want_grads[1], "head's gradient")
 
 
-class CountedCalls(torch.nn.Module):
-    """Liger's loss module, counting its calls (so that a test knows Liger's loss trained, not the plain path)."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module, self.calls = module, 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        return self.module(*args, **kwargs)
-
-
-def count_liger_calls(monkeypatch) -> list[CountedCalls]:
-    """The Liger loss modules the trainers built from now on make, each counting its calls."""
+def count_liger_calls(monkeypatch) -> list:
+    """The Liger loss modules the trainers built from now on make, each counting its calls in `calls` (so that a
+    test knows Liger's loss trained, not the plain path)."""
     built, make = [], liger.loss_module
-    monkeypatch.setattr(
-        liger, "loss_module", lambda *args, **kwargs: built.append(CountedCalls(make(*args, **kwargs))) or built[-1]
-    )
+
+    def counted_module(*args, **kwargs):
+        module = make(*args, **kwargs)
+        module.calls, forward = 0, module.forward
+
+        def counted(*inputs, **options):
+            module.calls += 1
+            return forward(*inputs, **options)
+
+        module.forward = counted
+        built.append(module)
+        return module
+
+    monkeypatch.setattr(liger, "loss_module", counted_module)
     return built
 
 

@@ -32,6 +32,7 @@ import logging
 import torch
 
 from grpo.objective.logprobs import chunked_logprobs, output_projection, projection_is_whole
+from grpo.objective.loss import spans_the_step
 from grpo.objective.settings import LogProbSettings, LossSettings, ObjectiveSettings
 from grpo.objective.step_loss import StepContext, StepLoss, StepLossResult
 from grpo.rollout import MicroBatch
@@ -222,6 +223,8 @@ def fused_policy_loss(
     def finite(values, fill=0.0):
         return None if values is None else torch.where(mask, values, fill) if values.shape == mask.shape else values
 
+    if normalizer is None and spans_the_step(module.loss_type):
+        normalizer = mask.sum()  # as `aggregate` (Liger would sum the mask over its processes)
     items = None
     if normalizer is not None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
