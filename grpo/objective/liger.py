@@ -7,7 +7,8 @@ on the main process:
   - Liger's fused loss, where liger-kernel is installed and its options cover the run's loss: every loss type, beta,
     epsilon / epsilon_high, delta, importance_sampling_level, use_bias_correction_kl, sapo's and vespo's knobs, the
     temperature, and the sampler's correction without a KL term. It is written in torch and runs on any device;
-    torch.compile (Liger's default) only on a GPU.
+    torch.compile (Liger's default) only on a GPU. On a CPU it is slower than this library's path
+    (docs/performance.md).
   - else this library's own path (chunked log-probs, which never build the full logits either, and `policy_loss`),
     the line naming what Liger lacks (`missing_option`, `head_reason`) or that the package is missing.
   - Liger's layer kernels (RMSNorm, SwiGLU, RoPE, ...) are applied by `transformers.Trainer` at `train()`, as for any
@@ -53,8 +54,8 @@ NEEDED_INPUTS = ("vllm_is_ratio", "num_items_in_batch")
 def choose(model, args, settings: ObjectiveSettings, accelerator, router_coef: float = 0.0):
     """The run's `StepLoss` and the args to give `transformers.Trainer`: Liger's (`LigerStepLoss`) where
     `args.use_liger_kernel` asks for it and it can run the run's loss, else the plain one; with
-    `use_liger_kernel=True`, one log line (main process) says which, and whether Liger's layer kernels apply. Where they
-    cannot, the args returned are a copy with `use_liger_kernel=False`, so that Trainer does not try them at
+    `use_liger_kernel=True`, one log line (main process) says which, and whether Liger's layer kernels apply. Where
+    they cannot, the args returned are a copy with `use_liger_kernel=False`, so that Trainer does not try them at
     `train()`; the caller's args are left as they are. Refuses a PEFT adapter on the output head (`check_head`)."""
     if not args.use_liger_kernel:
         return StepLoss(settings.loss, accelerator, router_coef), args
