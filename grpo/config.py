@@ -247,6 +247,15 @@ class GRPOConfig(TrainingArguments):
         "batch x length x vocabulary logits are never built). None picks it from the vocabulary size so one "
         "float32 chunk takes about 128 MiB; smaller saves memory, larger can be faster.",
     )
+    use_liger_kernel: bool = option(
+        default=False,
+        section=Section.MODEL,
+        help="Train on Liger's fused linear GRPO loss (`pip install 'grpo[liger]'`), which projects the hidden states "
+        "and computes the loss and its gradients in chunks, where its options cover the run's loss; else this "
+        "library's chunked log-probs, said in one log line (docs/performance.md). `Trainer` also applies Liger's "
+        "layer kernels (`liger_kernel_config`) where Triton and a GPU let them run. An error with a PEFT adapter on "
+        "the head.",
+    )
     tiled_mlp_tokens: int | None = option(
         default=None,
         section=Section.MODEL,

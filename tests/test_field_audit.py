@@ -117,6 +117,8 @@ HERE = {
     "dataloader_in_order": "both loaders",
     "accelerator_config": "Trainer's, but split_batches and dispatch_batches are refused (UNHONOURED_ACCELERATOR)",
     "prediction_loss_only": "evaluation gives the loss and metrics only, no predictions (no compute_metrics here)",
+    "use_liger_kernel": "Liger's fused linear GRPO loss, and Trainer's layer kernels where they run (objective/liger.py)",
+    "liger_kernel_config": "Trainer's layer kernels; fused_linear_cross_entropy refused (tests/test_liger.py)",
     # TrainingArguments fields GRPOConfig redeclares with TRL's defaults.
     "learning_rate": "1e-6, as TRL; refused above 1.0 unless allow_large_learning_rate",
     "bf16": "None: on only where CUDA supports bfloat16",
@@ -267,8 +269,6 @@ REFUSED = {
 
 # Handled by another part of this work.
 ELSEWHERE = {
-    "use_liger_kernel": "Liger's fused loss (the lead's part)",
-    "liger_kernel_config": "Liger's fused loss (the lead's part)",
     "parallelism_config": "sequence and context parallelism (its own part)",
 }
 

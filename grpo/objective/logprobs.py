@@ -380,19 +380,56 @@ def completion_logprobs(
         settings.update(pad_to_multiple_of=pad_to_multiple_of, aux_losses=aux_losses)
         return _in_row_batches(model, tensors, vision, batch_size, sequence_parallel=sequence_parallel, **settings)
 
+    tensors, options = (prompt_ids, prompt_mask, completion_ids, completion_mask), (padding_free, pad_to_multiple_of)
+    batch, forward = _forward_plan(model, tensors, *options, share_prompt, vision, aux_losses, sequence_parallel)
+    logps, entropy = _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad)
+    widen = (0, completion_ids.shape[1] - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
+    return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+
+
+def _forward_plan(model, tensors, padding_free, pad_to_multiple_of, share_prompt, vision, aux_losses, parallel):
+    """Step 1's plan: the columns of `tensors` (prompt ids and mask, completion ids and mask) the forward sees, and
+    how it runs them: (padding_free, the grouped or sequence-parallel layout or None, the vision keyword arguments,
+    `aux_losses`)."""
     padding_free = padding_free and vision is None  # rows with images are never packed
-    num_completion, multiple = completion_ids.shape[1], None if padding_free else pad_to_multiple_of
-    batch = _forward_columns(prompt_ids, prompt_mask, completion_ids, completion_mask, multiple)
-    extra = vision_batch(vision, batch[0].shape[1], batch[2].shape[1], prompt_ids.device) if vision else {}
+    batch = _forward_columns(*tensors, None if padding_free else pad_to_multiple_of)
+    extra = vision_batch(vision, batch[0].shape[1], batch[2].shape[1], tensors[0].device) if vision else {}
     # No grouped layout with pad_to_multiple_of (its widths would not be the padded ones), nor with images (the model
     # merges their features into each row's prompt inside its own forward), nor for a router's loss (a mean over one
     # forward's tokens, where each prompt counts once per row).
     plain = pad_to_multiple_of or extra or aux_losses is not None
-    layout = _layout(model, batch, share_prompt and not plain, sequence_parallel, pad_to_multiple_of)
-    forward = (padding_free, layout, extra, aux_losses)
-    logps, entropy = _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad)
-    widen = (0, num_completion - logps.shape[1])  # back to the batch's width: padded, or cut (masked columns)
-    return nn.functional.pad(logps, widen), nn.functional.pad(entropy, widen) if with_entropy else None
+    layout = _layout(model, batch, share_prompt and not plain, parallel, pad_to_multiple_of)
+    return batch, (padding_free, layout, extra, aux_losses)
+
+
+def completion_hidden_states(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    padding_free: bool = False,
+    pad_to_multiple_of: int | None = None,
+    share_prompt: bool = True,
+    vision: list[dict[str, torch.Tensor]] | None = None,
+    aux_losses: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Step 1 of `completion_logprobs` alone, for a loss that applies the output projection itself (Liger's fused
+    linear loss, liger.py): the backbone's final hidden states at the positions that predict completion tokens, (N, H)
+    in row-major order of completion_mask == 1, from the same forward (layouts, vision, `aux_losses`) as
+    `completion_logprobs`, without sequence parallelism."""
+    tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    batch, forward = _forward_plan(
+        model, tensors, padding_free, pad_to_multiple_of, share_prompt, vision, aux_losses, None
+    )
+    return _completion_hidden_states(model, *batch, *forward)
+
+
+def projection_is_whole(weight: torch.Tensor) -> bool:
+    """Whether an output projection's weight is whole on this process: not partitioned by DeepSpeed ZeRO-3, nor
+    sharded by FSDP."""
+    return not _is_sharded(weight)
 
 
 def _projected(model, batch, forward, temperature, with_entropy, chunk_size, head_fp32, entropy_grad):
@@ -474,6 +511,23 @@ class LogProbs:
                 vision=getattr(batch, "vision", None),  # images (vision-language models), or None
                 sequence_parallel=self.sequence_parallel,
                 **extra,
+            )
+
+    def hidden_states(self, model, batch, aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The pass's final hidden states at the positions that predict `batch`'s completion tokens, (N, H)
+        (`completion_hidden_states`, inside `autocast()`), for a loss that projects them itself."""
+        with self.autocast():
+            return completion_hidden_states(
+                model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                padding_free=self.padding_free,
+                pad_to_multiple_of=self.settings.pad_to_multiple_of,
+                share_prompt=self.share_prompt,
+                vision=getattr(batch, "vision", None),
+                aux_losses=aux_losses,
             )
 
 

@@ -15,6 +15,7 @@ Everything it needs of the other processes goes through `Collectives`, which an 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +93,13 @@ class StepLoss:
         collect a router's loss in (None without one)."""
         return {"entropy_grad": self.entropy_control.enabled, "aux_losses": [] if self.router_coef else None}
 
+    def run(self, logprobs, model, batch: MicroBatch, context: StepContext) -> tuple[torch.Tensor, StepLossResult]:
+        """The training pass and its loss: `batch`'s log-probs and entropy under `model` (`logprobs`, the run's
+        `LogProbs`), then this loss of them; returns (logps, result). (liger.py's subclass runs Liger's fused loss.)"""
+        forward = self.forward_options
+        logps, entropy = logprobs(model, batch, with_entropy=True, **forward)
+        return logps, self(logps, entropy, forward["aux_losses"], batch, context)
+
     def __call__(
         self,
         logps: torch.Tensor,
@@ -99,9 +107,11 @@ class StepLoss:
         aux_losses: list[torch.Tensor] | None,
         batch: MicroBatch,
         context: StepContext,
+        fused: Callable[..., torch.Tensor] | None = None,
     ) -> StepLossResult:
         """Steps 1-6 of the module docstring for `batch`, whose forward pass gave `logps` and `entropy` (B, T) and,
-        for a MoE model, `aux_losses`."""
+        for a MoE model, `aux_losses`. `fused(old_logps, sampling_weights, normalizer)`, where given, computes the
+        step 4 loss that trains (Liger's fused loss, liger.py); `policy_loss` on `logps` still gives its stats."""
         settings, processes = self.settings, self.collectives
         old_logps = old_policy.take(batch, logps, context.global_step)  # None: on-policy, logps.detach()
         weights, sampling = sampling_weights(logps, batch, settings.sampling)
@@ -123,6 +133,8 @@ class StepLoss:
             entropy=entropy,
             entropy_coef=self.entropy_control.coefficient,
         )
+        if fused is not None:
+            loss = fused(old_logps, weights, normalizer)
         # A MoE router's loss joins as a mean over the step's micro-batches, whatever the loss type.
         aux, aux_stats = router_aux_term(aux_losses, self.router_coef, context.micro_steps)
         loss, stats = loss * factor + aux, {**stats, **aux_stats}

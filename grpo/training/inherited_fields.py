@@ -100,3 +100,26 @@ def check_inherited_fields(args) -> None:
             raise ValueError(
                 f"accelerator_config {name}={value!r} is not supported by GRPOTrainer: it {why}. Leave it unset."
             )
+    check_liger_kernel_config(args)
+
+
+def check_liger_kernel_config(args) -> None:
+    """With `use_liger_kernel`, refuse Liger's fused linear cross-entropy in `liger_kernel_config`, and turn it off
+    where the config leaves it to Liger's default (on), as TRL 1.16 does; Liger's other layer kernels apply
+    (grpo/objective/liger.py)."""
+    if not args.use_liger_kernel:
+        return
+    kernels = args.liger_kernel_config or {}
+    if not isinstance(kernels, dict):
+        raise ValueError(
+            f"liger_kernel_config={kernels!r} must be a dict of Liger kernel names to booleans, e.g. "
+            '{"rms_norm": True, "swiglu": False}.'
+        )
+    if kernels.get("fused_linear_cross_entropy"):
+        raise ValueError(
+            'liger_kernel_config={"fused_linear_cross_entropy": True} is not supported by GRPOTrainer: it replaces '
+            "the model's forward with one that computes a cross-entropy loss against labels, and GRPO has none (the "
+            "loss reads the final hidden states: Liger's fused linear GRPO loss, or this library's chunked "
+            "log-probs). Leave fused_linear_cross_entropy out of liger_kernel_config; the other kernels apply."
+        )
+    args.liger_kernel_config = {**kernels, "fused_linear_cross_entropy": False}

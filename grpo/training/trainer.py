@@ -21,12 +21,12 @@ from grpo.generation.episodes import make_agent
 from grpo.generation.rollout_function import check_episodes, make_function_agent
 from grpo.generation.tools import make_toolbox
 from grpo.models import is_peft_model, load_policy, prepare_frozen
-from grpo.objective import activation_memory, old_policy
+from grpo.objective import activation_memory, liger, old_policy
 from grpo.objective.logprobs import LogProbs
 from grpo.objective.reference import ReferenceUpdate, make_reference, reference_moves
 from grpo.objective.regularizers import router_aux_coef
 from grpo.objective.shared_prompt import forward_layout
-from grpo.objective.step_loss import StepContext, StepLoss
+from grpo.objective.step_loss import StepContext
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet
 from grpo.rewards.stored import offline_rewards
@@ -62,7 +62,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
          (old = logp.detach(), kept for replays); the others get old log-probs from a pass before any update.
       7. Reference log-probs, only when beta != 0.
       8. `compute_loss`: policy log-probs in one forward pass, then the clipped objective, scaled once for gradient
-         accumulation (`StepLoss`), and its record (metrics; what the non-finite guard checks at the step).
+         accumulation (`StepLoss`), and its record (metrics; what the non-finite guard checks at the step). With
+         `use_liger_kernel`, Liger's fused linear GRPO loss computes the loss that trains (objective/liger.py).
 
     Args:
         model: a path or hub id (loaded with `AutoModelForCausalLM.from_pretrained` and `args.model_init_kwargs`),
@@ -187,7 +188,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
             memory.keep_freed_memory()
         context = activation_memory.forward_context(self.model, self.accelerator, self.args)  # tiled MLPs, offloading
         self.logprobs = LogProbs(self.settings.logprobs, *layout, autocast=context)
-        self.step_loss = StepLoss(self.settings.loss, self.accelerator, router_coef)
+        self.step_loss, self.args = liger.choose(self.model, self.args, self.settings, self.accelerator, router_coef)
         self.gradient_guard = GradientGuard(self.accelerator, self.args.nonfinite, self.metric_windows["train"])
         self.add_callback(self.gradient_guard)
         if self._reference_moves:
@@ -278,11 +279,10 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         record: the metrics, and in training what the non-finite guard checks at the optimizer step."""
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
-        training, forward = model.training, self.step_loss.forward_options
-        logps, entropy = self.logprobs(model, inputs, with_entropy=True, **forward)
+        training = model.training
         micro_steps = self.current_gradient_accumulation_steps if training else 1
         context = StepContext(training, micro_steps, self.state.global_step)
-        result = self.step_loss(logps, entropy, forward["aux_losses"], inputs, context)
+        logps, result = self.step_loss.run(self.logprobs, model, inputs, context)  # Liger's fused loss, where it runs
         metrics.add_loss_metrics(self.metric_windows["train" if training else "eval"], result)
         if training:  # checked at the optimizer step, with what names the row of a non-finite term (nonfinite.py)
             level = self.settings.loss.importance_sampling_level
