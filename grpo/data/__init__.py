@@ -375,10 +375,9 @@ def check_prompt_lengths(
     prompts that leave fewer than `args.max_completion_length` positions get one warning, since a completion that
     runs that long goes past the positions the model was trained on (or, with learned position embeddings, fails
     with 'index out of range'). Conversations no cut of whole turns fits are refused first (`check_prompt_turns`).
-    Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room for a whole completion; else (by default whole prompts, `max_prompt_length=None`) every prompt of
-    `train_dataset` and `eval_dataset` (which may be a dict of evaluation sets; offline training's groups are items
-    with a prompt) is rendered and tokenized once, as the trainer would (without tool schemas). Streams are not read
-    (they may not end)."""
+    Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room for a whole completion; else
+    every prompt of `train_dataset` and `eval_dataset` (a dict of evaluation sets too; offline groups are items with
+    a prompt; streams, which may not end, are not read) is rendered once, as the trainer would (no tool schemas)."""
     check_prompt_turns(tokenizer, args, train_dataset, eval_dataset, batch_size)
     context = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
     if not isinstance(context, int):  # a model without positions (or that does not say): nothing to check
