@@ -393,7 +393,9 @@ class GRPOConfig(TrainingArguments):
     shuffle_dataset: bool = option(
         default=True,
         section=Section.DATA,
-        help="Shuffle the prompts (seeded by `seed`, identically on every process).",
+        help="Shuffle the prompts (seeded by `seed`, identically on every process). A streamed "
+        "`datasets.IterableDataset` is shuffled by its own buffer of 1000 rows, afresh at each pass; a torch "
+        "`IterableDataset` cannot be, and is taken in its order (docs/config.md#streamed-data-sets).",
     )
     pad_to_multiple_of: int | str | None = option(
         default="auto",

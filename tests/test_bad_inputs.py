@@ -195,13 +195,6 @@ def test_a_plain_dict_of_columns_is_told_to_become_a_dataset(name):
     check(raised, rf"{name} is a plain dict \(keys \['answer', 'prompt'\]\), not a data set", r"Dataset.from_dict\(")
 
 
-def test_streamed_datasets_are_refused():
-    # A stream has no length, and the trainer draws prompts by index (test_silent_oddities.py builds trainers).
-    stream = Dataset.from_dict({"prompt": ["q", "r"]}).to_iterable_dataset()
-    with pytest.raises(InputError, match=r"eval_dataset\['a'\] is a stream \(IterableDataset, no length\)"):
-        check_prompt_dataset({"a": stream}, "eval_dataset")
-
-
 def test_reserved_columns_are_the_arguments_the_trainer_passes():
     seen = {}
 

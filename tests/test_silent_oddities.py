@@ -1,6 +1,6 @@
 """Oddities that used to change training without a word (issue 38), each made impossible or loud: a reward that
 reseeds torch, reward functions sharing a name, prompts longer than the model's context, a near-zero temperature, a
-tokenizer larger than the model's vocabulary, a streamed data set, and a multi-process launch whose processes each
+tokenizer larger than the model's vocabulary, and a multi-process launch whose processes each
 train alone. Rows of the fault matrix in docs/reliability.md."""
 
 import os
@@ -204,28 +204,6 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, prom
     assert "'<extra_1>', '<extra_2>'" in message and "model.resize_token_embeddings(len(tokenizer))" in message
     model.resize_token_embeddings(len(tokenizer))
     GRPOTrainer(model, reward_len, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
-
-
-# ---- Streamed data sets ----
-
-
-@pytest.mark.parametrize("which", ["train_dataset", "eval_dataset"])
-def test_a_streamed_dataset_is_refused_before_the_model_loads(tmp_path, monkeypatch, which):
-    # It used to be taken, and failed at the first batch deep inside accelerate.
-    import grpo.models
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("the model loaded before the stream was refused")
-
-    monkeypatch.setattr(grpo.models, "load_causal_lm", no_load)
-    data = Dataset.from_dict({"prompt": [f"q{i}" for i in range(8)]})
-    datasets = {"train_dataset": data, which: data.to_iterable_dataset()}
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), **TINY)
-    with pytest.raises(InputError) as raised:
-        GRPOTrainer("never-loaded", reward_len, args=args, **datasets)
-    message = str(raised.value)
-    assert f"{which} is a stream (IterableDataset, no length)" in message
-    assert "streaming=True" in message and "Dataset.from_list(list(stream.take(" in message
 
 
 # ---- A multi-process launch whose processes would each train alone ----

@@ -252,8 +252,9 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
     is the trainer's argument, "train_dataset" or "eval_dataset" (which may be a dict of data sets).
 
     Reads the prompt column once, `batch_size` rows at a time, without tokenizing (per million rows, about 0.1 s for
-    strings and 3 s for chat messages). A data set without a length (an `IterableDataset`, streamed) is refused
-    (`check_not_streamed`): the trainer draws prompts by index. Raises `InputError` naming the first bad row (and how many there are) or the column, and the fix."""
+    strings and 3 s for chat messages). Of a stream (`is_stream`) only the columns are checked, when it lists them;
+    its rows are checked as the trainer reads them (grpo/data/stream.py). Raises `InputError` naming the first bad
+    row (and how many there are) or the column, and the fix."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
@@ -270,7 +271,6 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
         for key, value in dataset.items():  # several evaluation sets, as `Trainer` accepts
             check_prompt_dataset(value, f"{name}[{key!r}]", batch_size)
         return
-    check_not_streamed(dataset, name)
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         return  # columns unknown (a torch Dataset): rows are checked when drawn
@@ -307,25 +307,20 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset", batch_size: 
 
 def _each_dataset(datasets: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """(name, data set) for each of `datasets` (the trainer's arguments by name), a dict of evaluation sets entry by
-    entry, None left out."""
+    entry, None and streams (which cannot be read whole before training) left out."""
     for name, dataset in datasets.items():
         if isinstance(dataset, dict):
-            yield from ((f"{name}[{key!r}]", value) for key, value in dataset.items() if value is not None)
-        elif dataset is not None:
+            yield from ((f"{name}[{key!r}]", v) for key, v in dataset.items() if v is not None and not is_stream(v))
+        elif dataset is not None and not is_stream(dataset):
             yield name, dataset
 
 
-def check_not_streamed(dataset: Any, name: str) -> None:
-    """Refuse a data set without a length (an `IterableDataset`, `load_dataset(..., streaming=True)`): the trainer
-    shuffles prompts into rounds, repeats each G times and counts epochs and resume points by index, which a stream
-    cannot give."""
-    if hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset):
-        return
-    raise InputError(
-        f"{name} is a stream ({type(dataset).__name__}, no length): GRPOTrainer draws prompts by index (shuffled "
-        "rounds of G copies, epochs, exact resume), so it needs a data set with a length. Load it without "
-        "streaming=True, or take a part of the stream: datasets.Dataset.from_list(list(stream.take(10_000)))."
-    )
+def is_stream(dataset: Any) -> bool:
+    """Whether `dataset` is a stream: an `IterableDataset` (`load_dataset(..., streaming=True)`, or torch's), or any
+    data set without a length. The trainer reads it in order (grpo/data/stream.py) instead of drawing by index."""
+    if dataset is None or isinstance(dataset, dict):
+        return False
+    return isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
 
 
 def _prompt_batches(dataset: Any, batch_size: int) -> Iterator[tuple[int, list]]:
@@ -380,9 +375,9 @@ def check_prompt_lengths(
     prompts that leave fewer than `args.max_completion_length` positions get one warning, since a completion that
     runs that long goes past the positions the model was trained on (or, with learned position embeddings, fails
     with 'index out of range'). Conversations no cut of whole turns fits are refused first (`check_prompt_turns`).
-    Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room for a whole completion; else (by default whole prompts, `max_prompt_length=None`) every prompt of
-    `train_dataset` and `eval_dataset` (which may be a dict of evaluation sets; offline training's groups are items
-    with a prompt) is rendered and tokenized once, as the trainer would (without tool schemas)."""
+    Nothing is read when `args.max_prompt_length` (which cuts every prompt) leaves room for a whole completion; else
+    every prompt of `train_dataset` and `eval_dataset` (a dict of evaluation sets too; offline groups are items with
+    a prompt; streams, which may not end, are not read) is rendered once, as the trainer would (no tool schemas)."""
     check_prompt_turns(tokenizer, args, train_dataset, eval_dataset, batch_size)
     context = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
     if not isinstance(context, int):  # a model without positions (or that does not say): nothing to check

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from grpo.data import InputError
+from grpo.data import InputError, is_stream
 
 
 class RepeatSampler(Sampler[int]):
@@ -112,18 +112,23 @@ def train_batch_size(args, num_processes: int, groups: bool = False) -> int:
     return count // num_processes
 
 
-def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
+def eval_round_size(args, num_processes: int) -> int:
     """The rows of one evaluation round (batch k of every process together): `per_device_eval_batch_size x
-    processes`, whole groups of `args.eval_generations` (`num_generations_eval`, or G) rows. Checks that the set of
-    `num_samples` prompts can be evaluated: it is not empty, and the last round, which holds the prompts left over
-    and may be shorter, gives every process at least one row (or, with `dataloader_drop_last`, is dropped, and one
-    whole round remains)."""
+    processes`, which must be whole groups of `args.eval_generations` (`num_generations_eval`, or G) rows."""
     rows, generations, name = args.per_device_eval_batch_size * num_processes, args.eval_generations, args.eval_name
     if rows % generations != 0:
         raise InputError(
             f"per_device_eval_batch_size x processes = {rows} is not a multiple of {name}={generations}: each "
             f"evaluation batch must hold whole groups. Change per_device_eval_batch_size or {name}."
         )
+    return rows
+
+
+def eval_round_rows(args, num_samples: int, num_processes: int) -> int:
+    """The rows of one evaluation round (`eval_round_size`). Checks that the set of `num_samples` prompts can be
+    evaluated: it is not empty, and the last round, which holds the prompts left over and may be shorter, gives every
+    process at least one row (or, with `dataloader_drop_last`, is dropped, and one whole round remains)."""
+    rows, generations, name = eval_round_size(args, num_processes), args.eval_generations, args.eval_name
     if num_samples == 0:
         raise InputError("The evaluation set is empty. Give it prompts, or pass eval_dataset=None to skip evaluation.")
     prompts = rows // generations
@@ -169,23 +174,71 @@ def eval_batches(args, num_samples: int, process_index: int, num_processes: int)
     """
     rows = eval_round_rows(args, num_samples, num_processes)
     order = list(eval_sampler(args, num_samples, num_processes))
-    batches = []
-    for start in range(0, len(order), rows):
-        round_rows = order[start : start + rows]
-        bounds = [p * len(round_rows) // num_processes for p in range(num_processes + 1)]
-        batches.append(round_rows[bounds[process_index] : bounds[process_index + 1]])
-    return batches
+    return [
+        process_share(order[start : start + rows], process_index, num_processes)
+        for start in range(0, len(order), rows)
+    ]
+
+
+def process_share(round_rows: list, process_index: int, num_processes: int) -> list:
+    """This process's part of an evaluation round's rows: equal parts, or as even as a shorter round allows (parts
+    differ by at most one row), in process order."""
+    bounds = [p * len(round_rows) // num_processes for p in range(num_processes + 1)]
+    return round_rows[bounds[process_index] : bounds[process_index + 1]]
 
 
 def check_dataset_sizes(args, train_dataset, eval_dataset, groups: bool = False) -> None:
     """Enough prompts (or, with `groups`, stored groups) in `train_dataset` for one training round, and in
     `eval_dataset` (a data set or a dict of them) for evaluation (`eval_round_rows`): checked when the trainer is
-    built, not at `train()` or at the first evaluation, hours later. Data sets without a length are not checked."""
-    if hasattr(train_dataset, "__len__"):
+    built, not at `train()` or at the first evaluation, hours later. A stream's length is unknown: its settings are
+    checked instead (`check_stream_settings`), its rows as they are read (grpo/data/stream.py)."""
+    if is_stream(train_dataset):
+        check_stream_settings(args, train_dataset, "train_dataset")
+    elif train_dataset is not None:
         train_sampler(args, len(train_dataset), groups=groups)
     for held_out in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
-        if hasattr(held_out, "__len__"):
+        if is_stream(held_out):
+            check_stream_settings(args, held_out, "eval_dataset")
+            eval_round_size(args, args.world_size)
+        elif held_out is not None:
             warn_short_eval_batch(args, len(held_out), eval_round_rows(args, len(held_out), args.world_size))
+
+
+def check_stream_settings(args, stream, name: str) -> None:
+    """What a streamed `train_dataset` or `eval_dataset` needs of the config: `max_steps` (no length, so no epochs
+    to count the run in), the rows read in this process (no loader workers, which would each read the stream), and
+    for training none of the features that draw prompts by index; a torch stream, which cannot be shuffled, is
+    warned about."""
+    kind = type(stream).__name__
+    if args.dataloader_num_workers:
+        raise InputError(
+            f"{name} is a stream ({kind}) and dataloader_num_workers={args.dataloader_num_workers}: a stream is read "
+            "in order in the training process, so that its position can be saved in checkpoints (each worker would "
+            "read it again). Set dataloader_num_workers=0."
+        )
+    if name != "train_dataset":
+        return
+    if args.max_steps <= 0:
+        raise InputError(
+            f"train_dataset is a stream ({kind}, no length), so num_train_epochs={args.num_train_epochs} cannot say "
+            "how long to train: set max_steps, the number of optimizer steps (a stream that ends is read again, in a "
+            "new pass)."
+        )
+    for flag, what in (
+        ("async_generation", "reads rounds ahead by index"),
+        ("dynamic_sampling", "draws extra prompts by index"),
+    ):
+        if getattr(args, flag):
+            raise InputError(
+                f"{flag}=True {what}, which a stream ({kind}) cannot give. Set {flag}=False, or load the data set "
+                "without streaming=True."
+            )
+    if args.shuffle_dataset and not hasattr(stream, "shuffle"):
+        warnings.warn(
+            f"train_dataset is a {kind}, which has no shuffle buffer: its rows are taken in its own order "
+            "(shuffle_dataset=True cannot shuffle it). Shuffle it yourself, or set shuffle_dataset=False to say so.",
+            stacklevel=4,
+        )
 
 
 def warn_short_eval_batch(args, num_samples: int, rows: int) -> None:

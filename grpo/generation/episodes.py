@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo.data import InputError, encode_prompts
+from grpo.data import InputError, encode_prompts, is_stream
 from grpo.generation.base import Completions, cut_at_eos, limit_for
 from grpo.generation.tool_calls import ParseFailure, ToolCall, resolve_parser
 from grpo.generation.tool_executor import ToolCounts, ToolExecutor
@@ -131,7 +131,12 @@ class AgentLoop:
         )
         self.tool_turn = ToolTurnTokens(tokenizer, self.eos_token_ids, args.chat_template_kwargs)
         check_template_renders_tools(tokenizer, toolbox.schemas(), args.chat_template_kwargs)
-        if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt"), str):
+        if (
+            dataset is not None
+            and not is_stream(dataset)
+            and len(dataset)
+            and isinstance(dataset[0].get("prompt"), str)
+        ):
             raise InputError(_STRING_PROMPT.format(prompt=dataset[0]["prompt"][:60]))
 
     def give_back(self, columns: dict[str, list]) -> None:

@@ -8,6 +8,7 @@ import math
 from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer
 
+from grpo.data import is_stream
 from grpo.data.sampler import (
     RepeatSampler,
     StepSchedule,
@@ -17,7 +18,12 @@ from grpo.data.sampler import (
     train_batch_size,
     train_sampler,
 )
+from grpo.data.stream import EvalStream, RoundRows, round_batches
 from grpo.objective.sequence_parallel import gradient_factor
+
+# A stream's "epoch" in micro-steps: Trainer counts a loader without a length as one epoch of max_steps steps, and
+# every optimizer step holds gradient_accumulation_steps micro-steps, so none is short.
+STREAM_EPOCH = 2**62
 
 
 class RoundLoaders(Trainer):
@@ -58,6 +64,9 @@ class RoundLoaders(Trainer):
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        if is_stream(self.train_dataset):  # rounds read in order (grpo/data/stream.py), not prepared by accelerate
+            batches = round_batches(self.args, self.accelerator.process_index, self.accelerator.num_processes)
+            return self._loader(RoundRows(self.rounds.stream), batches)
         groups = self.offline_data is not None
         return self._get_dataloader(
             dataset=self.train_dataset,
@@ -80,10 +89,19 @@ class RoundLoaders(Trainer):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         accelerator, args = self.accelerator, self.args
+        if is_stream(dataset):  # a stream's batches, read afresh at each evaluation (grpo/data/stream.py)
+            return self._loader(EvalStream(args, dataset, accelerator.process_index, accelerator.num_processes))
         batches = eval_batches(args, len(dataset), accelerator.process_index, accelerator.num_processes)
+        return self._loader(dataset, batches)
+
+    def _loader(self, dataset, batch_sampler=None) -> DataLoader:
+        """A loader of `dataset` with Trainer's loader settings: batches of rows from `batch_sampler`, or, without
+        one, the batches `dataset` yields (a stream's evaluation batches)."""
+        args = self.args
         return DataLoader(
             dataset,
-            batch_sampler=batches,
+            batch_size=None if batch_sampler is None else 1,
+            batch_sampler=batch_sampler,
             collate_fn=self.data_collator,
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
@@ -104,5 +122,8 @@ class RoundLoaders(Trainer):
 
     @property
     def step_schedule(self) -> StepSchedule:
-        """Where Trainer's optimizer steps fall among the run's micro-steps (short epoch-end steps included)."""
+        """Where Trainer's optimizer steps fall among the run's micro-steps (short epoch-end steps included; a
+        stream has none)."""
+        if is_stream(self.train_dataset):
+            return StepSchedule(STREAM_EPOCH, self.args.gradient_accumulation_steps)
         return step_schedule(self.args, len(self.train_dataset))

@@ -27,8 +27,9 @@ import torch
 from accelerate.utils import gather
 from transformers import TrainerState
 
-from grpo.data import is_conversational
+from grpo.data import InputError, is_conversational, is_stream
 from grpo.data.sampler import StepSchedule
+from grpo.data.stream import train_stream
 from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.policy_weights import zero3_gathered_for_generation
@@ -89,6 +90,8 @@ class RoundMaker:
         self.tokenizer = text_tokenizer(processing_class)  # a vision-language model's: its processor's
         self.agent, self.logprobs, self.metric_windows = agent, logprobs, metric_windows
         self.train_dataset, self.offline_data = train_dataset, offline_data
+        # A streamed training set: its rounds, read in order (data/stream.py); the loader and checkpoints use it.
+        self.stream = train_stream(args, train_dataset) if is_stream(train_dataset) else None
         # The sampler (offline: stored completions replayed), with a random stream of its own (generation/base.py).
         self.sampling_rng = SamplingRNG(args.seed + accelerator.process_index, accelerator.device)
         self.generation = make_generation_backend(
@@ -112,12 +115,29 @@ class RoundMaker:
     def make(self, inputs: list[dict[str, Any]], mode: str, context: RoundContext) -> Rollout:
         """Steps 2-7 for the loader's rows `inputs` in `mode` ("train" or "eval"): this process's rows, with their
         advantages and (beta != 0) reference log-probs."""
+        if mode == "train" and self.stream is not None:
+            self.check_same_stream()
         rollout = self.sample_and_score(inputs, mode, context)
         if mode == "eval" and rollout.first_row is None:  # a last, shorter batch may split unevenly among processes
             rollout.first_row = first_row(self.accelerator, rollout.num_rows)
         if mode == "train" and self.args.dynamic_sampling:
             rollout = self.dynamic_sampling(rollout, context)
         return self.prepare(rollout, mode, context)
+
+    def check_same_stream(self) -> None:
+        """Every process must have read the same round of a stream (a group may span processes): a stream that
+        gives each reader other rows (a queue, an unseeded shuffle) is refused at its first round, not trained on."""
+        if self.accelerator.num_processes == 1:
+            return
+        mine = torch.tensor([self.stream.fingerprint()], dtype=torch.int64, device=self.accelerator.device)
+        everyone = gather(mine)
+        if not bool((everyone == mine).all()):
+            raise InputError(
+                f"The processes read different rows from train_dataset, a stream ({type(self.train_dataset).__name__}), "
+                f"at round {self.stream.current[0]}: each process reads the whole stream and takes its rows of every "
+                "round, so the stream must give every reader the same rows in the same order. Seed any shuffling "
+                "it does, or load the data set whole."
+            )
 
     def sync_weights(self, model: torch.nn.Module, global_step: int) -> None:
         """A sampler with weights of its own (vLLM, async generation's copy) gets those of the latest step."""
@@ -355,12 +375,13 @@ class RoundMaker:
 
     def state_dict(self) -> dict[str, Any]:
         """The rounds' state beyond the buffer: tokens seen, the refill prompts' position, the completions not yet
-        logged, and the sampler's random stream."""
+        logged, the sampler's random stream, and a streamed training set's position."""
         return {
             "num_tokens": self.num_tokens,
             "refill_position": self.refill.position,
             "samples": self.samples,
             "sampling_rng": self.sampling_rng.state_dict(),
+            "stream": None if self.stream is None else self.stream.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -368,6 +389,8 @@ class RoundMaker:
         self.refill.position = state["refill_position"]
         self.samples = state["samples"]
         self.sampling_rng.load_state_dict(state.get("sampling_rng"))  # None: written before it had one
+        if self.stream is not None and state.get("stream") is not None:  # else read again up to the resumed round
+            self.stream.load_state_dict(state["stream"])
 
     def close(self) -> None:
         """At the end of training: stop the producer thread, then close the agent's tool executor and environments

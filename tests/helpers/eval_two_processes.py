@@ -9,7 +9,7 @@ import sys
 
 import torch
 from accelerate.utils import gather_object
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.testing import tiny_model, tiny_tokenizer
@@ -23,15 +23,24 @@ TIMED = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "ev
 LOSS_TYPES = ("dapo", "grpo")  # normalised over the step's tokens; a mean over each process's rows
 
 
-def evaluate(output_dir: str, loss_type: str) -> tuple[dict[str, float], list[str]]:
-    """(the evaluation metrics but the timed ones, every prompt scored on any process, in process order)."""
+def held_out_prompts(count: int = 7):
+    """The held-out prompts, one at a time, as a stream reads them."""
+    for i in range(count):
+        yield {"prompt": f"Held out {i}"}
+
+
+def evaluate(output_dir: str, loss_type: str, stream: bool = False) -> tuple[dict[str, float], list[str]]:
+    """(the evaluation metrics but the timed ones, every prompt scored on any process, in process order). With
+    `stream`, the held-out set is a stream (`IterableDataset.from_generator`, no length)."""
     tokenizer, seen = tiny_tokenizer(), []
 
     def prompt_and_length(prompts, completions):
         seen.extend(prompts)
         return [int(p.split()[-1]) + float(len(c)) for p, c in zip(prompts, completions)]
 
-    held_out = Dataset.from_dict({"prompt": [f"Held out {i}" for i in range(7)]})
+    held_out = Dataset.from_list(list(held_out_prompts()))
+    if stream:
+        held_out = IterableDataset.from_generator(held_out_prompts)
     train = Dataset.from_dict({"prompt": [f"Question {i}" for i in range(8)]})
     # beta > 0, and the policy moved away from the reference below: the loss of a batch is its KL term, not 0.
     settings = dict(num_generations_eval=1, per_device_eval_batch_size=2, beta=0.04, loss_type=loss_type)

@@ -13,7 +13,8 @@ second one after the next micro-step, `--sleep-after-sigterm S` sleeps S seconds
 not end in time); `--sigterm-rank R` sends it to the process of rank R only (under accelerate launch).
 SETTINGS_JSON may override any setting below. `--lora` trains a LoRA adapter
 (rank 4 on every linear layer) instead of every weight. `--prompts N` trains on N prompts (default 24).
-`--agent` makes each row a multi-turn episode with real sampling (`agent_trainer`): chat prompts, an `add` tool,
+`--stream` gives the prompts as a stream (`datasets.IterableDataset.from_generator`, no length) and saves the
+prompts the rewards saw, in order, in result.pt (`prompts`). `--agent` makes each row a multi-turn episode with real sampling (`agent_trainer`): chat prompts, an `add` tool,
 and turns that each end at the first sampled letter, so an episode's turns and tool calls depend on what was drawn.
 """
 
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -46,6 +47,22 @@ def reward_parity(completions):
 
 def reward_length(completions):
     return [len(c) / 10 for c in completions]
+
+
+def count_apples(prompts):
+    """The prompts of the tests' data set, one at a time, as a stream reads them."""
+    for i in range(prompts):
+        yield {"prompt": f"Count {i} apples."}
+
+
+def record_prompts(seen):
+    """A reward of 0 (it changes no advantage) that appends the prompts it is given to `seen`."""
+
+    def prompts_seen(prompts, completions):
+        seen.extend(prompts)
+        return [0.0] * len(prompts)
+
+    return prompts_seen
 
 
 def odd_turns_call_add(text, tool_names):
@@ -117,6 +134,7 @@ def main():
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--agent", action="store_true")
     parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--stream", action="store_true")
     cli = parser.parse_args()
 
     if cli.kill_in_save is not None:
@@ -131,6 +149,9 @@ def main():
 
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})
+    seen = []  # the prompts the rewards saw, in order
+    if cli.stream:
+        dataset = IterableDataset.from_generator(count_apples, gen_kwargs={"prompts": cli.prompts})
     settings = dict(
         output_dir=cli.output_dir,
         use_cpu=True,  # bit-identical weights are the CPU float32 run's (on a GPU machine, GRPOConfig picks CUDA, bf16)
@@ -152,7 +173,7 @@ def main():
     else:
         trainer = GRPOTrainer(
             tiny_model(tokenizer),
-            [reward_parity, reward_length],
+            [reward_parity, reward_length, *([record_prompts(seen)] if cli.stream else [])],
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
@@ -165,7 +186,8 @@ def main():
         trainer.add_callback(stop)
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    torch.save({"log_history": trainer.state.log_history, "params": params}, Path(cli.output_dir) / "result.pt")
+    result = {"log_history": trainer.state.log_history, "params": params, "prompts": seen}
+    torch.save(result, Path(cli.output_dir) / "result.pt")
 
 
 if __name__ == "__main__":
