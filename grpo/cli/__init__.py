@@ -188,30 +188,6 @@ def _quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _tokenizer(model, tool_schemas: list[dict], args):
-    """The policy's tokenizer with the recipe's `model.chat_template`, checked to render the tools before any weight
-    loads: `tool_schemas` are those of every tool an episode may be offered, the environments' methods included
-    (`RunPlan.tool_schemas`, from the check's own environment objects, already closed). None (the trainer loads it)
-    when the recipe sets no template and its episodes offer no tools."""
-    template = model.chat_template_text()
-    if template is None and not tool_schemas:
-        return None
-    from transformers import AutoTokenizer
-
-    from grpo.generation.episodes import check_template_renders_tools
-    from grpo.models import SMOLLM2_NAME, smollm2_path
-
-    path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    if template is not None:
-        tokenizer.chat_template = template
-    try:
-        check_template_renders_tools(tokenizer, tool_schemas, args.chat_template_kwargs)
-    except InputError as e:
-        raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
-    return tokenizer
-
-
 def _build_trainer(plan):
     """The `GRPOTrainer` of a checked run (`plan_run`); a model that cannot be fetched is one line."""
     from grpo.training.trainer import GRPOTrainer
@@ -224,7 +200,7 @@ def _build_trainer(plan):
             args=plan.args,
             train_dataset=plan.train_data,
             eval_dataset=plan.held_out,
-            processing_class=_tokenizer(recipe.model, plan.tool_schemas, plan.args),
+            processing_class=plan.tokenizer,
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
             environment_factory=plan.environment,
