@@ -1,15 +1,15 @@
 """GRPO: Group Relative Policy Optimization for language models, on top of `transformers.Trainer`.
 
-`GRPOConfig` is imported at once; the other public names load their modules on first use, so building a config
-(a recipe check, `grpo train --help`) loads no trainer, generation backend or reward runner.
+Every public name loads its module on first use: `import grpo` (and `grpo --help`, `grpo --version`) loads no torch
+or transformers, and building a config (a recipe check, `grpo train --help`) loads no trainer, generation backend or
+reward runner.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from grpo.config import GRPOConfig
-
 if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__getattr__` below
+    from grpo.config import GRPOConfig
     from grpo.generation.rollout_function import generate_rollout_completions
     from grpo.objective.reference import ReferenceResetCallback
     from grpo.rewards.process import StepRewards, process_reward
@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__g
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
+    "GRPOConfig": "grpo.config",
     "GRPOTrainer": "grpo.training.trainer",
     "ReferenceResetCallback": "grpo.objective.reference",
     "StepRewards": "grpo.rewards.process",

@@ -330,6 +330,14 @@ def star_args(*args):
     return [0.0]
 
 
+def needs_answer(completions, answer, **kwargs):
+    return [0.0] * len(completions)
+
+
+def singular(completion, **kwargs):
+    return [0.0] * len(completion)
+
+
 SIGNATURES = r"Supported signatures: def \w+\(prompts, completions, \*\*kwargs\).* or async def the same; the keywords"
 
 BEFORE_LOADING_CASES = {
@@ -366,6 +374,26 @@ BEFORE_LOADING_CASES = {
         InputError,
         r"Reward function 'star_args\(\*args\)' cannot receive its arguments: .* and it takes none",
         SIGNATURES,
+    ),
+    # A parameter the trainer will not pass fails here, not at the first reward call after the model loaded.
+    "reward-column-missing": (
+        dict(reward_funcs=needs_answer, train_dataset={"prompt": ["q"] * 4, "solution": ["1"] * 4}),
+        InputError,
+        r"Reward function 'needs_answer' takes `answer`, which the trainer does not pass: .* columns but `prompt` "
+        r"\(solution\)",
+        r"dataset.rename_column\('solution', 'answer'\)",
+    ),
+    "reward-parameter-misspelt": (
+        dict(reward_funcs=singular),
+        InputError,
+        r"Reward function 'singular' takes `completion`, which the trainer does not pass",
+        r"Did you mean `completions`\? Rename the parameter.",
+    ),
+    "built-in-reward-column-missing": (
+        dict(reward_funcs="accuracy"),
+        InputError,
+        r"Reward function 'accuracy' takes `answer`",
+        r"Rename a column of the data set to it",
     ),
     "too-few-prompts": (
         dict(train_dataset={"prompt": ["q"]}),

@@ -34,6 +34,11 @@ per_device_train_batch_size: 2
 max_completion_length: 4
 """
 BASE = {"data.jsonl": DATA, "my_rewards.py": REWARDS, "r.yaml": RECIPE}
+# The answers under another name, and a reward that reads them as `answer` (issue 52: the fix is a column mapping).
+SOLUTIONS = DATA.replace('"answer"', '"solution"')
+NEEDS_ANSWER = (
+    "def short(completions, answer, **kwargs):\n    return [float(a in c) for c, a in zip(completions, answer)]\n"
+)
 
 
 def recipe(**replace) -> dict:
@@ -122,6 +127,22 @@ MISTAKES = [
     ("max_steps 0", BASE, ["train", "r.yaml", "--max_steps", "0"], {}, "max_steps=0 would train for num_train_epochs"),
     ("huge learning rate", BASE, ["check", "r.yaml", "--learning_rate", "1e5"], {}, "allow_large_learning_rate"),
     ("bad loss_type", BASE, ["check", "r.yaml", "--loss_type", "nonsense"], {}, "loss_type"),
+    ("loss_type misspelt", BASE, ["check", "r.yaml", "--loss_type", "dr_gpro"], {}, "Did you mean 'dr_grpo'?"),
+    (
+        "fp16 with use_cpu",
+        BASE,
+        ["check", "r.yaml", "--use_cpu", "true", "--fp16", "true"],
+        {},
+        "fp16: true asks for float16 mixed precision, which runs on a GPU only, and use_cpu is set",
+    ),
+    pytest.param(
+        BASE,
+        ["train", "r.yaml", "--bf16", "true"],
+        {},
+        "bf16: true asks for bfloat16 mixed precision, but this machine has no GPU. Leave bf16 out",
+        id="bf16 without a GPU",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU's mistake"),
+    ),
     ("batch not a multiple of G", BASE, ["check", "r.yaml", "--num_generations", "3"], {}, "num_generations"),
     (
         "weights twice",
@@ -318,6 +339,41 @@ MISTAKES = [
         "cannot receive its arguments",
     ),
     (
+        "reward needs a column the data lacks",
+        {**BASE, "data.jsonl": SOLUTIONS, "my_rewards.py": NEEDS_ANSWER},
+        ["check", "r.yaml"],
+        {},
+        "Map a column to it in the recipe: `dataset: {columns: {solution: answer}}`",
+    ),
+    (
+        "built-in reward needs a column the data lacks",
+        {**recipe(rewards="rewards: [accuracy]"), "data.jsonl": SOLUTIONS},
+        ["train", "r.yaml"],
+        {},
+        "Reward 'accuracy' takes `answer`, but the data has no such column",
+    ),
+    (
+        "reward parameter misspelt",
+        {**BASE, "my_rewards.py": REWARDS.replace("(completions,", "(completion,")},
+        ["train", "r.yaml"],
+        {},
+        "takes `completion`, which the trainer does not pass",
+    ),
+    (
+        "reward module misspelt",
+        recipe(rewards="rewards: ['my_reward:short']"),
+        ["check", "r.yaml"],
+        {},
+        "cannot import module 'my_reward' (No module named 'my_reward'). Did you mean 'my_rewards'?",
+    ),
+    (
+        "reward function misspelt",
+        recipe(rewards="rewards: ['my_rewards:shrt']"),
+        ["check", "r.yaml"],
+        {},
+        "module 'my_rewards' has no attribute 'shrt'. Did you mean 'short'?",
+    ),
+    (
         "reward kwargs for a plain builtin",
         recipe(rewards="rewards: [{name: accuracy, kwargs: {x: 1}}]"),
         ["check", "r.yaml"],
@@ -469,6 +525,41 @@ def test_file_size_limit_is_named(workdir):
     (workdir / "model" / "model.safetensors").write_bytes(b"\0" * (2 * 2**20))
     result = run_grpo(["check", "r.yaml", "--model", "./model"], workdir, limit_bytes=2**20)
     assert_one_line(result.returncode, result.stderr, "The file-size limit (ulimit -f) is 1.0 MiB", "check")
+
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+'''
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_tools_with_a_template_that_ignores_them_is_one_line(workdir, capsys, tiny_model_path, command):
+    """tools= with a chat template that does not render them (the tiny model's plain ChatML, like SmolLM2's): one
+    line naming the template to use, from `grpo check` too, with no weight loaded (issue 52: TRL's tool example)."""
+    files = recipe(dataset="dataset: {path: data.jsonl, chat: true}")
+    write_files(workdir, {**files, "my_tools.py": TOOLS, "r.yaml": files["r.yaml"] + "tools: ['my_tools:add']\n"})
+    code = main([command, "r.yaml", "--model", str(tiny_model_path)])
+    assert_one_line(code, capsys.readouterr().err, "In a recipe: `model: {chat_template: chatml_tools}`", command)
+    code = main(["check", "r.yaml", "--model", str(tiny_model_path), "--model.chat_template", "chatml_tools"])
+    assert code == 0, capsys.readouterr().err  # the fix it names works
+
+
+def test_a_missing_column_is_not_sent_to_reward_errors(workdir, capsys):
+    """The column a reward needs is missing from the data: the fix is the recipe's column mapping, not
+    reward_errors='skip' (which would train on nothing), and `grpo train` says so before any weight loads."""
+    write_files(workdir, {**BASE, "data.jsonl": SOLUTIONS, "my_rewards.py": NEEDS_ANSWER})
+    assert main(["train", "r.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "dataset: {columns: {solution: answer}}" in err and "reward_errors" not in err, err
+    write_files(workdir, {"r.yaml": RECIPE.replace("data.jsonl}", "data.jsonl, columns: {solution: answer}}")})
+    assert main(["check", "r.yaml"]) == 0, capsys.readouterr().err  # the mapping it names is the fix
 
 
 BROKEN_REWARDS = {

@@ -137,6 +137,7 @@ STAGES = ["data", "rollout", "generation", "rewards", "objective", "training", "
 # Modules at the package root, by the stage they belong to (docs/architecture.md says why each is at the root).
 ROOT_MODULES = {
     "models": "data",  # loading models: used by generation, rewards and the objective
+    "errors": "data",  # InputError, importing nothing: the command line catches it without loading torch
     "rollout": "rollout",  # the typed record that crosses the stages, a stage of its own
     "testing": "data",  # tiny models for tests and examples
     "config": "training",

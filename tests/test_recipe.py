@@ -542,7 +542,11 @@ def test_check_prints_the_environment_and_the_tools_it_offers(tmp_path, capsys, 
     rows = [{"prompt": f"Count to {i}.", "environment": "counter"} for i in range(8)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     dataset = {"path": "data.jsonl", "chat": True}
-    path = write_recipe(tmp_path, dataset=dataset, rewards=[], environment={"counter": "counter_env:Counter"})
+    # The check reads the tokenizer too (its template must render the tools): a tiny one, with a template that does.
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer-only")
+    model = {"name_or_path": str(tmp_path / "tokenizer-only"), "chat_template": "chatml_tools"}
+    environment = {"counter": "counter_env:Counter"}
+    path = write_recipe(tmp_path, model=model, dataset=dataset, rewards=[], environment=environment)
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "  environment:  counter=counter_env:Counter (its tools: increment)" in out, out

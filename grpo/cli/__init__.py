@@ -26,14 +26,10 @@ import argparse
 import os
 import sys
 
-from grpo.cli.recipe import RecipeError
-from grpo.data import InputError, completion_text
-from grpo.generation.vllm.client import VLLMServerError
-from grpo.training.checkpoint_checks import finished_run_message
-from grpo.training.checkpoints import CheckpointError
-from grpo.training.nonfinite import NonFiniteError
-from grpo.training.preemption import EXIT_STATUS as PREEMPTED_STATUS
-from grpo.training.preemption import Preempted
+# Only what imports nothing heavy: `grpo --help`, `--version` and the usage errors answer without loading torch, and
+# each command imports what it needs (tests/test_cli_startup.py counts the modules).
+from grpo.cli.errors import RecipeError
+from grpo.errors import InputError
 
 
 def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
@@ -119,6 +115,7 @@ def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
 
 def _text(value) -> str:
     """A prompt's or completion's text (`completion_text`) on one line, control characters escaped (`printable`)."""
+    from grpo.data import completion_text
     from grpo.training.metrics import printable
 
     return printable(completion_text(value))
@@ -191,30 +188,6 @@ def _quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _tokenizer(model, tool_schemas: list[dict], args):
-    """The policy's tokenizer with the recipe's `model.chat_template`, checked to render the tools before any weight
-    loads: `tool_schemas` are those of every tool an episode may be offered, the environments' methods included
-    (`RunPlan.tool_schemas`, from the check's own environment objects, already closed). None (the trainer loads it)
-    when the recipe sets no template and its episodes offer no tools."""
-    template = model.chat_template_text()
-    if template is None and not tool_schemas:
-        return None
-    from transformers import AutoTokenizer
-
-    from grpo.generation.episodes import check_template_renders_tools
-    from grpo.models import SMOLLM2_NAME, smollm2_path
-
-    path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    if template is not None:
-        tokenizer.chat_template = template
-    try:
-        check_template_renders_tools(tokenizer, tool_schemas, args.chat_template_kwargs)
-    except InputError as e:
-        raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
-    return tokenizer
-
-
 def _build_trainer(plan):
     """The `GRPOTrainer` of a checked run (`plan_run`); a model that cannot be fetched is one line."""
     from grpo.training.trainer import GRPOTrainer
@@ -227,7 +200,7 @@ def _build_trainer(plan):
             args=plan.args,
             train_dataset=plan.train_data,
             eval_dataset=plan.held_out,
-            processing_class=_tokenizer(recipe.model, plan.tool_schemas, plan.args),
+            processing_class=plan.tokenizer,
             peft_config=recipe.peft_config(),
             tools=plan.tools or None,
             environment_factory=plan.environment,
@@ -257,6 +230,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # bad recipe fails in a second.
     from grpo.cli.info import label_progress
     from grpo.cli.preflight import plan_run, run_summary
+    from grpo.training.checkpoint_checks import finished_run_message
 
     _quiet_deepspeed_on_cpu()
     plan = plan_run(recipe_path, overrides)
@@ -375,17 +349,27 @@ def _parser() -> argparse.ArgumentParser:
     plot_parser.add_argument("output_dir", help="the run's output_dir (holds trainer_state.json)")
     plot_parser.add_argument("--out", default=None, help="where to write the PNG (default OUTPUT_DIR/training.png)")
 
-    serve_parser = commands.add_parser(
-        "vllm-serve",
-        help="serve a vLLM engine for generation during training (docs/vllm.md)",
+    # Its options are read by the command itself (`_serve`): they are defined beside the server, whose package loads
+    # torch, which `grpo --help` should not wait for.
+    commands.add_parser("vllm-serve", help=SERVE_HELP, add_help=False)
+    commands.add_parser("env", help="print versions and the machine, for a bug report")
+    return parser
+
+
+SERVE_HELP = "serve a vLLM engine for generation during training (docs/vllm.md)"
+
+
+def _serve(options: list[str]) -> None:
+    """`grpo vllm-serve OPTIONS`: the options parsed (`--help` lists them) and the server started."""
+    from grpo.generation.vllm.serve import add_arguments, serve
+
+    parser = argparse.ArgumentParser(
+        prog="grpo vllm-serve",
         description="Serve a vLLM engine over HTTP for GRPOTrainer(use_vllm=True): generation with n completions per "
         "prompt and weight updates from the trainer. Needs vLLM installed in this environment.",
     )
-    from grpo.generation.vllm.serve import add_arguments
-
-    add_arguments(serve_parser)
-    commands.add_parser("env", help="print versions and the machine, for a bug report")
-    return parser
+    add_arguments(parser)
+    serve(parser.parse_args(options))
 
 
 def _print_recipe_help(parser: argparse.ArgumentParser, command: str) -> None:
@@ -411,9 +395,7 @@ def _run(cli, parser) -> None:
 
         print(plot_run(cli.output_dir, cli.out))
     elif cli.command == "vllm-serve":
-        from grpo.generation.vllm.serve import serve
-
-        serve(cli)
+        _serve(cli.options)
     elif cli.command == "env":
         from grpo.cli.info import env_report
 
@@ -438,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("GRPO_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     parser = _parser()
-    cli = parser.parse_args(argv)
+    cli, unknown = parser.parse_known_args(argv)
+    cli.options = unknown  # vllm-serve's own (`_serve`); any other command takes none
+    if unknown and cli.command != "vllm-serve":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args says it: exit status 2
     try:
         _run(cli, parser)
     except (InputError, FileNotFoundError) as e:
@@ -449,21 +434,21 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"grpo {cli.command}: error: {message}", file=sys.stderr)
         return 2
-    except VLLMServerError as e:
+    except _loaded("grpo.generation.vllm.client:VLLMServerError") as e:
         # No server at the address (not started, another port), or one that refused: the message names it.
         if debug:
             raise
         _close_progress_bars()
         print(f"grpo {cli.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (NonFiniteError, CheckpointError) as e:
+    except _loaded("grpo.training.nonfinite:NonFiniteError", "grpo.training.checkpoints:CheckpointError") as e:
         # Training stopped to protect the weights or a checkpoint: the message says what is intact and what to do.
         if debug:
             raise
         _close_progress_bars()
         print(f"grpo {cli.command}: error: {e}", file=sys.stderr)
         return 1
-    except Preempted as e:
+    except _loaded("grpo.training.preemption:Preempted") as e:
         # SIGTERM (a scheduler's notice): the step's checkpoint is written; one line says how to go on.
         _close_progress_bars()
         if e.main:
@@ -472,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Resume with: {_resume_command(cli)}",
                 file=sys.stderr,
             )
-        return PREEMPTED_STATUS
+        return sys.modules["grpo.training.preemption"].EXIT_STATUS
     except KeyboardInterrupt:
         # Ctrl-C: one line with the way back, not the traceback of wherever it landed.
         if debug:
@@ -484,6 +469,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's flush at exit is quiet too
         return 0
     return 0
+
+
+def _loaded(*names: str) -> tuple[type, ...]:
+    """The exception classes among `names` ("module:Class") whose module is imported, for an `except` clause (which
+    evaluates them only once an exception reaches it): a module never imported raised none of its errors, and
+    importing it only to compare would load torch after a mistake that needed none."""
+    found = []
+    for name in names:
+        module, _, attr = name.partition(":")
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], attr))
+    return tuple(found)
 
 
 def _resume_command(cli) -> str:

@@ -13,13 +13,15 @@ weight, each raised as a `RecipeError` (one line, exit status 2), and what the r
      `report_to` names trackers that are installed;
   5. the data, the rewards, the tools and the environment: loaded and imported (no weights), then the checks
      `GRPOTrainer` runs before it loads the policy (columns, batch arithmetic, the tools' schemas, one object of each
-     environment made, checked and closed, reward signatures and weights).
+     environment made, checked and closed, reward signatures against the data's columns, and weights); with tools
+     or a recipe's chat template, the tokenizer, which must render the tools.
 `describe_plan` is what `grpo check` prints; `run_summary` is what `grpo train` prints once the model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tempfile
@@ -76,6 +78,7 @@ class RunPlan:
     environment: Any = None
     tool_schemas: list = dataclasses.field(default_factory=list)
     agent_func: Any = None  # a verifiers environment's (`verifiers:`)
+    tokenizer: Any = None  # the policy's, when the recipe sets a chat template or offers tools (`check_chat_template`)
 
 
 def check_environment() -> None:
@@ -243,6 +246,30 @@ def check_report_to(report_to: list[str]) -> None:
             )
 
 
+def check_precision(config: dict) -> None:
+    """2. `bf16: true` or `fp16: true` on a device that cannot run it: said with the fix before `GRPOConfig` is built
+    (transformers' own message for bf16 does not give it; fp16 on a CPU would be ignored without a word). bf16 needs
+    a GPU that supports it, or `use_cpu` (bfloat16 autocast on the CPU), as transformers decides; fp16 needs an
+    accelerator, and is not used with `use_cpu`."""
+    import torch
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    use_cpu = bool(config.get("use_cpu"))
+    accelerator = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    if config.get("bf16") and not use_cpu and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+        where = "this GPU does not support bfloat16" if accelerator else "this machine has no GPU"
+        raise RecipeError(
+            f"bf16: true asks for bfloat16 mixed precision, but {where}. Leave bf16 out: the default turns it on "
+            "where the device supports it (or set use_cpu: true for bfloat16 autocast on the CPU)."
+        )
+    if config.get("fp16") and (use_cpu or not accelerator):
+        where = "use_cpu is set" if use_cpu else "this machine has no GPU"
+        raise RecipeError(
+            f"fp16: true asks for float16 mixed precision, which runs on a GPU only, and {where}: it would do "
+            "nothing. Leave fp16 out: the default (bf16 where the device supports it) picks the precision."
+        )
+
+
 def check_trainer_inputs(plan: RunPlan) -> None:
     """5. The checks `GRPOTrainer.__init__` runs before it loads the policy, in its order, on the recipe's data,
     rewards, tools and environment: the data set's columns, the batch arithmetic, whether the reference may move, the
@@ -254,6 +281,7 @@ def check_trainer_inputs(plan: RunPlan) -> None:
     from grpo.objective.reference import reference_moves
     from grpo.rewards.environments import with_environment_rewards
     from grpo.rewards.names import check_reward_funcs
+    from grpo.rewards.scoring import reward_keywords
     from grpo.rewards.stored import offline_rewards
 
     args = plan.args
@@ -271,11 +299,63 @@ def check_trainer_inputs(plan: RunPlan) -> None:
         funcs, _, weights = offline_rewards(stored, funcs, None, weights)
         if funcs:
             check_reward_funcs(funcs, None, weights)
+            episodes = (plan.tools, plan.environment, plan.agent_func, None)
+            check_reward_columns(plan, funcs, reward_keywords(train_data, plan.held_out, toolbox, stored, episodes))
     except (ValueError, TypeError) as e:
         raise RecipeError(str(e)) from e
     finally:
         if toolbox is not None:
             toolbox.close()  # the probe objects: the trainer makes its own
+
+
+def check_reward_columns(plan: RunPlan, funcs: list, keywords) -> None:
+    """5. Every reward function's parameters are among the `keywords` it will be called with (`reward_keywords`;
+    None: known only at the first round): a column it names that the data lacks gets the recipe's column mapping
+    as the fix, with the data's own name for the column it most likely means."""
+    from grpo.data import RESERVED_COLUMNS
+    from grpo.rewards.names import check_reward_keywords, missing_arguments, reward_name, stand_in_column
+
+    mapping = plan.recipe.dataset.columns if plan.recipe.dataset is not None else {}
+    original = {target: source for source, target in mapping.items()}  # a column's name before the mapping
+    columns = sorted(k for k in keywords or () if k not in RESERVED_COLUMNS and k != "environments")
+    for func in funcs:
+        standard = (*RESERVED_COLUMNS, "environments")
+        missing = [name for name in missing_arguments(func, keywords or ()) if name not in standard]
+        if keywords is None or not missing or difflib.get_close_matches(missing[0], standard, 1, 0.8):
+            continue  # a misspelt standard argument: `check_reward_keywords` below says which
+        source = stand_in_column(missing[0], [c for c in columns if c not in missing])
+        source = original.get(source, source) if source is not None else "<column>"
+        raise RecipeError(
+            f"Reward '{reward_name(func)}' takes `{'`, `'.join(missing)}`, but the data has no such column (its "
+            f"columns, after the recipe's column mapping: {', '.join(['prompt', *columns])}). Map a column to it "
+            f"in the recipe: `dataset: {{columns: {{{source}: {missing[0]}}}}}`."
+        )
+    check_reward_keywords(funcs, keywords)
+
+
+def check_chat_template(plan: RunPlan) -> None:
+    """5. The policy's tokenizer (no weights) with the recipe's `model.chat_template`, checked to render the tools:
+    `plan.tool_schemas` are those of every tool an episode may be offered, the environments' methods included (from
+    the check's own environment objects, already closed). Kept as `plan.tokenizer` for the trainer; None (the
+    trainer loads it) when the recipe sets no template and its episodes offer no tools."""
+    model, args = plan.recipe.model, plan.args
+    template = model.chat_template_text()
+    if template is None and not plan.tool_schemas:
+        return
+    from transformers import AutoTokenizer
+
+    from grpo.generation.episodes import check_template_renders_tools
+    from grpo.models import smollm2_path
+
+    path = str(smollm2_path()) if model.name_or_path == SMOLLM2_NAME else model.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if template is not None:
+        tokenizer.chat_template = template
+    try:
+        check_template_renders_tools(tokenizer, plan.tool_schemas, args.chat_template_kwargs)
+    except ValueError as e:
+        raise RecipeError(f"{e} In a recipe: `model: {{chat_template: chatml_tools}}` for a ChatML model.") from e
+    plan.tokenizer = tokenizer
 
 
 def _probe_toolbox(plan: RunPlan):
@@ -324,6 +404,7 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
 
     check_environment()
     recipe = load_recipe(recipe_path, overrides)
+    check_precision(recipe.config)
     args = recipe.grpo_config()
     # The model's own folder first: the checks below would take its weights for an earlier run's model.
     check_outside_model(args.output_dir, recipe.model.name_or_path)
@@ -371,6 +452,7 @@ def plan_run(recipe_path: str, overrides: list[str]) -> RunPlan:
     plan.agent_func = made.get("agent_func") or resolve_agent(recipe.agent, search)
     _check_environment_rows(plan)
     check_trainer_inputs(plan)
+    check_chat_template(plan)
     return plan
 
 

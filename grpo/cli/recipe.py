@@ -42,16 +42,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpo.cli.errors import RecipeError
 from grpo.config import GRPOConfig
 from grpo.data import InputError
 from grpo.models import SMOLLM2_NAME, looks_local
 from grpo.rewards.names import import_from_folders, resolve_reward_name, reward_kind
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-class RecipeError(InputError):
-    """A recipe (or a command-line override) that cannot be used as written; the message says what to change."""
 
 
 # Chat templates a recipe can name (`model.chat_template`); the value is the module attribute holding the template.

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from grpo.errors import InputError  # defined apart so that the command line loads it without torch
+
 # Names the trainer passes to reward functions itself (grpo/rewards/scoring.py, grpo/rewards/process.py); a data set column with one
 # of them would be silently replaced by the generated values.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -28,10 +30,6 @@ GOOD_PROMPT = (
     "A prompt is a non-empty string, or a non-empty list of messages such as "
     "[{'role': 'user', 'content': 'What is 2 + 2?'}]."
 )
-
-
-class InputError(ValueError):
-    """Bad input found before training starts (a data set, a reward, a recipe); the message names it and the fix."""
 
 
 def is_conversational(prompt: Any) -> bool:

@@ -11,6 +11,7 @@ gradient A * d logp of the plain policy gradient (r = 1), and differ in how they
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import NamedTuple
 
@@ -93,9 +94,11 @@ TERM_DEFAULTS = {
 
 
 def loss_type_of(name: str) -> LossType:
-    """The table's row for `name`, or an error listing the valid names."""
+    """The table's row for `name`, or an error listing the valid names (and the closest, for a misspelt one)."""
     if name not in LOSS_TYPE_TABLE:
-        raise ValueError(f"loss_type={name!r} is not one of {LOSS_TYPES}.")
+        close = difflib.get_close_matches(str(name), LOSS_TYPES, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"loss_type={name!r} is not one of {LOSS_TYPES}.{hint}")
     return LOSS_TYPE_TABLE[name]
 
 

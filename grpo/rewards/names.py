@@ -19,7 +19,7 @@ import importlib.util
 import inspect
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel
@@ -129,15 +129,16 @@ def import_from_folders(module_name: str, search_dirs: Sequence[Path] = (), what
     sys.path[:0] = added
     try:
         _forget_if_from_elsewhere(module_name, folders)
-        return _import(module_name, what or f"Module '{module_name}'")
+        return _import(module_name, what or f"Module '{module_name}'", folders)
     finally:
         for folder in added:  # only what was added here: the module's own code may have changed sys.path too
             if folder in sys.path:
                 sys.path.remove(folder)
 
 
-def _import(module_name: str, what: str):
-    """`importlib.import_module(module_name)`, its failures as the `InputError`s `import_from_folders` describes."""
+def _import(module_name: str, what: str, folders: Sequence[Path] = ()):
+    """`importlib.import_module(module_name)`, its failures as the `InputError`s `import_from_folders` describes; a
+    module not found gets the closest name of a module in `folders`."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -147,8 +148,9 @@ def _import(module_name: str, what: str):
                 f"environment (pip install {e.name.split('.')[0]}), or remove that import."
             ) from e
         raise InputError(
-            f"{what}: cannot import module '{module_name}' ({e}). Put {module_name.split('.')[0]}.py in the "
-            "working directory or the recipe's folder, or install the package that provides it."
+            f"{what}: cannot import module '{module_name}' ({e}).{_closest_module(module_name, folders)} Put "
+            f"{module_name.split('.')[0]}.py in the working directory or the recipe's folder, or install the package "
+            "that provides it."
         ) from e
     except SyntaxError as e:
         where = f"{e.filename}, line {e.lineno}" if e.filename else f"line {e.lineno}"
@@ -161,6 +163,24 @@ def _import(module_name: str, what: str):
             f"{what}: importing module '{module_name}' raised {type(e).__name__}: {e}{frame}. Fix the module's "
             "top-level code (it runs when the module is imported)."
         ) from e
+
+
+def _closest_module(module_name: str, folders: Sequence[Path]) -> str:
+    """' Did you mean 'x'?' for the module of `folders` (a .py file or a package folder) whose name is closest to
+    the top-level name of `module_name`; '' when none is close."""
+    top = module_name.split(".")[0]
+    names = {p.stem for folder in folders for p in Path(folder).glob("*.py")}
+    names |= {p.parent.name for folder in folders for p in Path(folder).glob("*/__init__.py")}
+    close = difflib.get_close_matches(top, sorted(names - {top}), n=1, cutoff=0.6)
+    return f" Did you mean '{module_name.replace(top, close[0], 1)}'?" if close else ""
+
+
+def closest_attribute(module, attr: str) -> str:
+    """' Did you mean 'x'?' for the public name of `module` closest to `attr` (a misspelt function or class); ''
+    when none is close."""
+    names = [n for n in vars(module) if not n.startswith("_")]
+    close = difflib.get_close_matches(attr, names, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def _forget_if_from_elsewhere(module_name: str, folders: Sequence[Path]) -> None:
@@ -238,8 +258,8 @@ def resolve_reward_name(
         module = import_from_folders(module_name, search_dirs, what=f"Reward '{name}'")
         if not hasattr(module, attr):
             raise InputError(
-                f"Reward '{name}': module '{module_name}' has no attribute '{attr}'. Check the function's name: "
-                "'module:function'."
+                f"Reward '{name}': module '{module_name}' has no attribute '{attr}'.{closest_attribute(module, attr)} "
+                "Check the function's name: 'module:function'."
             )
         func = getattr(module, attr)
         return func(**kwargs) if kwargs else func
@@ -258,13 +278,16 @@ def resolve_reward_name(
         ) from e
 
 
-def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weights=None) -> tuple[list, list]:
+def check_reward_funcs(
+    reward_funcs, reward_processing_classes=None, reward_weights=None, keywords: Collection[str] | None = None
+) -> tuple[list, list]:
     """Every check of the rewards given to the trainer that needs no weights, so that a misspelt name, a bad
     signature or a miscounted `reward_weights` fails before any model loads: every string is checked
     (`reward_kind`) before any is resolved, built-ins and `module:function` are resolved (an import, no weights),
-    each function's signature is checked (`check_reward_signature`), and `reward_processing_classes` and
-    `reward_weights` must have one entry per reward. Returns (the rewards, reward models named by path or hub id
-    still as strings; the tokenizers given, aligned with them)."""
+    each function's signature is checked (`check_reward_signature`), and against the `keywords` it will be called
+    with when they are known (`check_reward_keywords`), and `reward_processing_classes` and `reward_weights` must
+    have one entry per reward. Returns (the rewards, reward models named by path or hub id still as strings; the
+    tokenizers given, aligned with them)."""
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if not reward_funcs:
         raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
@@ -283,6 +306,7 @@ def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weig
             check_reward_signature(f)
         elif not isinstance(f, str):
             raise TypeError(f"A reward function must be callable or a reward model, got {type(f).__name__}.")
+    check_reward_keywords(reward_funcs, keywords)
     given = reward_processing_classes
     if given is None:
         given = [None] * len(reward_funcs)
@@ -302,12 +326,12 @@ def check_reward_funcs(reward_funcs, reward_processing_classes=None, reward_weig
 
 
 def load_reward_funcs(
-    reward_funcs, reward_processing_classes=None, reward_weights=None, trust_remote_code: bool = False
+    reward_funcs, reward_processing_classes=None, reward_weights=None, trust_remote_code: bool = False, keywords=None
 ) -> tuple[list, list]:
-    """Check the rewards given to the trainer (`check_reward_funcs`), then load the reward models named by path or
-    hub id (`resolve_reward_name`) and the tokenizers of reward models given without one. Returns (reward functions
-    and models, tokenizers aligned with them)."""
-    reward_funcs, given = check_reward_funcs(reward_funcs, reward_processing_classes, reward_weights)
+    """Check the rewards given to the trainer (`check_reward_funcs`, with the `keywords` they will be called with
+    when known), then load the reward models named by path or hub id (`resolve_reward_name`) and the tokenizers of
+    reward models given without one. Returns (reward functions and models, tokenizers aligned with them)."""
+    reward_funcs, given = check_reward_funcs(reward_funcs, reward_processing_classes, reward_weights, keywords)
     reward_funcs = [
         resolve_reward_name(f, trust_remote_code=trust_remote_code) if isinstance(f, str) else f for f in reward_funcs
     ]
@@ -327,6 +351,56 @@ def load_reward_funcs(
             func.config.pad_token_id = tokenizer.pad_token_id
         tokenizers.append(tokenizer)
     return reward_funcs, tokenizers
+
+
+def missing_arguments(func, keywords: Collection[str]) -> list[str]:
+    """The parameters of reward function `func` that need a value (no default, not `*args` or `**kwargs`) and are not
+    among `keywords`, the names it will be called with (`grpo.rewards.scoring.reward_keywords`): its first call
+    would fail with a TypeError. [] for a reward model, a name not resolved yet, or a signature that cannot be
+    read."""
+    if isinstance(func, str | PreTrainedModel) or not callable(func):
+        return []
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in named and p.default is p.empty and p.name not in keywords]
+
+
+def stand_in_column(name: str, columns: Collection[str]) -> str | None:
+    """The column most likely meant by a reward parameter `name` that no column has: the closest name, else the only
+    column, else None (the prompt is not a candidate: it arrives as `prompts`)."""
+    columns = [c for c in columns if c not in RESERVED_COLUMNS and c != "prompt"]
+    close = difflib.get_close_matches(name, columns, n=1, cutoff=0.6)
+    return close[0] if close else columns[0] if len(columns) == 1 else None
+
+
+def check_reward_keywords(reward_funcs, keywords: Collection[str] | None) -> None:
+    """Refuse a reward function with a parameter the trainer will not pass (a column the data set lacks, a
+    misspelt `completions`), before any weight loads; `keywords`: `grpo.rewards.scoring.reward_keywords`, None
+    when they are known only at the first round (offline data, agent and rollout functions)."""
+    if keywords is None:
+        return
+    for func in reward_funcs:
+        missing = missing_arguments(func, keywords)
+        if not missing:
+            continue
+        columns = sorted(k for k in keywords if k not in RESERVED_COLUMNS and k != "environments")
+        standard = difflib.get_close_matches(missing[0], [*RESERVED_COLUMNS, "environments"], n=1, cutoff=0.8)
+        source = stand_in_column(missing[0], [c for c in columns if c not in missing])
+        if standard:
+            fix = f"Did you mean `{standard[0]}`? Rename the parameter."
+        else:
+            fix = (
+                f"Rename a column of the data set to it (dataset.rename_column({source or '<column>'!r}, "
+                f"{missing[0]!r})), or give the parameter a default."
+            )
+        raise InputError(
+            f"Reward function '{reward_name(func)}' takes `{'`, `'.join(missing)}`, which the trainer does not pass: "
+            f"it passes {', '.join(RESERVED_COLUMNS)} and the data set's columns but `prompt` "
+            f"({', '.join(columns) or 'none'}){', and environments' if 'environments' in keywords else ''}. {fix}"
+        )
 
 
 def check_reward_signature(func: Callable) -> None:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
-from grpo.data import is_conversational
+from grpo.data import RESERVED_COLUMNS, is_conversational
 from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 from grpo.rewards.names import distinct_names, load_reward_funcs, reward_name
 from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps, step_reward_sums
@@ -206,10 +206,11 @@ def _turn_rewards(turn_funcs: Sequence[Callable], values: list, completions: lis
 
 
 class RewardSet:
-    """The trainer's reward functions, built once: names, signatures and weights checked before any reward model
-    loads, then rewards given as strings resolved and reward-model tokenizers loaded (`load_reward_funcs`), and the
-    functions split by kind, since outcome, process and turn functions give different advantages
-    (grpo/objective/advantages.py) but are called the same way (`score`).
+    """The trainer's reward functions, built once: names, signatures (against the `keywords` they will be called
+    with, when known: `reward_keywords`) and weights checked before any reward model loads, then rewards given as
+    strings resolved and reward-model tokenizers loaded (`load_reward_funcs`), and the functions split by kind, since
+    outcome, process and turn functions give different advantages (grpo/objective/advantages.py) but are called the
+    same way (`score`).
 
     Attributes: `names` (outcome functions first, then process functions, then turn functions: the order of the
     reward columns in metrics and of `RewardScores.errors`), `outcome_funcs` and `outcome_tokenizers` (reward
@@ -224,9 +225,10 @@ class RewardSet:
         reward_processing_classes=None,
         reward_weights: Sequence[float] | None = None,
         trust_remote_code: bool = False,
+        keywords: Collection[str] | None = None,
     ):
         funcs, tokenizers = load_reward_funcs(
-            reward_funcs, reward_processing_classes, reward_weights, trust_remote_code
+            reward_funcs, reward_processing_classes, reward_weights, trust_remote_code, keywords
         )
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
         kinds = ["process" if is_process_reward(f) else "turn" if is_turn_reward(f) else "outcome" for f in funcs]
@@ -264,6 +266,22 @@ class RewardSet:
         sums = [rewards_per_func, step_reward_sums(step_rewards), turn_reward_sums(turn_rewards)]
         weights = torch.cat([self.outcome_weights, self.process_weights, self.turn_weights])
         return torch.cat(sums, dim=1), combine_rewards(torch.cat(sums, dim=1), weights)
+
+
+def reward_keywords(train_dataset, eval_dataset, toolbox, offline_data, episodes: Sequence) -> frozenset[str] | None:
+    """The keywords `score_rewards` calls the reward functions with on the rows of these data sets: the standard
+    ones (RESERVED_COLUMNS), every column but `prompt` (which arrives as `prompts`) that both data sets have, and
+    `environments` in episodes with tools or environments (`toolbox`). None where they are known only at the first
+    round: offline data (`offline_data`), an agent or rollout function (`episodes`: the trainer's tools,
+    environment_factory, agent_func and rollout_func), a data set that does not list its columns."""
+    if offline_data is not None or any(f is not None for f in episodes[2:]):
+        return None
+    given = [d for d in (train_dataset, eval_dataset) if d is not None]
+    listed = [getattr(d, "column_names", None) for d in given]
+    if not given or any(columns is None for columns in listed):
+        return None
+    shared = set.intersection(*(set(columns) for columns in listed)) - {"prompt"}
+    return frozenset({*RESERVED_COLUMNS, *shared, *(["environments"] if toolbox is not None else [])})
 
 
 def call_settings(args, mode: str) -> dict[str, Any]:

@@ -1,6 +1,5 @@
-"""`GRPOTrainer`: Group Relative Policy Optimization as a `transformers.Trainer`. It sequences one step (see the
-class docstring); generation, rewards, the `Rollout`, the loss and the checkpoints live in their own modules
-(docs/architecture.md).
+"""`GRPOTrainer`: GRPO as a `transformers.Trainer`. It sequences one step (see the class docstring); generation,
+rewards, the `Rollout`, the loss and the checkpoints live in their own modules (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from grpo.objective.regularizers import router_aux_coef
 from grpo.objective.shared_prompt import forward_layout
 from grpo.objective.step_loss import StepContext
 from grpo.rewards.environments import with_environment_rewards
-from grpo.rewards.scoring import RewardSet
+from grpo.rewards.scoring import RewardSet, reward_keywords
 from grpo.rewards.stored import offline_rewards
 from grpo.rewards.turns import check_turn_credit
 from grpo.rollout import MicroBatch
@@ -174,7 +173,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights, turn_credit)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
         rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
-        self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code)
+        passed = reward_keywords(train_dataset, eval_dataset, self.toolbox, self.offline_data, episodes)
+        self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code, keywords=passed)
         check_turn_credit(args.turn_advantage, self.toolbox, self.rewards.turn_funcs)
         return train_dataset
 
