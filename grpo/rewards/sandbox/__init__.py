@@ -10,7 +10,7 @@
 Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
   - "bwrap": the child runs under bubblewrap (`apt-get install bubblewrap`) in new user, PID, mount, network, IPC,
     UTS and cgroup namespaces, as uid 65534 with every capability dropped, nested user namespaces disabled, in its
-    own session, and dies with the trainer (`--die-with-parent`). Its file system is read-only and holds only the
+    own session, and dies with the trainer (`--die-with-parent`, then the PID namespace). Its file system is read-only and holds only the
     interpreter, its standard library and /usr/lib (no /etc, no home, no project files); a private tmpfs of
     `disk_mb` at /tmp is its working directory and the only writable place. /proc is that of its own PID namespace:
     no process outside the sandbox can be seen, signalled or traced. The network namespace has only its own
@@ -25,6 +25,15 @@ Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in
     the kernel allows one. The kernel (the worker's filter) keeps the trainer's processes from being signalled or
     traced; nothing but the audit hook, which Python code can walk around, keeps the code from the files the
     trainer's user may read or write.
+
+Lifetime, in both modes (docs/rewards.md, "The sandbox's lifetime"): before it reads the job, the supervisor sets a
+parent-death signal (prctl PR_SET_PDEATHSIG, SIGKILL), exits at once if its parent is already gone (getppid(); under
+bubblewrap the parent is outside its PID namespace, and bwrap's --die-with-parent does this), and arms a SIGALRM
+timer for the wall limit, at which it kills the worker's process group and reports the timeout; the worker, in a
+group of its own, dies with the supervisor the same way. So the code ends at its wall limit with no help from the
+trainer, and with the trainer, even one killed with SIGKILL. A run started within a `CallScope`
+(grpo/generation/call_scope.py: a tool or reward call with a timeout) is killed when that call is abandoned, and none
+starts in an abandoned one. Linux only: elsewhere `check_isolation` raises `SandboxUnavailable`.
 
 In both modes the process that runs the code (the worker) has rlimits (CPU seconds, address space, file size, open
 files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process, exec, every signal

@@ -55,6 +55,8 @@ def on_wall_limit(signum, frame):
     # and the supervisor reports the timeout); the second time, REPORT_GRACE later, exit without a report. Before
     # the worker exists there is nothing to report: exit at once.
     if watch["timed_out"] or not watch["worker"]:
+        why = b"its report could not be written" if watch["timed_out"] else b"the code could start"
+        os.write(2, b"sandbox: the wall-clock limit passed before " + why + b"\n")
         os._exit(TIMED_OUT_EARLY)
     watch["timed_out"] = True
     try:
