@@ -10,7 +10,9 @@ a timeout from firing. A failure (an exception, `SystemExit` and `KeyboardInterr
 that could not be parsed) becomes the answer the model sees, `"Error: ..."`, and is counted, unless
 `errors="raise"`. A sync call that times out cannot be stopped: its thread keeps running until the function
 returns (a daemon thread, so it never holds up the interpreter's exit), and frees its place among the
-`max_workers` at the timeout. An `async def` tool that times out is cancelled at its next `await`; one that blocks
+`max_workers` at the timeout. What the call started outside the process is stopped, though: each call runs in a
+`CallScope` (call_scope.py), abandoned at the timeout, which kills the sandboxes of the `python` tool
+(grpo/rewards/code_tool.py) and refuses new ones. An `async def` tool that times out is cancelled at its next `await`; one that blocks
 without awaiting (`time.sleep` in an `async def`) holds the whole tools' loop, so at its timeout that loop is
 left to it, to stop once the call returns, and the next async call starts a new one (a client bound to the old
 loop is lost with it: blocking work belongs in sync tools). Threads left running past a timeout, of either kind,
@@ -30,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grpo.generation.call_scope import CallScope
 from grpo.generation.tool_calls import ParseFailure, ToolCall
 from grpo.generation.tools import Tool
 
@@ -307,18 +310,20 @@ class ToolExecutor:
         return outcomes
 
     async def _call(self, call: ToolCall, tool: Tool) -> tuple[ToolAnswer, BaseException | None]:
-        """One call under the timeout: an `async def` tool on the tools' loop, a sync one in a daemon thread."""
+        """One call under the timeout, in a `CallScope` of its own: an `async def` tool on the tools' loop, a sync one
+        in a daemon thread."""
         self._check_hung(call.name)
+        scope = CallScope()
         if tool.is_async:
             try:
                 coroutine = tool.function(**call.arguments)
             except Exception as error:  # bad arguments fail when the coroutine is made
                 return ToolAnswer(call.name, f"Error: {type(error).__name__}: {error}", "error"), error
             tool_loop = self._tools_loop()
-            return await self._settle(call, tool_loop.submit(call.name, coroutine), tool_loop)
+            return await self._settle(call, scope.run(tool_loop.submit, call.name, coroutine), tool_loop, scope)
         async with self._workers:  # freed at the timeout even if the thread runs on
-            work, thread = self._in_daemon_thread(lambda: str(tool.function(**call.arguments)))
-            return await self._settle(call, work, thread)
+            work, thread = self._in_daemon_thread(lambda: str(scope.run(tool.function, **call.arguments)))
+            return await self._settle(call, work, thread, scope)
 
     def _in_daemon_thread(self, function: Callable[[], str]) -> tuple[asyncio.Future, threading.Thread]:
         """Run `function` in a new daemon thread; (its text, None) or (None, what it raised) settles the returned
@@ -345,14 +350,15 @@ class ToolExecutor:
         return future, thread
 
     async def _settle(
-        self, call: ToolCall, work: asyncio.Future, runner: threading.Thread | ToolLoop
+        self, call: ToolCall, work: asyncio.Future, runner: threading.Thread | ToolLoop, scope: CallScope
     ) -> tuple[ToolAnswer, BaseException | None]:
         """`asyncio.wait` rather than `wait_for`: a TimeoutError the tool itself raises is then the tool's error, not
-        a timeout. At the timeout, a coroutine is cancelled at its next await; a thread, or a tools' loop the call
-        blocks, cannot be stopped: it is left running, counted among the hung ones, and the next async call gets a
-        new loop."""
+        a timeout. At the timeout, the call's `scope` is abandoned (what it started outside the process is killed);
+        a coroutine is cancelled at its next await; a thread, or a tools' loop the call blocks, cannot be stopped:
+        it is left running, counted among the hung ones, and the next async call gets a new loop."""
         done, _ = await asyncio.wait({work}, timeout=self.timeout)
         if not done:
+            scope.abandon()
             work.cancel()
             self._abandon(runner, call.name)
             error = TimeoutError(f"the call of '{call.name}' took longer than {self.timeout} s")

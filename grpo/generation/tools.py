@@ -22,6 +22,7 @@ and reset between episodes; TRL never calls their `close()`.
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -277,4 +278,25 @@ def make_toolbox(tools: Sequence[Callable] | None, environment_factory, args) ->
         )
     if not (tools or environment_factory):
         return None
-    return Toolbox(tools or (), environment_factory, args.seed if args.environment_group_seed else None)
+    toolbox = Toolbox(tools or (), environment_factory, args.seed if args.environment_group_seed else None)
+    warn_if_timeout_cuts_tools(toolbox.tools, args.tool_timeout)
+    return toolbox
+
+
+def warn_if_timeout_cuts_tools(tools: Mapping[str, Tool], tool_timeout: float | None) -> None:
+    """Warn about each tool whose function says how long one of its calls may run (a `wall_seconds` attribute: the
+    `python` tool's sandbox limit, grpo/rewards/code_tool.py) when `tool_timeout` does not leave it that long: the
+    executor would answer its calls "took longer than ..." and kill their sandboxes before the code's own limit."""
+    for name, tool in tools.items():
+        wall = getattr(tool.function, "wall_seconds", None)
+        if tool_timeout is None or not isinstance(wall, (int, float)) or wall < tool_timeout:
+            continue
+        warnings.warn(
+            f"The tool '{name}' runs code for up to {wall} s (its sandbox's Limits(wall_seconds={wall})), but "
+            f"tool_timeout={tool_timeout} s ends each call first: a call that needs its wall time is answered as "
+            "a timeout (counted in tools/timeouts) and its sandbox killed, never 'timed out after ...'. Set "
+            f"tool_timeout above the wall time (e.g. tool_timeout={wall + 5:g}), or build the tool with "
+            f"Limits(wall_seconds=...) below {tool_timeout} s.",
+            UserWarning,
+            stacklevel=2,
+        )

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 from grpo.data import completion_text
+from grpo.generation.call_scope import run_in_context
 
 # ---- accuracy ----
 
@@ -366,13 +367,17 @@ def _code_rows(count: int, tests, cases) -> list[tuple[str, list] | None]:
 
 
 def _score_in_threads(score: Callable, completions: list, rows: list, max_parallel: int) -> list[float | None]:
-    """`score(completion, row, stops_before)` for every row, `max_parallel` sandboxed runs at a time. On Ctrl-C the
-    runs in progress are ended and no other starts (`score` compares `stops_before`), so the threads return now."""
+    """`score(completion, row, stops_before)` for every row, `max_parallel` sandboxed runs at a time, each in this
+    thread's context (so that a timed-out reward call's `CallScope` kills its runs and refuses new ones). On Ctrl-C
+    the runs in progress are ended and no other starts (`score` compares `stops_before`), so the threads return
+    now."""
     from grpo.rewards.sandbox import stop_running, stops
 
     pool = ThreadPoolExecutor(max_workers=max(1, max_parallel))
+    before = stops()
     try:
-        return list(pool.map(score, completions, rows, [stops()] * len(rows)))
+        tasks = [pool.submit(run_in_context(score, c, row, before)) for c, row in zip(completions, rows)]
+        return [task.result() for task in tasks]
     except KeyboardInterrupt:
         stop_running()
         raise

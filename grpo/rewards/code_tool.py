@@ -28,7 +28,8 @@ def python_tool(limits=None, isolation: str = "bwrap", max_output_chars: int = 4
     characters with a line saying how many more there were; if the code raised, timed out, hit a limit or was
     refused an action, a last line `Error: ...` says so. Those are answers, not tool failures: they do not count in
     `tools/errors` (a sandbox that cannot run does, and so does the executor's `tool_timeout`, which should be longer
-    than `limits.wall_seconds`).
+    than `limits.wall_seconds`: the trainer warns when it is not, and a call past `tool_timeout` has its sandbox
+    killed). The sandbox ends at its wall limit, or with the trainer, whatever becomes of the call.
 
     Building the tool checks the sandbox: without bubblewrap it raises `SandboxUnavailable`, with the fix.
 
@@ -62,6 +63,7 @@ def python_tool(limits=None, isolation: str = "bwrap", max_output_chars: int = 4
         result = run_python(code, [], limits, isolation=isolation)
         return tool_answer(result.output, result.output_bytes, result.error, max_output_chars)
 
+    python.wall_seconds = limits.wall_seconds  # the trainer warns when tool_timeout is not longer
     return python
 
 

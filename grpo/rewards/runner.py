@@ -14,7 +14,9 @@ How the functions run (`run_reward_functions`):
     worker processes (for CPU-bound pure-Python functions); with a `timeout` alone, each runs in a thread;
     otherwise synchronous functions run one after the other in the caller's thread;
   - every call may have a timeout; a timed-out thread cannot be killed and is abandoned (it is a daemon thread),
-    a process pool with a timed-out call is killed once the round's other calls have finished;
+    a process pool with a timed-out call is killed once the round's other calls have finished; each call runs in a
+    `CallScope` (grpo/generation/call_scope.py), abandoned at its timeout: the sandboxes of `code_execution` that
+    the call started are killed then, and it can start no more;
   - on an exception the rows are retried one by one to name the failing row; `errors="skip"` gives failed rows
     None for that function (for a process function: no step rewards, all NaN) and counts them, one per failed
     row (a timed-out or wholly failed call counts all its rows), instead of raising. Any `BaseException` counts:
@@ -45,6 +47,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.data import InputError
+from grpo.generation.call_scope import CallScope, run_in_context
 from grpo.rewards.names import reward_name
 from grpo.rewards.process import is_process_reward
 
@@ -260,8 +263,8 @@ async def _run_async(call: _Call, stop_at_first: bool) -> _Outcome:
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run `fn` in a daemon thread: unlike an executor's threads, one that hangs past its timeout does not block
-    the interpreter's exit."""
+    """Run `fn` in a daemon thread, in this thread's context (its `CallScope`): unlike an executor's threads, one
+    that hangs past its timeout does not block the interpreter's exit."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -279,7 +282,7 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
         except RuntimeError:  # the loop has closed: the call timed out and was abandoned
             pass
 
-    threading.Thread(target=target, daemon=True, name="grpo-reward").start()
+    threading.Thread(target=run_in_context(target), daemon=True, name="grpo-reward").start()
     return future
 
 
@@ -296,13 +299,16 @@ async def _run_concurrently(
 
     async def run(call: _Call) -> _Outcome:
         nonlocal timed_out
+        scope = CallScope()  # current where the call's task or thread is made: they copy it
         try:
             if is_async(call.func):
-                return await asyncio.wait_for(_run_async(call, stop_at_first), timeout)
+                task = scope.run(asyncio.ensure_future, _run_async(call, stop_at_first))  # made in the scope
+                return await asyncio.wait_for(task, timeout)
             async with workers:
-                work = _in_daemon_thread(lambda: _run_sync(call, stop_at_first, invokers.get(id(call))))
+                work = scope.run(_in_daemon_thread, lambda: _run_sync(call, stop_at_first, invokers.get(id(call))))
                 return await asyncio.wait_for(work, timeout)
         except (asyncio.TimeoutError, TimeoutError):
+            scope.abandon()
             timed_out = True
             return [None] * call.num_rows, [(None, TimeoutError(f"timed out after {timeout} s (reward_timeout)"))]
 

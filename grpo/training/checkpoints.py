@@ -319,8 +319,9 @@ def load_state(checkpoint: str, process_index: int, settings: dict, device) -> d
 
 
 def stop_sandboxes() -> None:
-    """End the sandboxed code (grpo/rewards/sandbox) still running in this process, if the sandbox was ever used: a
-    reward's worker threads would otherwise wait for each run's wall-clock limit before the process can exit."""
+    """End the sandboxed code (grpo/rewards/sandbox) still running in this process, if the sandbox was ever used: on
+    Ctrl-C, a reward's worker threads would otherwise wait for each run's wall-clock limit before the process can
+    exit; when `train()` returns, none may be left (a call abandoned at its timeout killed its own already)."""
     sandbox = sys.modules.get("grpo.rewards.sandbox")  # never imported here: a run without code rewards loads none
     if sandbox is not None:
         sandbox.stop_running()
@@ -387,6 +388,7 @@ class ResumableTrainer(Trainer):
             finally:
                 self.remove_callback(preemption)
                 self._end_training()
+                stop_sandboxes()  # however train() ends, no sandboxed code outlives it (a hung tool's thread's, say)
             if preemption.stopped_at is not None:
                 newest = newest_checkpoint(self.args.output_dir)
                 message = resume_message(preemption.stopped_at, newest, self.args.output_dir)

@@ -10,7 +10,7 @@
 Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in docs/rewards.md):
   - "bwrap": the child runs under bubblewrap (`apt-get install bubblewrap`) in new user, PID, mount, network, IPC,
     UTS and cgroup namespaces, as uid 65534 with every capability dropped, nested user namespaces disabled, in its
-    own session, and dies with the trainer (`--die-with-parent`). Its file system is read-only and holds only the
+    own session, and dies with the trainer (`--die-with-parent`, then the PID namespace). Its file system is read-only and holds only the
     interpreter, its standard library and /usr/lib (no /etc, no home, no project files); a private tmpfs of
     `disk_mb` at /tmp is its working directory and the only writable place. /proc is that of its own PID namespace:
     no process outside the sandbox can be seen, signalled or traced. The network namespace has only its own
@@ -25,6 +25,15 @@ Isolation (`isolation=`, default "bwrap"; the threat model and its limits are in
     the kernel allows one. The kernel (the worker's filter) keeps the trainer's processes from being signalled or
     traced; nothing but the audit hook, which Python code can walk around, keeps the code from the files the
     trainer's user may read or write.
+
+Lifetime, in both modes (docs/rewards.md, "The sandbox's lifetime"): before it reads the job, the supervisor sets a
+parent-death signal (prctl PR_SET_PDEATHSIG, SIGKILL), exits at once if its parent is already gone (getppid(); under
+bubblewrap the parent is outside its PID namespace, and bwrap's --die-with-parent does this), and arms a SIGALRM
+timer for the wall limit, at which it kills the worker's process group and reports the timeout; the worker, in a
+group of its own, dies with the supervisor the same way. So the code ends at its wall limit with no help from the
+trainer, and with the trainer, even one killed with SIGKILL. A run started within a `CallScope`
+(grpo/generation/call_scope.py: a tool or reward call with a timeout) is killed when that call is abandoned, and none
+starts in an abandoned one. Linux only: elsewhere `check_isolation` raises `SandboxUnavailable`.
 
 In both modes the process that runs the code (the worker) has rlimits (CPU seconds, address space, file size, open
 files; processes in "bwrap"), a second seccomp filter that refuses fork, clone of a process, exec, every signal
@@ -65,16 +74,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.generation.call_scope import current_scope
 from grpo.rewards.sandbox.bwrap import bwrap_argv, stdlib_dirs
 from grpo.rewards.sandbox.cases import case_inputs, check_cases, judge
-from grpo.rewards.sandbox.harness import well_formed_results
+from grpo.rewards.sandbox.harness import MARKER, well_formed_results
 from grpo.rewards.sandbox.seccomp import seccomp_programs
 
 ISOLATIONS = ("bwrap", "process")
 
 # The sandboxed runs in progress in this process, so that `stop_running` (Ctrl-C) can end them at once: the threads
 # a reward runs them in would otherwise wait out each run's wall-clock limit before the process could exit.
-_running: set[subprocess.Popen] = set()
+# Each with the function that kills it (`_signal_group`).
+_running: dict[subprocess.Popen, functools.partial] = {}
 _running_lock = threading.Lock()
 _stops = 0  # how often stop_running was called
 
@@ -86,6 +97,9 @@ OUTPUT_BYTES = 16 * 1024
 # The most the trainer reads from each of the sandbox's stdout and stderr: past it the pipe is closed, so nothing in
 # the sandbox can make the trainer hold more (the supervisor writes at most OUTPUT_BYTES there, bwrap a few lines).
 PIPE_BYTES = 4 * OUTPUT_BYTES
+# How long past the wall limit the trainer waits for the supervisor, which enforces the limit itself and reports the
+# timeout, before it kills the sandbox on its own (the supervisor gives up on its report REPORT_GRACE, 0.5 s, after).
+WALL_GRACE = 1.0
 # The most the results of a run's test cases (what the calls returned, what the programs printed) may take as JSON;
 # a case whose result does not fit fails. The trainer reads no more than this (and a few bytes per case) of a report.
 RESULT_BYTES = 256 * 1024
@@ -153,6 +167,12 @@ def check_isolation(isolation: str = "bwrap") -> None:
     """Raise `SandboxUnavailable`, saying how to fix it, when `isolation` cannot run on this machine."""
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation={isolation!r}: use one of {ISOLATIONS}.")
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailable(
+            f"The code sandbox runs on Linux only (this is {sys.platform}): it needs the kernel's parent-death signal "
+            "(prctl PR_SET_PDEATHSIG), so that sandboxed code dies with the trainer, and its namespaces and seccomp "
+            "filters. Train with code rewards or the python tool in a Linux machine, container or VM."
+        )
     if isolation == "bwrap":
         problem = _bwrap_problem()
         if problem:
@@ -182,8 +202,12 @@ def _run(
     code: str, tests: list[str], limits: Limits, isolation: str, audit_hook: bool, cases: list[dict] | None = None
 ) -> SandboxResult:
     """One sandboxed run (`run_python`, `run_cases`): the job and a fresh token sent to the harness, its report read
-    and checked (`_result`); the process group, its pipes and its working directory are gone when it returns."""
+    and checked (`_result`); the process group, its pipes and its working directory are gone when it returns. The
+    harness enforces `limits.wall_seconds` itself; this process kills it WALL_GRACE later if it has not ended."""
     total = len(tests) if cases is None else len(cases)
+    scope = current_scope()
+    if scope is not None and scope.abandoned:  # the call this run is for timed out: start nothing more for it
+        return SandboxResult(0, total, "not run: the call it was for was abandoned at its timeout")
     report_r, report_w = os.pipe()
     programs = seccomp_programs()
     job = _job(code, tests, cases, limits, isolation, audit_hook, report_w, programs)
@@ -199,18 +223,20 @@ def _run(
     elif isolation == "process":
         workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
     try:
-        proc = _start(*_command(isolation, limits.disk_mb, seccomp_fd, workdir), fds)
+        deadline = time.monotonic() + limits.wall_seconds  # the harness's too: start-up counts
+        harness = [MARKER, str(os.getpid() if isolation == "process" else 0), repr(deadline), str(limits.wall_seconds)]
+        proc = _start(*_command(isolation, limits.disk_mb, seccomp_fd, workdir, harness), fds, scope)
         os.close(report_w)
         report_w = None
         report_bytes = RESULT_BYTES + 64 * total + 4096  # the results, a few bytes of each entry, the rest
         try:
-            printed, stderr, report = _communicate(proc, payload, limits.wall_seconds, report_r, report_bytes)
+            waited = limits.wall_seconds + WALL_GRACE
+            printed, stderr, report = _communicate(proc, payload, waited, report_r, report_bytes)
         except subprocess.TimeoutExpired:
             return SandboxResult(0, total, f"timed out after {limits.wall_seconds} s")
         finally:
             _kill_group(proc)
-            with _running_lock:
-                _running.discard(proc)
+            _forget(proc, scope)
         return _result(report, token, cases, total, printed, stderr, proc.returncode)
     finally:
         for fd in (report_r, report_w, seccomp_fd):
@@ -220,17 +246,21 @@ def _run(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _command(isolation: str, disk_mb: int, seccomp_fd: int | None, workdir: str | None) -> tuple[list, str, dict]:
-    """(argv, working directory, environment) of the harness: under bubblewrap, which installs the seccomp filter
-    read from `seccomp_fd`, or as a plain child process in `workdir` ("process")."""
-    interpreter = [sys.executable, "-I", "-S", "-B", "-c", HARNESS]
+def _command(
+    isolation: str, disk_mb: int, seccomp_fd: int | None, workdir: str | None, harness: list[str]
+) -> tuple[list, str, dict]:
+    """(argv, working directory, environment) of the harness, given its arguments `harness` (harness.supervise):
+    under bubblewrap, which installs the seccomp filter read from `seccomp_fd`, or as a plain child process in
+    `workdir` ("process")."""
+    interpreter = [sys.executable, "-I", "-S", "-B", "-c", HARNESS, *harness]
     if isolation == "bwrap":
         return bwrap_argv(disk_mb, seccomp_fd) + interpreter[1:], "/", {"PATH": os.environ.get("PATH", "")}
     return interpreter, workdir, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
 
 
-def _start(argv: list, cwd: str, env: dict, fds: list[int]) -> subprocess.Popen:
-    """The harness started, passed `fds`, and counted among the runs `stop_running` ends."""
+def _start(argv: list, cwd: str, env: dict, fds: list[int], scope) -> subprocess.Popen:
+    """The harness started, passed `fds`, and counted among the runs `stop_running` ends and, within a call's
+    `CallScope` (grpo/generation/call_scope.py), among those its `abandon()` ends."""
     proc = subprocess.Popen(
         argv,
         cwd=cwd,
@@ -241,9 +271,20 @@ def _start(argv: list, cwd: str, env: dict, fds: list[int]) -> subprocess.Popen:
         pass_fds=fds,
         start_new_session=True,  # its own process group, killed as a whole by _kill_group
     )
+    stop = functools.partial(_signal_group, proc)
     with _running_lock:
-        _running.add(proc)
+        _running[proc] = stop
+    if scope is not None and not scope.enter(stop):  # abandoned while this run started
+        stop()
     return proc
+
+
+def _forget(proc: subprocess.Popen, scope) -> None:
+    """`proc` ended: no longer among the runs `stop_running` or its scope's `abandon()` ends."""
+    with _running_lock:
+        stop = _running.pop(proc, None)
+    if scope is not None and stop is not None:
+        scope.leave(stop)
 
 
 def _result(
@@ -367,11 +408,9 @@ def stop_running() -> None:
     global _stops
     with _running_lock:
         _stops += 1
-        for proc in _running:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        stops = list(_running.values())
+    for stop in stops:
+        stop()
 
 
 def stops() -> int:
@@ -379,9 +418,18 @@ def stops() -> int:
     return _stops
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _signal_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the harness's process group: under bubblewrap, bwrap, whose sandbox dies with it (--die-with-parent,
+    then the PID namespace); as a plain process, the supervisor, whose worker (in a group of its own) dies with it
+    (its parent-death signal). Not once the harness was reaped: its pid may be another process's by then."""
+    if proc.returncode is not None:
+        return
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap's sandbox dies with it (--die-with-parent)
+        os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc)
     proc.wait()

@@ -2,8 +2,11 @@
 `python -I -S -B -c`, under bubblewrap or as a plain child process). It sees only the standard library: it must
 never import grpo or anything installed.
 
-Its first half, the supervisor (`supervise`), runs before any untrusted code: it reads the job from stdin, holds the
-report pipe, forks the worker, and only then reads the random token, so the worker's memory never holds it. The
+Its first half, the supervisor (`supervise`), runs before any untrusted code: it ties its life to its parent's
+(`die_with_parent`) and arms its own wall-clock timer (`arm_wall_timer`), both from its arguments, before it reads
+anything; then it reads the job from stdin, holds the report pipe, forks the worker, and only then reads the random
+token, so the worker's memory never holds it. When the timer fires the supervisor kills the worker's process group
+and reports the timeout itself: no help from the trainer is needed, which may be stopped, busy or gone. The
 worker (`work`) keeps no descriptor but its own pipe and the one its stdout and stderr go to, locks itself down
 (rlimits, a seccomp filter against new processes, an audit hook) and then runs the code and the tests. The
 supervisor accepts only a well-formed count in range (`verdict`) and writes it, with the token, to the report pipe;
@@ -16,7 +19,61 @@ the expected values stay with the trainer, which compares (grpo/rewards/sandbox/
 
 import json
 import os
+import signal
 import sys
+import time
+
+# The supervisor's arguments after `-c SOURCE`: this marker, the pid its parent must have (0 under bubblewrap, whose
+# new PID namespace shows no parent), the time.monotonic() by which the run must end, and the wall limit as the
+# trainer writes it (for the error message).
+MARKER = "grpo-sandbox"
+# After the wall timer fires: how long the supervisor may take to reap the worker and write its report before it
+# exits without one (a trainer that is stopped and never reads cannot hold it).
+REPORT_GRACE = 0.5
+# The supervisor's exit statuses of its own (the trainer reports them with stderr's last line).
+PARENT_GONE, NO_DEATH_SIGNAL, TIMED_OUT_EARLY = 70, 71, 72
+# The worker's pid and whether the wall timer has fired, for the timer's handler.
+watch = {"worker": 0, "timed_out": False}
+
+
+def die_with_parent(parent):
+    # PR_SET_PDEATHSIG: the kernel sends SIGKILL when the parent (the thread that started this process) ends. Then
+    # the race: a parent that ended before the prctl sent nothing, and this process was already reparented, which
+    # getppid() shows. Linux only: without prctl the sandbox refuses to run rather than risk outliving the trainer.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        os.write(2, b"sandbox: prctl(PR_SET_PDEATHSIG) failed: the sandbox cannot tie its life to its parent's\n")
+        os._exit(NO_DEATH_SIGNAL)
+    if os.getppid() != parent:
+        os._exit(PARENT_GONE)
+
+
+def on_wall_limit(signum, frame):
+    # SIGALRM, in the supervisor: the first time, kill the worker's process group (the worker ends, its pipes close,
+    # and the supervisor reports the timeout); the second time, REPORT_GRACE later, exit without a report. Before
+    # the worker exists there is nothing to report: exit at once.
+    if watch["timed_out"] or not watch["worker"]:
+        why = b"its report could not be written" if watch["timed_out"] else b"the code could start"
+        os.write(2, b"sandbox: the wall-clock limit passed before " + why + b"\n")
+        os._exit(TIMED_OUT_EARLY)
+    watch["timed_out"] = True
+    try:
+        os.killpg(watch["worker"], signal.SIGKILL)
+    except OSError:  # already gone
+        pass
+    signal.setitimer(signal.ITIMER_REAL, REPORT_GRACE)
+
+
+def arm_wall_timer(deadline, wall):
+    # The run's deadline is the trainer's time.monotonic() at the start plus the wall limit (one clock for every
+    # process of the machine), so start-up counts; never more than the wall limit from now.
+    signal.signal(signal.SIGALRM, on_wall_limit)
+    left = min(wall, deadline - time.monotonic())
+    if left <= 0:
+        os._exit(TIMED_OUT_EARLY)
+    signal.setitimer(signal.ITIMER_REAL, left)
 
 
 def read_exactly(fd, n):
@@ -162,6 +219,12 @@ def work(job, out, printed):
 def lock_down(job, out, printed):
     # Before any untrusted code: stdin /dev/null, stdout and stderr the supervisor's `printed` pipe, its own pipe to
     # the supervisor (`out`) and no other descriptor; then the rlimits, the seccomp filter and the audit hook.
+    # Its own process group, which the supervisor's wall timer kills whole; dead with the supervisor (checked
+    # against the race where the supervisor ended first); SIGALRM back to its default (the handler is the
+    # supervisor's).
+    os.setpgid(0, 0)
+    die_with_parent(job["supervisor"])
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(printed, 1)
     os.dup2(printed, 2)
@@ -177,9 +240,7 @@ def lock_down(job, out, printed):
         try:
             import ctypes
 
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: dies with the supervisor even after leaving its group
-            libc.unshare(0x40000000)  # CLONE_NEWNET, where the kernel allows it (root, or user namespaces)
+            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET, where allowed (root, user ns)
         except Exception:
             pass
     set_limits(limits)
@@ -354,6 +415,8 @@ def verdict(data, status, job):
     # Everything the worker sent is untrusted: accept only a well-formed count in range, or with cases, one
     # well-formed entry per case (and no more than result_bytes of them). Returns (passed, error, results).
     cases = job["cases"]
+    if watch["timed_out"]:
+        return 0, f"timed out after {job['wall']} s", None
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         why = {24: f"exceeded the CPU limit of {job['cpu']} s", 25: "exceeded the file size limit"}.get(sig)
@@ -380,10 +443,17 @@ def verdict(data, status, job):
 
 
 def supervise():
+    # Before anything is read: dead with the trainer, and a timer for the wall limit.
+    marker, parent, deadline, wall = sys.argv[1:5]
+    if marker != MARKER:
+        os._exit(2)
+    die_with_parent(int(parent))
+    arm_wall_timer(float(deadline), float(wall))
     header = b""
     while not header.endswith(b"\n"):
         header += read_exactly(0, 1)
     job = json.loads(read_exactly(0, int(header)))
+    job["wall"], job["supervisor"] = wall, os.getpid()
     report = job["report_fd"]
     mb = 1024 * 1024
     limits = [("RLIMIT_FSIZE", job["file_size_mb"] * mb), ("RLIMIT_NOFILE", job["max_open_files"]), ("RLIMIT_CORE", 0)]
@@ -403,6 +473,11 @@ def supervise():
         os.close(r)
         os.close(printed_r)
         work(job, w, printed_w)
+    watch["worker"] = pid
+    try:  # here too, so that the group exists before the timer may kill it (the worker's own call may come later)
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
     os.close(w)
     os.close(printed_w)
     del job["code"]
@@ -411,9 +486,12 @@ def supervise():
     _, status = os.waitpid(pid, 0)
     passed, error, results = verdict(data, status, job)
     # What the code printed is no part of the verdict: it goes to stdout, the report keeps only its size.
-    write_all(1, printed)
     result = {"passed": passed, "error": error, "output_bytes": printed_bytes, "results": results}
-    write_all(report, token + b" " + json.dumps(result).encode() + b"\n")
+    try:  # a trainer that is gone closed the pipes (EPIPE); one that never reads is cut off by the timer's second call
+        write_all(1, printed)
+        write_all(report, token + b" " + json.dumps(result).encode() + b"\n")
+    except OSError:
+        pass
     os._exit(0)
 
 
