@@ -153,6 +153,10 @@ def run_child(settings: dict, log: Path) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps(settings)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["TRL_EXPERIMENTAL_SILENCE"] = "1"  # TRL's warning that rollout_func is experimental
+    # glibc's malloc raises its mmap threshold each time a large block is freed, after which freed tensors stay in
+    # its heaps and the resident set keeps memory no tensor holds. A fixed threshold returns every block of 256 KiB
+    # or more at once, so the peak resident set follows the live tensors. Both trainers' cells run so.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))
     over = False
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)

@@ -267,9 +267,9 @@ REFUSED = {
     "batch_eval_metrics": True,
 }
 
-# Handled by another part of this work.
+# Handled by a mechanism with tests of its own.
 ELSEWHERE = {
-    "parallelism_config": "sequence and context parallelism (its own part)",
+    "parallelism_config": "sp_size: sequence parallelism; cp_size > 1 refused (tests/test_sequence_parallel.py)",
 }
 
 
