@@ -49,7 +49,9 @@ def solve(row, endpoint):
     if message.tool_calls and reply.choices[0].finish_reason != "length":
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_multiply(call.function.arguments)})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_multiply(call.function.arguments)}
+            )
         message = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[MULTIPLY])
         message = message.choices[0].message
     client.close()
