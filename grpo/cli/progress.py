@@ -22,11 +22,7 @@ def _number(value) -> str:
         return str(int(value))
     if size >= 1000:
         return f"{value:.0f}"
-    if size >= 1:
-        return f"{value:.4g}"
-    if size >= 1e-3:
-        return f"{value:.4f}".rstrip("0")
-    return f"{value:.3g}"
+    return f"{value:.4g}"  # an exponent only below 1e-4
 
 
 def _pairs(logs: dict, keys: list[tuple[str, str]]) -> list[str]:
