@@ -123,15 +123,94 @@ def test_plot_panels_for_loss_learning_rate_and_grad_norm_with_whole_steps(tmp_p
     assert plot.plot_run(tmp_path).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_progress_bars_are_labelled():
+def test_progress_bars_are_labelled_and_evaluation_opens_at_zero():
     from types import SimpleNamespace
 
-    from grpo.cli.info import LabelledProgress
+    from grpo.cli.progress import LabelledProgress
 
     progress, state = LabelledProgress(), SimpleNamespace(is_world_process_zero=True, max_steps=3, global_step=0)
-    progress.on_train_begin(None, state, None)
+    progress.open_evaluation(2)  # grpo train opens it before the first batch: 0 of 2, not 1 of 2 after it
+    assert progress.prediction_bar.n == 0 and progress.prediction_bar.total == 2
     progress.on_prediction_step(None, state, None, eval_dataloader=[1, 2])
+    assert progress.prediction_bar.n == 1 and progress.prediction_bar.desc.startswith("evaluating")
+    progress.on_evaluate(None, state, None)
+    progress.on_train_begin(None, state, None)
     assert progress.training_bar.desc.startswith("training")
-    assert progress.prediction_bar.desc.startswith("evaluating")
+    # An evaluation Trainer starts itself (eval_steps) opens at its first batch, dated back to the last step's end.
+    progress._since -= 100.0
+    progress.on_prediction_step(None, state, None, eval_dataloader=[1, 2])
+    assert progress.prediction_bar.n == 1 and progress.prediction_bar.start_t == progress._since
     progress.prediction_bar.close()
     progress.training_bar.close()
+
+
+def test_metrics_line_reads_as_numbers_with_the_few_that_matter_first():
+    from grpo.cli.progress import metrics_line
+
+    logs = {
+        "loss": -0.012264,
+        "grad_norm": 2.274,
+        "learning_rate": 3.333e-07,
+        "completions/mean_length": 9.25,
+        "completions/clipped_ratio": 0.125,
+        "rewards/fmt/mean": 0.5,
+        "rewards/acc/mean": 0.75,
+        "reward": 1.25,
+        "reward_std": 0.4821,
+        "kl": 0.00123,
+        "entropy": 5.544,
+        "num_tokens": 598.0,
+        "epoch": 0.25,
+    }
+    line = metrics_line(logs, 3, 25, 12.34)
+    assert line == (
+        "step 3/25 | loss -0.01226 | reward 1.25 | reward_std 0.4821 | fmt 0.5 | acc 0.75 | length 9.25 | clipped 0.125"
+        " | kl 0.00123 | 12.3 s/step"
+    )
+    assert "'" not in line and "entropy" not in line and "learning_rate" not in line
+    one = {k: v for k, v in logs.items() if k not in ("rewards/fmt/mean", "kl")}  # one function (its mean is
+    assert metrics_line(one, 3, 25) == (  # the reward), beta = 0 (no kl)
+        "step 3/25 | loss -0.01226 | reward 1.25 | reward_std 0.4821 | length 9.25 | clipped 0.125"
+    )
+    evaluation = {"eval_reward": 0.5, "eval_completions/clipped_ratio": 0.0, "eval_runtime": 3.2, "epoch": 1.0}
+    assert metrics_line(evaluation, 10, 25) == "evaluation at step 10/25 | reward 0.5 | clipped 0"
+    assert metrics_line({"train_runtime": 61.7, "train_loss": 0.0}, 25, 25) == "training done: 25 steps in 62 s"
+    assert (
+        metrics_line({"mine": 1234.567, "tiny": 0.000123, "tinier": 0.00001234}, 1, 0)
+        == "mine 1235 | tiny 0.000123 | tinier 1.234e-05"
+    )
+
+
+def test_progress_writes_the_metrics_line_not_the_dict(capsys):
+    from types import SimpleNamespace
+
+    from grpo.cli.progress import LabelledProgress
+
+    progress, state = LabelledProgress(), SimpleNamespace(is_world_process_zero=True, max_steps=2, global_step=0)
+    progress.on_train_begin(None, state, None)
+    state.global_step = 1
+    progress.on_log(None, state, None, logs={"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "entropy": 5.0})
+    progress.training_bar.close()
+    out = capsys.readouterr().out
+    assert out.startswith("step 1/2 | loss 0.5 | reward 0.25 | reward_std 0.1 | ") and out.endswith(" s/step\n")
+    assert "{" not in out and "entropy" not in out
+
+
+def test_completions_table_shows_the_question():
+    system = {"role": "system", "content": "You are a helpful assistant. Think step by step, then answer briefly."}
+    question = {"role": "user", "content": "What is 17 * 23?"}
+    earlier = [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    samples = [
+        {"prompt": [system, question], "completion": "391", "rewards": [1.0], "advantage": 0.5},
+        {"prompt": [*earlier, question], "completion": "391", "rewards": [1.0], "advantage": 0.5},
+        {
+            "prompt": "Solve it and give the number alone. " * 3 + "What is 2 + 2?",
+            "completion": "4",
+            "rewards": [1.0],
+            "advantage": 0.0,
+        },
+    ]
+    rows = format_completions(samples, ["r"]).splitlines()[1:]
+    assert rows[0].startswith("What is 17 * 23? | 391") and rows[1].startswith("What is 17 * 23? | 391")
+    assert rows[2].startswith("...") and rows[2].split(" | ")[0].endswith("What is 2 + 2?")
+    assert len(rows[2].split(" | ")[0]) == 40

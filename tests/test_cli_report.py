@@ -1,6 +1,7 @@
 """What `grpo train` reports about the held-out prompts (greedy accuracy beside the sampled reward) and which panels
 `grpo plot` draws, on the tiny model (grpo.testing) and hand-written log histories."""
 
+import logging
 import math
 import os
 
@@ -182,14 +183,21 @@ def test_plot_panels_follow_what_moved():
     assert "completion length (tokens)" in chosen and not any(t.startswith("held-out") for t in chosen)
 
 
-def test_deepspeed_told_cpu_only_without_an_accelerator(monkeypatch):
+def test_deepspeed_cpu_notice_filtered_only_without_an_accelerator(monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    monkeypatch.setattr(deepspeed_logger, "filters", [])
+    notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+    def shown(message):
+        return bool(deepspeed_logger.filter(logging.LogRecord("DeepSpeed", logging.WARNING, "", 0, message, (), None)))
+
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     _quiet_deepspeed_on_cpu()
-    assert "DS_ACCELERATOR" not in os.environ  # a GPU (or other accelerator) is left to DeepSpeed's detection
+    assert shown(notice)  # a GPU (or other accelerator) torch sees: DeepSpeed's word on it stays
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     _quiet_deepspeed_on_cpu()
-    assert os.environ["DS_ACCELERATOR"] == "cpu"
-    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
     _quiet_deepspeed_on_cpu()
-    assert os.environ["DS_ACCELERATOR"] == "xpu"  # the user's choice wins
+    assert not shown(notice) and len(deepspeed_logger.filters) == 1  # that one message, one filter
+    assert shown("Setting ds_accelerator to cpu (auto detect)") and shown("ZeRO stage 3 needs ...")
+    assert "DS_ACCELERATOR" not in os.environ  # the process's environment is left as it was

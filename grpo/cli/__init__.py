@@ -23,6 +23,7 @@ A mistake (a recipe, a path, the environment, a reward function's bug) is one li
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -32,13 +33,16 @@ from grpo.cli.errors import RecipeError
 from grpo.errors import InputError
 
 
-def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
+def greedy_samples(trainer, dataset, count: int | None = None, progress: bool = False) -> list[dict]:
     """Greedy completions of the first `count` rows of `dataset` (every row when None), each with its rewards (one
     per function), `reward`, their weighted sum (the trainer's `reward`), and `outcome`, the weighted sum of the
     outcome functions' alone (the episode's answer; `reward` when every function scores steps or turns), made the
     way the trainer makes a round
     (`GRPOTrainer.sample_round`, `score_round`) with a greedy sampler, `per_device_eval_batch_size` rows at a time. Every
-    process decodes every row: the rows are few, and the report needs them all in one place."""
+    process decodes every row: the rows are few, and the report needs them all in one place. With `progress`, a bar
+    counts the prompts answered (on the main process, unless `disable_tqdm`)."""
+    from tqdm.auto import tqdm
+
     from grpo.generation import TransformersGeneration
     from grpo.rewards.scoring import combine_rewards
 
@@ -54,6 +58,8 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
         cpu_inverse_cdf_sampling=trainer.args.cpu_inverse_cdf_sampling,
     )
     samples, size = [], max(1, trainer.args.per_device_eval_batch_size)
+    shown = progress and trainer.is_world_process_zero() and not trainer.args.disable_tqdm
+    bar = tqdm(total=count, desc="greedy answers", unit="prompt", dynamic_ncols=True, disable=not shown)
     for start in range(0, count, size):
         rows = [dataset[i] for i in range(start, min(start + size, count))]
         rollout, columns = trainer.sample_round(rows, greedy)
@@ -74,6 +80,8 @@ def greedy_samples(trainer, dataset, count: int | None = None) -> list[dict]:
                 outcome[local].tolist(),
             )
         ]
+        bar.update(len(rows))
+    bar.close()
     return samples
 
 
@@ -106,8 +114,11 @@ def evaluate_held_out(trainer, held_out) -> tuple[dict[str, float], list[dict]]:
     """Sampled (`trainer.evaluate()`: `eval_reward` over G samples per prompt) and greedy (`greedy_metrics`)
     metrics of the held-out prompts, and the greedy samples. The greedy metrics are logged too, so they land in
     `trainer_state.json` (and any `report_to` tracker) beside `eval_reward`, at the same step."""
+    from grpo.cli.progress import evaluation_bar
+
+    evaluation_bar(trainer)  # drawn from the start, at 0 of its batches
     metrics = dict(trainer.evaluate())
-    samples = greedy_samples(trainer, held_out)
+    samples = greedy_samples(trainer, held_out, progress=True)
     greedy = greedy_metrics(samples, tools=trainer.agent is not None)
     trainer.log(dict(greedy))  # a copy: `log` adds its own keys (epoch) to the dict it is given
     return {**metrics, **greedy}, samples
@@ -176,16 +187,26 @@ def _rewards(values) -> str:
     return ", ".join("-" if v != v else f"{v:.2f}" for v in values)
 
 
+class _DeepSpeedCpuNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it." and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU.")
+
+
 def _quiet_deepspeed_on_cpu() -> None:
-    """Where DeepSpeed is installed (the dev extra), `Trainer` imports it, and on a machine without an accelerator
-    it warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every
-    run. Torch found no accelerator either, so say CPU up front (its `DS_ACCELERATOR` setting); a value the user set
-    wins."""
+    """Where DeepSpeed is installed (the dev extra), accelerate imports it in every run (`unwrap_model` checks for a
+    DeepSpeed engine), and its accelerator detection warns "Setting accelerator to CPU ..." on a machine without
+    one, in runs that never use DeepSpeed. Where torch finds no accelerator either, that one message is dropped by a
+    filter on DeepSpeed's logger ("DeepSpeed"): nothing else changes, DeepSpeed's choice and its other messages
+    included."""
     import torch
 
     found = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
-    if not found:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # the same object DeepSpeed configures when it is imported
+    if not found and not any(isinstance(f, _DeepSpeedCpuNotice) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(_DeepSpeedCpuNotice())
 
 
 def _build_trainer(plan):
@@ -228,8 +249,8 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     prompts)."""
     # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
     # bad recipe fails in a second.
-    from grpo.cli.info import label_progress
     from grpo.cli.preflight import plan_run, run_summary
+    from grpo.cli.progress import label_progress
     from grpo.training.checkpoint_checks import finished_run_message
 
     _quiet_deepspeed_on_cpu()
@@ -258,7 +279,12 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if resume is not None and main:
         print(f"resuming from {resume}")
     evaluated_before = list(trainer.state.log_history)
-    trainer.train(resume_from_checkpoint=resume)
+    # grpo's own warnings (the learning-signal watch) through tqdm, which lifts the bar first: written on the bar's
+    # line, they left a copy of it on the screen. Only the "grpo" logger, for the length of the call.
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger("grpo")]):
+        trainer.train(resume_from_checkpoint=resume)
     # `train()` starts a fresh TrainerState: put the evaluation before training back at the head of the log, so
     # that trainer_state.json and the plot hold the before values too.
     trainer.state.log_history[:0] = evaluated_before

@@ -1,6 +1,6 @@
 """What the command line says about itself: `grpo train --help` (every recipe key, with its default and help, from
-the recipe's sections and `GRPOConfig`'s own field metadata), `grpo env` (versions and the machine, for a bug
-report), and the labels of a run's progress bars (`label_progress`)."""
+the recipe's sections and `GRPOConfig`'s own field metadata) and `grpo env` (versions and the machine, for a bug
+report). What a run draws while it trains is in progress.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import os
 import platform
 import sys
 import textwrap
-
-from transformers.trainer_callback import ProgressCallback
 
 # What the recipe's sections hold, one line each (the fields themselves are listed from the dataclasses).
 SECTION_HELP = {
@@ -145,26 +143,3 @@ def env_report() -> str:
     if offline:
         lines.append(f"environment:   {' '.join(offline)}")
     return "\n".join(lines)
-
-
-class LabelledProgress(ProgressCallback):
-    """`Trainer`'s progress bars with names: "training" for the steps, "evaluating" for a pass over the held-out
-    prompts (transformers draws both unlabelled, and an evaluation before training looks like a stalled run)."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        if self.training_bar is not None:
-            self.training_bar.set_description("training")
-
-    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        fresh = self.prediction_bar is None
-        super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
-        if fresh and self.prediction_bar is not None:
-            self.prediction_bar.set_description("evaluating")
-
-
-def label_progress(trainer) -> None:
-    """Replace the trainer's `ProgressCallback` (when it has one: not with `disable_tqdm`) by `LabelledProgress`."""
-    if any(isinstance(c, ProgressCallback) for c in trainer.callback_handler.callbacks):
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(LabelledProgress())

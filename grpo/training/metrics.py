@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import unicodedata
 import warnings
 
@@ -238,10 +239,14 @@ def report_samples(
     unique_prompts: bool = False,
 ) -> None:
     """`log_completions`: print a table of a round's completions (with `unique_prompts`, the first row of each
-    prompt only, as TRL's `log_unique_prompts`) and append them all to `path` (JSON lines). The table starts on a
-    line of its own: the progress bar holds the current one."""
+    prompt only, as TRL's `log_unique_prompts`) and append them all to `path` (JSON lines). Written through tqdm,
+    which takes the progress bar off its line first and draws it again below: a plain print left a copy of the bar
+    above each table."""
+    from tqdm.auto import tqdm
+
     shown = first_of_each_prompt(samples) if unique_prompts else samples
-    print("\n" + format_completions(shown, reward_names, max_rows), flush=True)
+    tqdm.write(format_completions(shown, reward_names, max_rows), file=sys.stdout)
+    sys.stdout.flush()
     write_completions(path, step, samples, reward_names, run)
 
 
@@ -280,16 +285,22 @@ def format_completions(samples: list[dict], reward_names: list[str], max_rows: i
     lines = [" | ".join(header)]
     for s in rows:
         rewards = [f"{r:.3f}" for r in s["rewards"]]
-        lines.append(
-            " | ".join([shown_prompt(s, clip), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"])
-        )
+        lines.append(" | ".join([shown_prompt(s), clip(s["completion"], 60), *rewards, f"{s['advantage']:+.3f}"]))
     return "\n".join(lines)
 
 
-def shown_prompt(sample: dict, clip) -> str:
-    """The prompt's table cell: its text clipped, after `[N images]` when the images were logged."""
+def shown_prompt(sample: dict, width: int = 40) -> str:
+    """The prompt's table cell, after `[N images]` when the images were logged: the question, that is the last user
+    message of a conversation (its system message and earlier turns are the same on every row, and clipping them
+    all left no room for it), or the whole string prompt; a long one keeps its end, where the question usually is."""
     images = sample.get("images")
-    return (f"[{len(images)} image{'s' * (len(images) != 1)}] " if images else "") + clip(sample["prompt"], 40)
+    prompt = sample["prompt"]
+    if isinstance(prompt, list):
+        users = [m for m in prompt if m.get("role") == "user"]
+        prompt = users[-1]["content"] if users else prompt[-1:]
+    text = printable(completion_text(prompt))
+    text = text if len(text) <= width else "..." + text[-(width - 3) :]
+    return (f"[{len(images)} image{'s' * (len(images) != 1)}] " if images else "") + text
 
 
 def write_completions(
