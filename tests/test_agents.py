@@ -3,6 +3,7 @@ the loss over the policy's tokens only, budgets, errors, metrics and a TRL-style
 The scripted policy and its tools are in tests/helpers/agents.py."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from datasets import Dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.data import InputError
 from grpo.generation import Completions
+from grpo.generation.episodes import CHATML_TOOLS_TEMPLATE
 from grpo.objective.logprobs import completion_logprobs
 from grpo.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from tests.helpers.agents import (
@@ -278,6 +280,55 @@ def test_tool_errors_and_parse_failures_are_answered_and_counted(tmp_path, model
     trainer = make_trainer(tmp_path, model_path, scripts=(script,), tools=(fails,), tool_errors="raise")
     with pytest.raises(Exception, match="fails"):
         trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+
+
+def file_name(x: int) -> str:
+    """Name a file whose name is not UTF-8.
+
+    Args:
+        x: anything
+    """
+    return os.fsdecode(b"report-\xff.txt")  # a lone surrogate, which no tokenizer encodes
+
+
+def test_what_the_policy_writes_and_what_a_tool_answers_cannot_end_the_run(tmp_path, model_path):
+    """Issue 50, end to end: a call nested 1,100 `[` deep (Python's JSON parser raised RecursionError) is a counted
+    malformed call, answered; a tool answer holding a lone surrogate (tokenization raised TypeError) is shown with
+    U+FFFD and the tool named; the episode goes on to its last turn."""
+    script = ["<tool_call>" + "[" * 1100 + "</tool_call>", call("file_name", x=1), "done"]
+    # A budget for the 1,100-token first turn (byte tokens) and the turns after it.
+    trainer = make_trainer(tmp_path, model_path, scripts=(script,), tools=(file_name,), max_completion_length=1400)
+    with pytest.warns(UserWarning, match="'file_name' answered text holding lone surrogates"):
+        rollout, _ = trainer.sample_round([trainer.train_dataset[0]] * G, trainer.generation)
+    answers = [m["content"] for m in rollout.completions[0] if m["role"] == "tool"]
+    assert answers[0].startswith("Error: the tool call nests deeper than") and answers[1] == "report-\ufffd.txt"
+    assert rollout.completions[0][-1]["content"] == "done"
+    stats = rollout.episode_stats
+    assert (stats["parse_failures"], stats["tool_calls"], stats["turns"]) == (G, G, 3 * G)
+
+
+def test_a_template_that_drops_tool_answers_is_refused_at_construction(tmp_path, model_path):
+    """A template that renders `tools` but not `role: tool` messages trained silently without the tool answers: the
+    policy never saw what its calls returned, while the metrics counted them answered (issue 50). One that fails on
+    a tool message (e.g. wanting a `tool_call_id`) failed at the first tool turn."""
+    head = "{% elif message['role'] == 'tool' %}"
+    start = CHATML_TOOLS_TEMPLATE.index(head)
+    tool_branch = CHATML_TOOLS_TEMPLATE[start : CHATML_TOOLS_TEMPLATE.index("{% else %}", start)]
+    for body, words in [
+        ("", "renders the tools but not the tool answers"),
+        ("{{ raise_exception('tool messages need a tool_call_id') }}", "fails on a tool answer.*tool_call_id"),
+    ]:
+        tokenizer = tool_tokenizer()
+        tokenizer.chat_template = CHATML_TOOLS_TEMPLATE.replace(tool_branch, head + body)
+        with pytest.raises(InputError, match=f"{words}.*CHATML_TOOLS_TEMPLATE"):
+            GRPOTrainer(
+                model_path,
+                reward_25,
+                args=config(tmp_path),
+                train_dataset=chat_prompts(2),
+                processing_class=tokenizer,
+                tools=[add],
+            )
 
 
 def test_misuse_fails_at_construction(tmp_path, model_path):

@@ -6,6 +6,7 @@ import asyncio
 import doctest
 import importlib.util
 import json
+import os
 import sys
 import threading
 
@@ -29,6 +30,7 @@ from grpo.generation.tools import (
     make_tools,
     with_observation,
 )
+from grpo.testing import tiny_tokenizer
 
 # How long a test waits for the other side of a barrier before calling the run serial: generous, since the
 # machine may be loaded; a passing run never waits for it.
@@ -162,6 +164,48 @@ def test_llama3_failures():
     assert unknown.kind == "unknown_tool" and unknown.name == "search"
     (tagged_without_name,) = parse_llama3_json('<|python_tag|>{"query": "x"}')
     assert tagged_without_name.kind == "malformed"
+
+
+# Whatever the policy writes is a malformed call, never an exception that ends the run (issue 50): nesting past
+# Python's recursion limit (about 1,000 levels), and integers past its int-string limit (4,300 digits).
+DEEP = "[" * 1100
+HUGE = "7" * 5000
+
+
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize(
+    "parse, text, reason",
+    [
+        (parse_hermes, f"<tool_call>{DEEP}</tool_call>", "deeper than 100 levels"),
+        (parse_hermes, f'<tool_call>{{"name": "add", "arguments": {{"a": {nested(1100)}}}}}</tool_call>', "deeper"),
+        # Deep enough to end the run later (the deep copy each reward function gets), though `json` reads it.
+        (parse_hermes, f'<tool_call>{{"name": "add", "arguments": {{"a": {nested(600)}}}}}</tool_call>', "deeper"),
+        (parse_hermes, f'<tool_call>{{"name": "add", "arguments": {{"a": {HUGE}}}}}</tool_call>', "too long to read"),
+        (parse_hermes, f'<tool_call>{{"name": "add", "arguments": "{{\\"a\\": {HUGE}}}"}}</tool_call>', "too long"),
+        (parse_llama3_json, f'{{"name": "add", "parameters": {{"a": {DEEP}', "deeper than 100 levels"),
+        (parse_llama3_json, f'{{"name": "add", "parameters": {{"a": {HUGE}}}}}', "too long to read"),
+    ],
+)
+def test_json_python_cannot_read_is_a_malformed_call(parse, text, reason):
+    (failure,) = parse(text, {"add"})
+    assert isinstance(failure, ParseFailure) and failure.kind == "malformed"
+    assert reason in failure.reason
+
+
+def test_json_nested_to_the_limit_is_read_and_one_level_more_is_malformed():
+    # The call object, its arguments object, then the lists: MAX_JSON_DEPTH levels in all.
+    limit = tool_calls.MAX_JSON_DEPTH
+    at_limit = f'<tool_call>{{"name": "add", "arguments": {{"a": {nested(limit - 2)}}}}}</tool_call>'
+    assert isinstance(parse_hermes(at_limit, {"add"})[0], ToolCall)
+    past = at_limit.replace(nested(limit - 2), nested(limit - 1))
+    assert parse_hermes(past, {"add"})[0].kind == "malformed"
+    with ToolExecutor() as executor:
+        answers, counts = executor.run([parse_hermes(past, {"add"})], [make_tools([add])])
+    assert answers[0][0].content.startswith("Error: the tool call nests deeper than")
+    assert counts == ToolCounts(malformed=1)
 
 
 def test_llama3_json_without_a_name_is_an_answer_not_a_call():
@@ -571,6 +615,38 @@ def test_parse_failures_are_answered_or_not_but_always_counted():
     with ToolExecutor(answer_parse_failures=False, errors="raise") as executor:
         answers, counts = run_turn(executor, texts, [add])
     assert [a.status for a in answers[0]] == ["ok"] and counts.parse_failures == 2
+
+
+def test_answers_with_lone_surrogates_are_made_encodable_and_the_tool_named():
+    """A tool answer (or error) holding what `os.fsdecode` makes of bytes that are not UTF-8 cannot be tokenized: it
+    is shown to the model with U+FFFD in their place, and a warning names the tool (issue 50)."""
+
+    def file_name(x: int) -> str:
+        """Name a file whose name is not UTF-8.
+
+        Args:
+            x: Anything.
+        """
+        return os.fsdecode(b"report-\xff.txt")
+
+    def open_it(x: int) -> str:
+        """Fail to open a file whose name is not UTF-8.
+
+        Args:
+            x: Anything.
+        """
+        raise FileNotFoundError(os.fsdecode(b"data-\xfe.csv"))
+
+    with ToolExecutor() as executor, pytest.warns(UserWarning, match="lone surrogates") as caught:
+        answers, counts = run_turn(executor, [call("file_name", x=1) + call("open_it", x=2)], [file_name, open_it])
+    assert sorted(str(w.message).split("'")[1] for w in caught) == ["file_name", "open_it"]
+    assert [(a.content, a.status) for a in answers[0]] == [
+        ("report-\ufffd.txt", "ok"),
+        ("Error: FileNotFoundError: data-\ufffd.csv", "error"),
+    ]
+    assert counts == ToolCounts(calls=2, errors=1)
+    tokenizer = tiny_tokenizer()
+    assert all(tokenizer(a.content, add_special_tokens=False)["input_ids"] for a in answers[0])
 
 
 def test_a_parser_that_does_not_check_names_still_gets_unknown_tools_answered():

@@ -60,6 +60,9 @@ _STRING_PROMPT = (
     "Tools need conversational prompts (lists of {{'role': ..., 'content': ...}} messages), rendered by the chat "
     "template with the tools' schemas; got the string prompt {prompt!r}. Wrap it: [{{'role': 'user', 'content': ...}}]."
 )
+# The text of the tool answer `check_template_renders_tools` looks for in the template's rendering: one no template
+# writes of its own.
+_ANSWER_MARKER = "grpo-tool-answer-4d1c"
 # The episode metrics a round reports, summed over episodes (the trainer turns them into means per episode).
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "budget_cuts")
 
@@ -311,18 +314,39 @@ def episode_stats(states: Sequence[EpisodeState]) -> dict[str, float]:
 
 def check_template_renders_tools(tokenizer, schemas: list[dict], chat_template_kwargs: dict | None = None) -> None:
     """Refuse a chat template that drops the tools (many do, SmolLM2-Instruct's among them): the model would never
-    learn what it may call. Checked once, when the trainer is built."""
+    learn what it may call; or one that drops `tool` messages: the model would never see what its calls answered.
+    Checked once, when the trainer is built, on the conversation `ToolTurnTokens` renders tool answers after."""
     if not schemas:
         return
     if getattr(tokenizer, "chat_template", None) is None:
         raise InputError("Tools need a tokenizer with a chat template that renders them; this tokenizer has none.")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "?"}], tools=schemas, tokenize=False, **(chat_template_kwargs or {})
-    )
+    kwargs = chat_template_kwargs or {}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=schemas, tokenize=False, **kwargs)
     missing = [s["function"]["name"] for s in schemas if s["function"]["name"] not in text]
     if missing:
         raise InputError(
             f"The tokenizer's chat template does not render the tools {missing} (it ignores `tools=`), so the model "
             "would never see them. Give it a template that does, e.g. grpo.generation.episodes.CHATML_TOOLS_TEMPLATE "
             "for a ChatML model (tokenizer.chat_template = ...; docs/agents.md)."
+        )
+    name = schemas[0]["function"]["name"]
+    conversation = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "name": name, "content": _ANSWER_MARKER},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False, **kwargs)
+    except Exception as error:  # e.g. a template that requires a `tool_call_id` the trainer's messages do not have
+        raise InputError(
+            f"The tokenizer's chat template fails on a tool answer ({{'role': 'tool', 'name': ..., 'content': ...}}): "
+            f"{type(error).__name__}: {error}. Give it a template that renders such messages, e.g. "
+            "grpo.generation.episodes.CHATML_TOOLS_TEMPLATE for a ChatML model (docs/agents.md)."
+        ) from error
+    if _ANSWER_MARKER not in text:
+        raise InputError(
+            "The tokenizer's chat template renders the tools but not the tool answers (messages of role 'tool'), so "
+            "the model would never see what its calls return, while the metrics count them as answered. Give it a "
+            "template that renders tool messages, e.g. grpo.generation.episodes.CHATML_TOOLS_TEMPLATE for a ChatML "
+            "model (tokenizer.chat_template = ...; docs/agents.md)."
         )

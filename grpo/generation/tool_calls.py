@@ -35,6 +35,10 @@ _ARGUMENT_KEYS = ("arguments", "parameters")
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _LLAMA_END_TOKENS = ("<|eot_id|>", "<|eom_id|>")
 _PYTHON_TAG = "<|python_tag|>"
+# How deep a call's JSON may nest (arrays and objects). Python's `json` recurses once per level, and the deep copy
+# each reward function gets of the episode (its `tool_calls` included) twice: a policy writing a few hundred `[`
+# would end the run there. No tool's arguments need more than a handful of levels.
+MAX_JSON_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,40 @@ class ParseFailure:
     name: str | None = None
 
 
+def json_depth(value: Any) -> int:
+    """How many arrays and objects deep `value` nests (0 for a number or a string), counted without recursion and
+    stopping once past `MAX_JSON_DEPTH`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def decode_json(text: str, position: int | None = None) -> tuple[Any, int, str | None]:
+    """The JSON value of `text` (all of it; with `position`, the value starting there, which may end anywhere), the
+    index where it ends, and None; or (None, position, the reason it cannot be a call). Whatever the policy writes
+    is a reason, never an exception: bad JSON, nesting past `MAX_JSON_DEPTH` (Python's parser raises
+    `RecursionError` at about 1,000 levels), or an integer longer than Python converts (4,300 digits by default)."""
+    start = position or 0
+    try:
+        if position is None:
+            value, end = json.loads(text), len(text)
+        else:
+            value, end = json.JSONDecoder().raw_decode(text, position)
+    except json.JSONDecodeError as error:
+        return None, start, f"is not valid JSON: {error}"
+    except RecursionError:
+        return None, start, f"nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects"
+    except ValueError as error:  # Python's limit on the digits of an integer (sys.set_int_max_str_digits)
+        return None, start, f"holds a number too long to read ({str(error).split(';')[0]})"
+    if json_depth(value) > MAX_JSON_DEPTH:
+        return None, start, f"nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects"
+    return value, end, None
+
+
 ToolCallParser = Callable[[str, "Collection[str] | None"], "list[ToolCall | ParseFailure]"]
 
 
@@ -74,10 +112,9 @@ def read_call(payload: Any, text: str, tool_names: Collection[str] | None) -> To
         return ParseFailure("malformed", 'a tool call needs a "name" string', text)
     arguments = next((payload[key] for key in _ARGUMENT_KEYS if key in payload), None)
     if isinstance(arguments, str):  # OpenAI-style arguments, serialised as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            return ParseFailure("malformed", f"the arguments of '{name}' are not valid JSON: {error}", text, name)
+        arguments, _, reason = decode_json(arguments)
+        if reason is not None:
+            return ParseFailure("malformed", f"the arguments of '{name}' are a string that {reason}", text, name)
     arguments = {} if arguments is None else arguments
     if not isinstance(arguments, Mapping):
         return ParseFailure("malformed", f"the arguments of '{name}' must be a JSON object", text, name)
@@ -104,10 +141,9 @@ def parse_hermes(text: str, tool_names: Collection[str] | None = None) -> list[T
     for block in _HERMES_BLOCK.finditer(text):
         end = block.end()
         body = block.group(1).strip()
-        try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as error:
-            found.append(ParseFailure("malformed", f"the tool call is not valid JSON: {error}", block.group(0)))
+        payload, _, reason = decode_json(body)
+        if reason is not None:
+            found.append(ParseFailure("malformed", f"the tool call {reason}", block.group(0)))
             continue
         for item in payload if isinstance(payload, list) else [payload]:
             found.append(read_call(item, block.group(0), tool_names))
@@ -139,14 +175,12 @@ def parse_llama3_json(text: str, tool_names: Collection[str] | None = None) -> l
         if tagged:
             return [ParseFailure("malformed", "after <|python_tag|> a tool call must be a JSON object", body)]
         return []
-    decoder = json.JSONDecoder()
     found: list[ToolCall | ParseFailure] = []
     position = 0
     while position < len(body) and body[position] == "{":
-        try:
-            payload, end = decoder.raw_decode(body, position)
-        except json.JSONDecodeError as error:
-            found.append(ParseFailure("malformed", f"the tool call is not valid JSON: {error}", body[position:]))
+        payload, end, reason = decode_json(body, position)
+        if reason is not None:
+            found.append(ParseFailure("malformed", f"the tool call {reason}", body[position:]))
             break
         if not found and not tagged and isinstance(payload, Mapping) and "name" not in payload:
             return []  # an answer written as JSON, not a call

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from grpo.generation.call_scope import CallScope
@@ -90,6 +92,26 @@ class ToolCounts:
 
 
 _COUNT_FIELDS = ("calls", "errors", "timeouts", "malformed", "unknown_tools")
+
+
+# Lone surrogates: what `os.fsdecode` (and any `errors="surrogateescape"` decoding) makes of bytes that are not UTF-8.
+# A Python string may hold them; a tokenizer cannot encode them, so one in a tool answer would end the run there.
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def encodable(answer: ToolAnswer) -> ToolAnswer:
+    """`answer` with each lone surrogate in its text replaced by U+FFFD (the Unicode replacement character), and a
+    warning naming the tool (once per tool): its text can then be tokenized."""
+    content, replaced = _LONE_SURROGATES.subn("\ufffd", answer.content)
+    if not replaced:
+        return answer
+    warnings.warn(
+        f"The tool '{answer.name}' answered text holding lone surrogates (what os.fsdecode makes of bytes that are "
+        "not UTF-8), which no tokenizer encodes: the model is shown U+FFFD in their place. To choose the "
+        "replacement yourself, decode such bytes in the tool with errors='replace' or 'backslashreplace'.",
+        stacklevel=2,
+    )
+    return replace(answer, content=content)
 
 
 class ToolLoop:
@@ -225,8 +247,8 @@ class ToolExecutor:
         """Answer each episode's parsed turn (`turns[i]`, what a parser returned) with its tools (`tools[i]`).
 
         Returns the answers per episode, in the order of its calls (empty: the episode called nothing, or only
-        unanswered parse failures), and the counts of the whole turn. Raises `HungToolsError` when `max_hung`
-        calls run past their timeout.
+        unanswered parse failures), their texts made encodable (`encodable`), and the counts of the whole turn.
+        Raises `HungToolsError` when `max_hung` calls run past their timeout.
         """
         if len(turns) != len(tools):
             raise ValueError(f"{len(turns)} parsed turns but {len(tools)} episodes' tools: give one of each.")
@@ -246,7 +268,11 @@ class ToolExecutor:
         if failure is not None:
             raise failure
         answers = [
-            [a for a, _ in episode if self.answer_parse_failures or a.status not in ("malformed", "unknown_tool")]
+            [
+                encodable(a)
+                for a, _ in episode
+                if self.answer_parse_failures or a.status not in ("malformed", "unknown_tool")
+            ]
             for episode in outcomes
         ]
         return answers, counts
