@@ -268,6 +268,10 @@ def helper_rollout(prompts, trainer):
     return {**out, "text": [o["text"] for o in outs]}
 
 
+def completion_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
 def length_reward(completions, text, **kwargs):  # a spread for random samples: the length of each text
     return [float(len(t)) for t in text]
 
@@ -305,7 +309,9 @@ def test_the_helper_refuses_outside_a_round_and_on_a_sharded_policy(tmp_path, mo
     rows = [trainer.train_dataset[0]] * G
     with pytest.raises(RolloutFuncError, match="cannot sample from a sharded policy"):
         trainer.agent.rollout(rows, trainer.generation, trainer.model, lockstep=lambda anyone: anyone)
-    other = GRPOTrainer(model_path, length_reward, args=config(tmp_path), train_dataset=text_prompts())
+    # A trainer without a rollout function (its reward reads the completions: `text` would come from the function,
+    # and is refused without one).
+    other = GRPOTrainer(model_path, completion_length, args=config(tmp_path), train_dataset=text_prompts())
     with pytest.raises(RuntimeError, match="this trainer has none"):
         generate_rollout_completions(other, ["Q: 1 + 1 ="])
 
