@@ -61,20 +61,24 @@ def final_answer(completions, answer, **kwargs):
 def right_steps(prompts, completions, **kwargs):
     """Turn-level credit (`turn_advantage`): per policy turn, 1.0 when it is the right step of the plan, else 0.0:
     turn 1 calls `multiply(a, b)`, turn 2 calls `add(a * b, c)`, turn 3 calls nothing and its last integer is
-    `a * b + c` (a turn cut off by the token budget in the middle of a call is not an answer). The episode's answer is
-    paid by `final_answer` too; these say which turn went wrong when it is not.
+    `a * b + c` (a turn cut off by the token budget in the middle of a call is not an answer). A third turn that
+    answers (calls nothing) with another number gets 0.5: after two right calls the model's pull is to call `add`
+    again, and without this half the choice to answer earns nothing until the answer is also right. The episode's
+    answer is paid by `final_answer` too; these say which turn went wrong when it is not.
 
     >>> prompt = [{"role": "user", "content": "Calculate 12 * 34 + 56."}]
     >>> call = lambda name, a, b: {"role": "assistant", "content": "...", "tool_calls": [
     ...     {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}]}
-    >>> right_steps([prompt] * 3, [
+    >>> right_steps([prompt] * 4, [
     ...     [call("multiply", 12, 34), {"role": "tool", "content": "408"}, call("add", 408, 56),
     ...      {"role": "tool", "content": "464"}, {"role": "assistant", "content": "408 + 56 = 464"}],
     ...     [call("multiply", 12, 34), {"role": "tool", "content": "408"}, call("add", 408, 65),
     ...      {"role": "tool", "content": "473"}, {"role": "assistant", "content": "408 + 65 = 473"}],
     ...     [call("add", 12, 34), {"role": "tool", "content": "46"}, {"role": "assistant", "content": "408 + 56:\\n<tool"}],
+    ...     [call("multiply", 12, 34), {"role": "tool", "content": "408"}, call("add", 408, 56),
+    ...      {"role": "tool", "content": "464"}, call("add", 464, 56)],
     ... ])
-    [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0]]
+    [[1.0, 1.0, 1.0], [1.0, 0.0, 0.5], [0.0, 0.0], [1.0, 1.0, 0.0]]
     """
     out = []
     for prompt, completion in zip(prompts, completions):
@@ -86,9 +90,9 @@ def right_steps(prompts, completions, **kwargs):
         for k, turn in enumerate(turns):
             calls = [(t["function"]["name"], t["function"]["arguments"]) for t in turn.get("tool_calls") or []]
             right = k < len(wanted) and calls == wanted[k]
-            if right and k == 2:  # the answer: no call, and the sum as its last number
+            if right and k == 2:  # the answer: no call (0.5), and the sum as its last number (1.0)
                 numbers = re.findall(r"-?\d+", turn["content"])
-                right = bool(numbers) and int(numbers[-1]) == a * b + c
+                right = 1.0 if numbers and int(numbers[-1]) == a * b + c else 0.5
             scores.append(float(right))
         out.append(scores)
     return out
