@@ -9,7 +9,7 @@ import pytest
 from datasets import Dataset, Features, Image, List, Value
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.data import InputError
+from grpo.data import InputError, image_checks
 from grpo.data.image_checks import scan_images
 from grpo.data.vision import encode_vision_prompts, open_rows
 from grpo.testing import squares_image, tiny_vlm, tiny_vlm_processor
@@ -137,3 +137,41 @@ def test_a_stream_is_not_read_when_the_trainer_is_built():
     stream = squares_with({"bytes": b"not an image", "path": None}, at=1).to_iterable_dataset()
     assert scan_images(stream, None) is not None  # an image column: a vision run
     assert build(stream).vision
+
+
+def test_a_processor_loaded_from_the_models_path_is_given_the_extreme_images(tmp_path, monkeypatch):
+    """Without `processing_class` the processor is loaded with the model (grpo.models.load_policy), and is then given
+    the widest image as a passed one is. Idefics3's resizes any shape, so its image processor is made to refuse
+    what Qwen-VL's does (an aspect ratio of 200 or more) for this test."""
+    model, processor = tiny_vlm(kind="idefics3")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    image_processor = type(processor.image_processor)
+
+    def narrow_only(self, images, **kwargs):
+        width, height = images[0].size
+        if max(width, height) / min(width, height) >= 200:
+            raise ValueError(
+                f"absolute aspect ratio must be smaller than 200, got {max(width, height) / min(width, height)}"
+            )
+        return original(self, images, **kwargs)
+
+    original = image_processor.__call__
+    monkeypatch.setattr(image_processor, "__call__", narrow_only)
+    wide = {"bytes": png(squares_image(1).resize((10, 4000))), "path": None}
+    args = GRPOConfig(output_dir="out", **{**TINY, "max_steps": 1})
+    with pytest.raises(
+        InputError, match=r"^train_dataset row 2, column 'image': the model's processor refuses this 10 x 4000"
+    ):
+        GRPOTrainer(str(tmp_path / "vlm"), lambda completions, **kw: [0.0] * len(completions), args=args,
+                    train_dataset=squares_with(wide, at=2))  # fmt: skip
+
+
+def test_only_the_first_images_are_decoded(monkeypatch):
+    """Past `DECODE_IMAGES` images only the header is read (decoding every image of a large set costs minutes,
+    docs/vlm.md): a cut-off file there opens, and fails when a batch draws it, naming the row's prompt."""
+    monkeypatch.setattr(image_checks, "DECODE_IMAGES", 1)
+    assert scan_images(squares_with(truncated_png(), at=1), None) is not None
+    monkeypatch.setattr(image_checks, "DECODE_IMAGES", 2)
+    with pytest.raises(InputError, match="row 1, column 'image': the image cannot be decoded"):
+        scan_images(squares_with(truncated_png(), at=1), None)

@@ -51,7 +51,8 @@ class ImageScan:
                 self.extremes[kind] = (measure, where, value, size)
 
     def check_processor(self, processor: Any) -> None:
-        """Give the processor's image processor each extreme image; an error it raises is refused naming the row."""
+        """Give the processor's image processor each extreme image; a `ValueError` it raises (how the processors
+        refuse an image) is refused naming the row. Any other error is the processor's own, and propagates."""
         if not is_processor(processor):
             return
         seen = set()
@@ -61,7 +62,7 @@ class ImageScan:
             seen.add(where)
             try:
                 processor.image_processor(images=[_opened(value).convert("RGB")], return_tensors="pt")
-            except Exception as error:  # noqa: BLE001 - each processor refuses images its own way
+            except ValueError as error:  # how the processors refuse an image (Qwen-VL's aspect ratio, a size)
                 raise InputError(
                     f"{where}: the model's processor refuses this {size[0]} x {size[1]} image "
                     f"({error_line(error)}). Resize or pad it, or drop the row."
