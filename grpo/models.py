@@ -52,15 +52,16 @@ def load_causal_lm(
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
-def load_policy(model, tokenizer, peft_config, args, images: bool = False):
+def load_policy(model, tokenizer, peft_config, args, images=None):
     """The policy, its tokenizer and its EOS token ids, as `GRPOTrainer` takes them: `model` a path or hub id (loaded
     with `args.model_init_kwargs`, running the repository's own code only with `args.trust_remote_code`) or a loaded
     model; the tokenizer loaded from the model's path when not given (likewise; its pad
     token defaults to EOS; once the model is loaded, a tokenizer with more ids than its embedding rows is refused);
     wrapped with `peft_config` when given; dropout off with `args.disable_dropout`. The arguments are checked before
     any weight loads. A vision-language model comes with its processor (`AutoProcessor`) in place of the tokenizer,
-    and its vision tower frozen (no adapter on it) unless `args.train_vision_tower`; with `images` (the data has an
-    image column) a tokenizer is refused."""
+    and its vision tower frozen (no adapter on it) unless `args.train_vision_tower`; with `images` (the data's
+    `ImageScan`, grpo/data/image_checks.py) a tokenizer is refused, and a processor loaded here is given the images
+    of extreme shape."""
     model_init_kwargs, trust_remote_code = args.model_init_kwargs, args.trust_remote_code
     if model_init_kwargs is not None and not isinstance(model, str):
         raise ValueError("model_init_kwargs only applies when `model` is a path or hub id; the model is loaded.")
@@ -68,7 +69,8 @@ def load_policy(model, tokenizer, peft_config, args, images: bool = False):
         check_peft_config(model, peft_config)  # as apply_peft does, but before the weights load
     if isinstance(model, str):
         model = load_causal_lm(model, model_init_kwargs, trust_remote_code)
-    if tokenizer is None:
+    loaded = tokenizer is None
+    if loaded:
         path = model.config._name_or_path
         if not path:
             raise ValueError(
@@ -82,6 +84,8 @@ def load_policy(model, tokenizer, peft_config, args, images: bool = False):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if images and not is_processor(tokenizer):
         raise InputError(NOT_A_PROCESSOR)
+    if loaded and hasattr(images, "check_processor"):
+        images.check_processor(tokenizer)  # the data's images of extreme shape (a given processor's: at the start)
     text = tokenizer.tokenizer if is_processor(tokenizer) else tokenizer
     if text.pad_token_id is None:
         text.pad_token = text.eos_token

@@ -278,6 +278,20 @@ MISTAKES = [
         {},
         "The data has no 'prompt' column",
     ),
+    (
+        "image URL in the data",
+        {**BASE, "data.jsonl": DATA.replace('"answer"', '"image": "https://example.org/1.png", "answer"')},
+        ["check", "r.yaml"],
+        {},
+        "train_dataset row 0, column 'image': 'https://example.org/1.png' is a URL, and images are not fetched",
+    ),
+    (
+        "image file missing",
+        {**BASE, "data.jsonl": DATA.replace('"answer"', '"image": "pictures/1.png", "answer"')},
+        ["check", "r.yaml"],
+        {},
+        "train_dataset row 0, column 'image': the file 'pictures/1.png' does not exist",
+    ),
     ("eval_size too big", BASE, ["check", "r.yaml", "--dataset.eval_size", "8"], {}, "leaves no training rows"),
     (
         "eval split and size",

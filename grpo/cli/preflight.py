@@ -272,11 +272,12 @@ def check_precision(config: dict) -> None:
 
 def check_trainer_inputs(plan: RunPlan) -> None:
     """5. The checks `GRPOTrainer.__init__` runs before it loads the policy, in its order, on the recipe's data,
-    rewards, tools and environment: the data set's columns, the batch arithmetic, whether the reference may move, the
+    rewards, tools and environment: the data set's images and columns, the batch arithmetic, whether the reference may move, the
     tools' schemas and the environments (`make_toolbox` makes one object of each, which is closed here once its
     tools are described: `plan.tool_schemas`), and the rewards' signatures and weights (reward models are not
     loaded). Their ValueError and TypeError become `RecipeError`s, message unchanged."""
     from grpo.data import check_prompt_dataset, offline
+    from grpo.data.image_checks import scan_images
     from grpo.data.sampler import train_sampler
     from grpo.objective.reference import reference_moves
     from grpo.rewards.environments import with_environment_rewards
@@ -288,6 +289,7 @@ def check_trainer_inputs(plan: RunPlan) -> None:
     toolbox = None
     try:
         stored = offline.offline_groups(plan.train_data, plan.held_out, args, plan.reward_funcs or None)
+        scan_images(plan.train_data, plan.held_out)  # every image opened once (the processor's check: the trainer's)
         train_data = stored if stored is not None else plan.train_data
         check_prompt_dataset(train_data, "train_dataset")
         check_prompt_dataset(plan.held_out, "eval_dataset")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -82,19 +83,47 @@ def open_image(value: Any, where: str = "an image"):
     )
 
 
-def open_rows(images: Sequence[list]) -> list[list]:
-    """Each row's images as RGB PIL images (`open_image`). An image object that several rows share (the G copies of a
-    row share one list) is opened once, so those rows keep sharing one object: what `encode_vision_prompts` and the
-    vLLM backends (grpo/generation/vllm/images.py) recognise a group's images by."""
+def open_rows(images: Sequence[list], prompts: Sequence | None = None) -> list[list]:
+    """Each row's images as RGB PIL images (`open_image`), decoded here. An image object that several rows share (the
+    G copies of a row share one list) is opened once, so those rows keep sharing one object: what
+    `encode_vision_prompts` and the vLLM backends (grpo/generation/vllm/images.py) recognise a group's images by.
+    An image that fails is named by its row's prompt (`prompts`): the trainer checked a sized data set's images
+    when it was built (grpo/data/image_checks.py), so this is a stream's row or one past those decoded then."""
     opened: dict[int, Any] = {}
     rows = []
     for i, row in enumerate(images):
         for j, image in enumerate(row):
             if id(image) not in opened:
-                pil = open_image(image, f"Image {j} of row {i}")
-                opened[id(image)] = pil.convert("RGB") if pil.mode != "RGB" else pil
+                try:
+                    pil = open_image(image, f"Image {j} of row {i}")
+                    opened[id(image)] = pil.convert("RGB") if pil.mode != "RGB" else pil
+                    opened[id(image)].load()
+                except InputError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - PIL raises OSError, ValueError, ... on bad files
+                    raise InputError(
+                        f"Image {j} of {batch_row(i, prompts)} cannot be read ({error_line(error)}). Replace it or "
+                        "drop the row."
+                    ) from error
         rows.append([opened[id(image)] for image in row])
     return rows
+
+
+def error_line(error: BaseException) -> str:
+    """An error's type and message on one line, at most 160 characters, without the address of the BytesIO object
+    PIL names."""
+    message = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(error))
+    text = " ".join(f"{type(error).__name__}: {message}".split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def batch_row(i: int, prompts: Sequence | None) -> str:
+    """Row `i` of a batch, named by the start of its prompt's last user message (what finds it in the data)."""
+    if prompts is None:
+        return f"row {i} of the batch"
+    users = [m.get("content") for m in prompts[i] if isinstance(m, dict) and m.get("role") == "user"]
+    text = users[-1] if users and isinstance(users[-1], str) else str(prompts[i])
+    return f"the data set row whose prompt starts {text[:60]!r}"
 
 
 def with_image_blocks(prompt: list[dict], num_images: int) -> list[dict]:
@@ -141,7 +170,7 @@ def encode_vision_prompts(
             "processor.chat_template, or pass the model's own processor (AutoProcessor.from_pretrained(...))."
         )
     ids, rows, cache = [], [], {}
-    for i, (prompt, row) in enumerate(zip(prompts, open_rows(images))):
+    for i, (prompt, row) in enumerate(zip(prompts, open_rows(images, prompts))):
         if not is_conversational(prompt):
             raise InputError(
                 "A row with images needs a conversational prompt (a list of {'role', 'content'} messages): the "
@@ -149,13 +178,20 @@ def encode_vision_prompts(
             )
         if not row:
             raise InputError(
-                f"Row {i} of the batch has an empty image column. In a data set with an `image` or `images` column "
-                "every row needs at least one image; train text-only rows in a data set without that column."
+                f"An empty image column in {batch_row(i, prompts)}. In a data set with an `image` or `images` "
+                "column every row needs at least one image; train text-only rows in a data set without that column."
             )
         key = (id(prompt), tuple(id(image) for image in row))
         if key not in cache:  # the G copies of a row share one dict and one list of images
             text = _render(prompt, len(row), processor, chat_template_kwargs)
-            encoded = processor(text=[text], images=[row], return_tensors="pt")
+            try:
+                encoded = processor(text=[text], images=[row], return_tensors="pt")
+            except ValueError as error:  # an image the processor refuses (Qwen-VL: aspect ratio 200 or more)
+                sizes = ", ".join(f"{image.width} x {image.height}" for image in row)
+                raise InputError(
+                    f"The model's processor refuses the images ({sizes}) of {batch_row(i, prompts)}: "
+                    f"{error_line(error)}. Resize or pad them, or drop the row."
+                ) from error
             cache[key] = _split_row(encoded)
         row_ids, vision = cache[key]
         if max_prompt_length is not None and len(row_ids) > max_prompt_length:
@@ -248,18 +284,6 @@ def rows_to(rows: Sequence[VisionRow] | None, device: torch.device | str) -> lis
     return [{name: value.to(device) for name, value in row.items()} for row in rows]
 
 
-def has_images(*datasets: Any) -> bool:
-    """Whether any of `datasets` (a dict of evaluation sets counts by its entries) has an `image` or `images`
-    column."""
-    for dataset in datasets:
-        if isinstance(dataset, dict):
-            if has_images(*(v for v in dataset.values() if hasattr(v, "column_names"))):
-                return True
-        elif image_column(getattr(dataset, "column_names", None) or ()) is not None:
-            return True
-    return False
-
-
 NOT_A_PROCESSOR = (
     "The data set has an image column, and processing_class is a tokenizer, which cannot turn images into the "
     "model's inputs. Pass the model's processor (AutoProcessor.from_pretrained(...)), or leave processing_class out "
@@ -267,10 +291,11 @@ NOT_A_PROCESSOR = (
 )
 
 
-def check_vision_run(args, processing_class, images: bool, tools: Any, offline: Any) -> None:
-    """Refuse, before any weight loads, the settings a run with images (`images`: the data sets have an image column)
-    cannot take yet, each with its fix (`tools`, `offline`: the trainer's tools or environments and offline data, or
-    None); then log how its log-prob passes run."""
+def check_vision_run(args, processing_class, images: Any, tools: Any, offline: Any) -> None:
+    """Refuse, before any weight loads, the settings a run with images (`images`: the data sets' `ImageScan`,
+    grpo/data/image_checks.py, or None without an image column) cannot take yet, each with its fix (`tools`,
+    `offline`: the trainer's tools or environments and offline data, or None), and an image the given processor
+    refuses; then log how its log-prob passes run."""
     if not images:
         return
     if processing_class is not None and not is_processor(processing_class):
@@ -301,6 +326,8 @@ def check_vision_run(args, processing_class, images: bool, tools: Any, offline: 
     found = [text for problem, text in problems if problem]
     if found:
         raise InputError(f"The data set has an image column, and {found[0]}.")
+    if processing_class is not None and hasattr(images, "check_processor"):
+        images.check_processor(processing_class)  # the images of extreme shape, before any weight loads
     logger.info(
         "Images in the data: the log-prob passes run padded, each row with its own prompt and images (padding-free "
         "packing and the shared-prompt forward are off for vision inputs)%s.",

@@ -195,7 +195,7 @@ def _encode_with_images(prompts: list, images: list, tokenizer, args) -> tuple[l
             "The data set has an image column, but the trainer's processing_class is a tokenizer. Pass the "
             "model's processor: processing_class=AutoProcessor.from_pretrained(...)."
         )
-    images = open_rows(images)
+    images = open_rows(images, prompts)
     prompt_ids, vision = encode_vision_prompts(
         prompts, images, tokenizer, args.max_prompt_length, args.chat_template_kwargs
     )

@@ -13,9 +13,9 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
 from grpo.config import GRPOConfig
-from grpo.data import check_prompt_dataset, check_prompt_lengths, offline
+from grpo.data import check_prompt_dataset, check_prompt_lengths, image_checks, offline
 from grpo.data.sampler import check_dataset_sizes
-from grpo.data.vision import check_vision_run, has_images, text_tokenizer
+from grpo.data.vision import check_vision_run, text_tokenizer
 from grpo.generation.episodes import make_agent
 from grpo.generation.rollout_function import check_episodes, make_function_agent
 from grpo.generation.tools import make_toolbox
@@ -160,7 +160,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         `toolbox` (from `episodes`: the tools and the environment factory), `completions_hub` and `rewards`; returns
         the training set the loaders draw from (offline: the groups)."""
         self.offline_data = offline.offline_groups(train_dataset, eval_dataset, args, reward_funcs)
-        self.vision = has_images(train_dataset, eval_dataset)
+        self.vision = image_checks.scan_images(train_dataset, eval_dataset)  # each image opened, or None: none
         train_dataset = self.offline_data if self.offline_data is not None else train_dataset
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(dataset, name)
