@@ -101,6 +101,31 @@ def test_loss_types_refuse_what_their_term_cannot_use(kwargs, message):
         make(per_device_train_batch_size=8, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"loss_type": "grpo", "sapo_temperature_pos": 2.0},
+            r"sapo_temperature_pos=2.0 shapes the term of loss_type='sapo', which loss_type='grpo' does not use.*"
+            r"Set loss_type='sapo', or leave the default: sapo_temperature_pos=1.0\.",
+        ),
+        ({"loss_type": "dapo", "sapo_temperature_neg": 2.0}, "sapo_temperature_neg=2.0 shapes the term of"),
+        ({"loss_type": "sapo", "vespo_lambda_neg": 1.0}, "which loss_type='sapo' does not use"),
+        ({"loss_type": "vespo", "sapo_temperature_pos": 0.5}, "which loss_type='vespo' does not use"),
+    ],
+)
+def test_a_knob_of_another_loss_types_term_is_refused(kwargs, message):
+    # Issue 50: TRL accepts SAPO's temperatures (and VESPO's shape) under any loss type and ignores them.
+    with pytest.raises(ValueError, match=message):
+        make(per_device_train_batch_size=8, **kwargs)
+
+
+def test_a_term_knob_left_at_its_default_is_accepted_under_any_loss_type():
+    # Only a value moved off the default is a setting that does nothing: a config listing every field still builds.
+    args = make(loss_type="grpo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0)
+    assert args.loss_type == "grpo"
+
+
 def test_each_loss_type_builds_with_its_settings():
     for kwargs in (
         {"loss_type": "cispo", "epsilon_high": 5.0},

@@ -80,6 +80,27 @@ def test_a_requested_stop_saves_and_ends_training_on_every_process_at_once():
     assert not control.should_save and not control.should_training_stop and quiet.stopped_at is None
 
 
+def test_a_stop_requested_during_a_save_ends_training_at_that_save():
+    # Issue 50: a SIGTERM that came while checkpoint 3 was written (after step 3's end was asked) trained step 4 and
+    # wrote checkpoint 4 before stopping. Now the save that was under way is the stop's.
+    stop, asked = StopOnSignal(timeout=60), []
+
+    def any_process(flag):
+        asked.append(flag)
+        return flag
+
+    callback = PreemptionCallback(stop, any_process)
+    control = callback.on_save(None, TrainerState(global_step=3, max_steps=8), TrainerControl())
+    assert not control.should_training_stop and callback.stopped_at is None  # no signal: train on
+    stop.requested = True
+    control = callback.on_save(None, TrainerState(global_step=3, max_steps=8), TrainerControl())
+    assert control.should_training_stop and callback.stopped_at == 3 and asked == [False, True]
+    # The final step's save ends training anyway: no stop of its own (train() then hands the signal on).
+    last = PreemptionCallback(stop, any_process)
+    control = last.on_save(None, TrainerState(global_step=8, max_steps=8), TrainerControl())
+    assert not control.should_training_stop and last.stopped_at is None
+
+
 def test_preempted_ends_a_script_with_its_message_and_other_processes_silently():
     error = Preempted("Stopped on SIGTERM after step 2", 2, "out/checkpoint-2")
     assert isinstance(error, SystemExit) and error.code == str(error) == "Stopped on SIGTERM after step 2"
@@ -154,6 +175,38 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_resume_is_exact(tmp_path
     assert "Traceback" not in stopped.stderr
 
     resumed = _run(SETTINGS, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = torch.load(out / "result.pt", weights_only=True)
+    expected, got = step_logs(full["log_history"]), step_logs(resumed["log_history"])
+    for step in (3, 4):
+        assert comparable(got[step]) == comparable(expected[step]), step
+    for param, value in full["params"].items():
+        assert torch.equal(resumed["params"][param], value), param
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_checkpoint_save_stops_at_that_checkpoint(tmp_path):
+    # Checkpoints every 2 steps; SIGTERM arrives while checkpoint-2 is written (its files staged, not yet renamed).
+    # The save completes, the run stops there, and step 3 never trains (it used to: checkpoint-3 was the stop's).
+    settings = {**SETTINGS, "save_strategy": "steps", "save_steps": 2}
+    full = _run(settings, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    full = torch.load(tmp_path / "full" / "result.pt", weights_only=True)
+
+    out = tmp_path / "stopped"
+    stopped = _run(settings, out, "--sigterm-in-save", "2")
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    # No step after the save: the stop at step 3's end would have written checkpoint-3.
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert (
+        stopped.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"Stopped on SIGTERM after step 2; checkpoint written: {out / 'checkpoint-2'}.")
+    )
+
+    # The checkpoint is whole: the resumed run ends as the one never stopped.
+    resumed = _run(settings, out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed = torch.load(out / "result.pt", weights_only=True)
     expected, got = step_logs(full["log_history"]), step_logs(resumed["log_history"])

@@ -39,6 +39,17 @@ class LossType(NamedTuple):
                 f"delta={settings.delta} caps the ratio of PPO's clipped term, which loss_type={name!r} does not use. "
                 f"Set delta=None, or pick a loss_type with the clipped term ({clipped})."
             )
+        # A knob of another term (sapo's gate, vespo's weight) moved off its default: TRL ignores it; refused here.
+        moved = [n for n, v in settings.term_knobs.items() if v != TERM_DEFAULTS[n] and not n.startswith(self.term)]
+        if moved:
+            owner = moved[0].split("_")[0]
+            moved = [n for n in moved if n.startswith(owner)]  # one loss type's knobs per message
+            values = ", ".join(f"{n}={settings.term_knobs[n]}" for n in moved)
+            raise ValueError(
+                f"{values} shapes the term of loss_type={owner!r}, which loss_type={name!r} does not use, so it "
+                f"would be ignored. Set loss_type={owner!r}, or leave the default: "
+                f"{', '.join(f'{n}={TERM_DEFAULTS[n]}' for n in moved)}."
+            )
         if self.min_epsilon_high is not None and settings.epsilon_high < self.min_epsilon_high:
             raise ValueError(self.epsilon_high_why.format(epsilon_high=settings.epsilon_high))
         if self.level is not None and settings.importance_sampling_level != self.level:

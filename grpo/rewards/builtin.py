@@ -351,6 +351,7 @@ def code_execution(
             warnings.warn(_TESTS_WARNING, UserWarning, stacklevel=2)
         return _score_in_threads(score, completions, rows, max_parallel)
 
+    code_execution.wall_seconds = wall_seconds  # the trainer warns when reward_timeout is not longer
     return code_execution
 
 

@@ -34,7 +34,14 @@ from grpo.rewards import REWARD_ERRORS, REWARD_WORKER_TYPES
 from grpo.rewards.names import distinct_names, load_reward_funcs, reward_name
 from grpo.rewards.process import check_step_rewards, is_process_reward, lay_out_steps, step_reward_sums
 from grpo.rewards.runner import check_rewards, run_reward_functions
-from grpo.rewards.turns import check_turn_rewards, is_turn_reward, lay_out_turns, policy_turns, turn_reward_sums
+from grpo.rewards.turns import (
+    check_turn_credit,
+    check_turn_rewards,
+    is_turn_reward,
+    lay_out_turns,
+    policy_turns,
+    turn_reward_sums,
+)
 
 
 class RewardScores(NamedTuple):
@@ -245,6 +252,32 @@ class RewardSet:
             [reward_name(f) for f in [*self.outcome_funcs, *self.process_funcs, *self.turn_funcs]]
         )
 
+    def check_run(self, args, toolbox) -> None:
+        """Refuse, when the trainer is built, settings of `args` (its `GRPOConfig`) that these functions would leave
+        doing nothing: turn credit without turns or turn scores (`check_turn_credit`; `toolbox`: the trainer's tools
+        and environments, or None), reward weights that are all 0, a `scale_rewards` that GDPO ignores; and warn
+        where `reward_timeout` would end a sandboxed reward's call before one run's own wall-clock limit."""
+        check_turn_credit(args.turn_advantage, toolbox, self.turn_funcs)
+        weights = torch.cat([self.outcome_weights, self.process_weights, self.turn_weights]).tolist()
+        if weights and not any(weights):
+            listed = ", ".join(f"{name}: {weight:g}" for name, weight in zip(self.names, weights))
+            raise ValueError(
+                f"All reward_weights are 0 ({listed}): every reward counts for nothing, so every advantage is 0 and "
+                "the run would train nothing. Give at least one reward function a non-zero weight."
+            )
+        # GDPO normalises each outcome function by its group's std and their sum by the batch's, whatever
+        # scale_rewards says (TRL 1.16 ignores it there too); only process rewards and turn credit still read it.
+        gdpo = args.multi_objective_aggregation == "normalize_then_sum"
+        if gdpo and args.scale_rewards != "group" and not self.process_funcs and args.turn_advantage is None:
+            raise ValueError(
+                f"scale_rewards={args.scale_rewards!r} does nothing under multi_objective_aggregation="
+                "'normalize_then_sum' (GDPO): each reward function is divided by its group's std and the weighted "
+                "sum by the batch's std, as in TRL, which ignores scale_rewards there too; it applies only to "
+                "process rewards (@process_reward) and turn credit (turn_advantage), which this run has none of. "
+                "Leave scale_rewards at 'group', or set multi_objective_aggregation='sum_then_normalize'."
+            )
+        warn_if_timeout_cuts_runs([*self.outcome_funcs, *self.process_funcs, *self.turn_funcs], args.reward_timeout)
+
     def score(self, **keywords) -> RewardScores:
         """Every function of the set on one batch, in one pass: `score_rewards` with this set's functions and the
         same keywords (prompts, completions, completion_ids, columns, trainer_state, tokenizer, width, errors,
@@ -266,6 +299,26 @@ class RewardSet:
         sums = [rewards_per_func, step_reward_sums(step_rewards), turn_reward_sums(turn_rewards)]
         weights = torch.cat([self.outcome_weights, self.process_weights, self.turn_weights])
         return torch.cat(sums, dim=1), combine_rewards(torch.cat(sums, dim=1), weights)
+
+
+def warn_if_timeout_cuts_runs(funcs: Sequence[Callable], reward_timeout: float | None) -> None:
+    """Warn about each reward function that says how long one row's run may take (a `wall_seconds` attribute: the
+    sandbox limit of `code_execution`, grpo/rewards/builtin.py) when `reward_timeout` does not leave it that long:
+    one row whose code runs to its limit would time the whole call out, failing every row of it (`reward_errors`),
+    and the call's sandboxes would be killed before the code's own limit."""
+    for func in funcs:
+        wall = getattr(func, "wall_seconds", None)
+        if reward_timeout is None or not isinstance(wall, (int, float)) or wall < reward_timeout:
+            continue
+        warnings.warn(
+            f"The reward '{reward_name(func)}' runs each row's code for up to {wall} s (wall_seconds={wall}), but "
+            f"reward_timeout={reward_timeout} s ends the whole call first: one row whose code runs that long fails "
+            "every row of the call (see reward_errors), not only its own, and the call's sandboxes are killed. Set "
+            "reward_timeout above the wall time (a call runs its rows max_parallel at a time: a few times it), or "
+            f"build the reward with wall_seconds below {reward_timeout} s.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def reward_keywords(train_dataset, eval_dataset, toolbox, offline_data, episodes: Sequence) -> frozenset[str] | None:

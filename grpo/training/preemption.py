@@ -15,7 +15,9 @@ How it works (docs/reliability.md#preemption):
      optimizer step, only with several processes): all processes stop after the same step, so that their
      checkpoint shares agree, whether the launcher signals every rank (torchrun, srun) or only one.
   3. It then sets `should_save` and `should_training_stop`: `Trainer` writes the checkpoint (atomically, with the
-     round's state, like any other) and leaves its loop; `train()` raises `Preempted`.
+     round's state, like any other) and leaves its loop; `train()` raises `Preempted`. A SIGTERM that arrives while
+     a checkpoint is being written (after the step's end was asked) is seen when that save ends (`on_save`): that
+     checkpoint is the stop's, and no further step trains.
 
 Python runs a signal handler in the main thread between two bytecodes, so a stop requested during one long call
 into C (a collective waiting on another process) is seen when that call returns; the timeout covers a call that
@@ -113,6 +115,14 @@ class PreemptionCallback(TrainerCallback):
         if self.any_process(self.stop.requested):
             self.stopped_at = state.global_step
             control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        # A SIGTERM that came while a checkpoint was written (after this step's end was asked): that checkpoint is
+        # the stop's, so training ends here rather than after one more step. Every process saves at the same step.
+        if self.stopped_at is None and state.global_step < state.max_steps and self.any_process(self.stop.requested):
+            self.stopped_at = state.global_step
             control.should_training_stop = True
         return control
 

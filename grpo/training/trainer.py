@@ -29,7 +29,6 @@ from grpo.objective.step_loss import StepContext
 from grpo.rewards.environments import with_environment_rewards
 from grpo.rewards.scoring import RewardSet, reward_keywords
 from grpo.rewards.stored import offline_rewards
-from grpo.rewards.turns import check_turn_credit
 from grpo.rollout import MicroBatch
 from grpo.training import checkpoints, hub_log, metrics
 from grpo.training.checkpoints import ResumableTrainer
@@ -175,7 +174,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         rewards = offline_rewards(self.offline_data, reward_funcs, reward_processing_classes, weights)
         passed = reward_keywords(train_dataset, eval_dataset, self.toolbox, self.offline_data, episodes)
         self.rewards = RewardSet(*rewards, trust_remote_code=args.trust_remote_code, keywords=passed)
-        check_turn_credit(args.turn_advantage, self.toolbox, self.rewards.turn_funcs)
+        self.rewards.check_run(args, self.toolbox)  # settings these functions would leave doing nothing
         return train_dataset
 
     def _on_the_accelerator(self, layout: tuple[bool, bool], router_coef: float, processing_class, train_dataset):

@@ -1,13 +1,14 @@
 """One training run of the exact-resume tests (tests/test_resume.py), in a process of its own so it can be killed.
 
     python tests/helpers/resume_run.py SETTINGS_JSON OUTPUT_DIR
-        [--kill-after-micro-step K | --kill-in-save STEP | --sigterm-after-micro-step K [--sigterm-again]
-         [--sleep-after-sigterm S]] [--resume] [--lora] [--agent] [--prompts N]
+        [--kill-after-micro-step K | --kill-in-save STEP | --sigterm-in-save STEP | --sigterm-after-micro-step K
+         [--sigterm-again] [--sleep-after-sigterm S]] [--resume] [--lora] [--agent] [--prompts N]
 
 It trains the tiny model with real sampling (`model.generate`) and writes OUTPUT_DIR/result.pt (the log history
 and the final parameters) when it ends. `--kill-after-micro-step K` SIGKILLs the process right after its K-th
 micro-step (counted from the start of this process); `--kill-in-save STEP` SIGKILLs it while checkpoint STEP is
-being written: every file is written, the rename that publishes it has not happened. `--sigterm-after-micro-step K`
+being written: every file is written, the rename that publishes it has not happened; `--sigterm-in-save STEP` sends a
+SIGTERM at that moment instead, and the save goes on. `--sigterm-after-micro-step K`
 sends the process a SIGTERM (a scheduler's notice) right after its K-th micro-step; `--sigterm-again` sends a
 second one after the next micro-step, `--sleep-after-sigterm S` sleeps S seconds there instead (a step that will
 not end in time); `--sigterm-rank R` sends it to the process of rank R only (under accelerate launch).
@@ -126,6 +127,7 @@ def main():
     parser.add_argument("output_dir")
     parser.add_argument("--kill-after-micro-step", type=int)
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--sigterm-in-save", type=int)
     parser.add_argument("--sigterm-after-micro-step", type=int)
     parser.add_argument("--sigterm-again", action="store_true")
     parser.add_argument("--sleep-after-sigterm", type=float, default=0.0)
@@ -137,15 +139,20 @@ def main():
     parser.add_argument("--stream", action="store_true")
     cli = parser.parse_args()
 
-    if cli.kill_in_save is not None:
+    if cli.kill_in_save is not None or cli.sigterm_in_save is not None:
         publish = grpo.training.checkpoints.publish
+        step, signum = (
+            (cli.kill_in_save, signal.SIGKILL)
+            if cli.kill_in_save is not None
+            else (cli.sigterm_in_save, signal.SIGTERM)
+        )
 
-        def publish_or_die(staged, final):
-            if final.endswith(f"checkpoint-{cli.kill_in_save}"):
-                os.kill(os.getpid(), signal.SIGKILL)
+        def publish_or_signal(staged, final):
+            if final.endswith(f"checkpoint-{step}"):
+                os.kill(os.getpid(), signum)  # SIGTERM: the handler runs now, in this thread; the save goes on
             publish(staged, final)
 
-        grpo.training.checkpoints.publish = publish_or_die
+        grpo.training.checkpoints.publish = publish_or_signal
 
     tokenizer = tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Count {i} apples." for i in range(cli.prompts)]})
