@@ -15,6 +15,8 @@ import pytest
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.data import InputError
+from grpo.generation.environment_checks import EnvironmentFactoryError
 from grpo.generation.environment_pool import EnvironmentPool, group_seed
 from grpo.generation.tools import ToolDefinitionError
 from grpo.rewards.runner import RewardFunctionError
@@ -108,7 +110,7 @@ def rows(n: int) -> Dataset:
     )
 
 
-def make_trainer(tmp_path, model_path, reward=None, factory=HoldingEnv, **overrides):
+def make_trainer(tmp_path, model_path, reward=None, factory=HoldingEnv, data=None, eval_data=None, **overrides):
     settings = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -130,7 +132,8 @@ def make_trainer(tmp_path, model_path, reward=None, factory=HoldingEnv, **overri
         model_path,
         reward or [],
         args=GRPOConfig(**{**settings, **overrides}),
-        train_dataset=rows(4),
+        train_dataset=rows(4) if data is None else data,
+        eval_dataset=eval_data,
         processing_class=tokenizer,
         environment_factory=factory,
     )
@@ -348,3 +351,102 @@ def test_reward_functions_get_the_live_environments(tmp_path, model_path):
     trainer = make_trainer(tmp_path, model_path, reward=live, factory=PlainEnv, max_steps=1)
     trainer.train()
     assert len(seen) == 4 and all(any(e is made for made in PlainEnv.made) for e in seen)
+
+
+# Faults of a factory and of what it makes (issue 50): each ends the run, or refuses the trainer, with a message naming
+# `environment_factory` or the class's `reset`, and closes whatever was made.
+
+
+@needs_proc
+def test_a_factory_that_raises_on_its_third_object_is_named_and_what_it_made_is_closed(tmp_path, model_path):
+    before = resources()
+
+    def flaky_factory():
+        if len(HoldingEnv.made) == 2:
+            raise ConnectionError("port 8000 is busy")
+        return HoldingEnv()
+
+    trainer = make_trainer(tmp_path, model_path, factory=flaky_factory, reward=lambda_free_reward)
+    with pytest.raises(
+        EnvironmentFactoryError,
+        match=r"environment_factory \(.*flaky_factory\) raised ConnectionError "
+        r"making its 3rd object: port 8000 is busy",
+    ) as raised:
+        trainer.train()
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    assert len(HoldingEnv.made) == 2 and set(HoldingEnv.closed) == set(HoldingEnv.made)
+    del trainer
+    gc.collect()
+    assert resources() == before
+
+
+@pytest.mark.parametrize(
+    ("returned", "shown"),
+    [
+        (3, r"returned 3 \(type int\)"),
+        ([{"role": "user", "content": "Go."}], r"returned \[\{'role'.*\(type list\)"),
+    ],
+)
+def test_reset_returning_neither_none_nor_a_string_names_reset(tmp_path, model_path, returned, shown):
+    """TRL's contract: `reset` returns None or a string appended to the prompt; anything else was a TypeError from a
+    string concatenation naming nothing."""
+
+    class OddReset(HoldingEnv):
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            return returned
+
+    trainer = make_trainer(tmp_path, model_path, factory=OddReset, reward=lambda_free_reward)
+    with pytest.raises(EnvironmentFactoryError, match=rf"OddReset.reset {shown}.* must return None or a string") as e:
+        trainer.train()
+    assert ("`prompt` column" in str(e.value)) == isinstance(returned, list)  # messages: where a conversation goes
+    assert trainer.state.global_step == 0 and set(HoldingEnv.closed) == set(HoldingEnv.made)
+
+
+def test_an_environment_object_passed_as_the_factory_is_refused_naming_its_class(tmp_path, model_path):
+    instance = PlainEnv()
+    message = (
+        "must be a class or a zero-argument callable returning a new environment; got an instance of PlainEnv: "
+        "pass PlainEnv"
+    )
+    with pytest.raises(EnvironmentFactoryError, match=f"^environment_factory {message}"):
+        make_trainer(tmp_path, model_path, factory=instance)
+    data = rows(4).add_column("environment", ["a"] * 4)
+    with pytest.raises(EnvironmentFactoryError, match=rf"^environment_factory\['b'\] {message}"):
+        make_trainer(tmp_path, model_path, factory={"a": PlainEnv, "b": instance}, data=data)
+
+
+def test_a_factory_returning_one_shared_object_is_refused_before_the_first_episode(tmp_path, model_path):
+    shared = PlainEnv()
+    trainer = make_trainer(tmp_path, model_path, factory=lambda: shared, reward=lambda_free_reward)
+    with pytest.raises(
+        EnvironmentFactoryError, match=r"returned an object already in use \(PlainEnv at .*share one state"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not shared.counter  # no episode ran on it
+    # Two factories of a dict returning one object: seen when the trainer is built.
+    data = rows(4).add_column("environment", ["a", "b"] * 2)
+    with pytest.raises(EnvironmentFactoryError, match=r"environment_factory\['b'\].*already in use"):
+        make_trainer(tmp_path, model_path, factory={"a": lambda: shared, "b": lambda: shared}, data=data)
+
+
+class OtherEnv(PlainEnv):
+    pass
+
+
+def test_environment_rows_are_checked_when_the_trainer_is_built(tmp_path, model_path):
+    """With a dict of factories, a row naming no factory, or data without the `environment` column, is refused when
+    the trainer is built (it was found only in the round that met it); a stream is not read ahead."""
+    factories = {"counter": PlainEnv, "other": OtherEnv}
+    good = rows(4).add_column("environment", ["counter", "other"] * 2)
+    typo = rows(4).add_column("environment", ["counter", "other", "countr", "other"])
+    with pytest.raises(InputError, match=r"^train_dataset row 2 has environment='countr'.*Did you mean 'counter'\?"):
+        make_trainer(tmp_path, model_path, factory=factories, data=typo)
+    with pytest.raises(InputError, match=r"eval_dataset\['held'\] row 2 has environment='countr'"):
+        make_trainer(tmp_path, model_path, factory=factories, data=good, eval_data={"held": typo})
+    with pytest.raises(InputError, match=r"but train_dataset has none\. Add that column"):
+        make_trainer(tmp_path, model_path, factory=factories, data=rows(4))
+    stream = typo.to_iterable_dataset()
+    trainer = make_trainer(tmp_path, model_path, factory=factories, data=stream, reward=lambda_free_reward)
+    with pytest.raises(ToolDefinitionError, match="environment='countr'.*Did you mean 'counter'"):
+        trainer.train()  # the stream's third row, met in the first round

@@ -363,6 +363,7 @@ def check_chat_template(plan: RunPlan) -> None:
 def _probe_toolbox(plan: RunPlan):
     """The run's `Toolbox` (`make_toolbox`: None without tools or environment), as the trainer will build it; an
     environment whose construction raises is one line naming the recipe's key (the traceback with --debug)."""
+    from grpo.generation.environment_checks import EnvironmentFactoryError
     from grpo.generation.tools import ToolDefinitionError, make_toolbox
 
     try:
@@ -370,9 +371,12 @@ def _probe_toolbox(plan: RunPlan):
     except ToolDefinitionError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's constructor (or its server) can fail in any way
+        # The constructor's own exception, not the trainer's wrapping of it (which names the Python argument).
+        error = e.__cause__ if isinstance(e, EnvironmentFactoryError) and e.__cause__ is not None else e
         raise RecipeError(
-            f"environment: making an object of {plan.recipe.environment} failed with {type(e).__name__}: {e}. Fix "
-            "the environment's constructor (or start the server it connects to); --debug shows the traceback."
+            f"environment: making an object of {plan.recipe.environment} failed with {type(error).__name__}: "
+            f"{error}. Fix the environment's constructor (or start the server it connects to); --debug shows the "
+            "traceback."
         ) from e
 
 

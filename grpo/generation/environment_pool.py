@@ -3,7 +3,9 @@
 An environment may hold what outlives a Python object: a container, a browser, a server session, a child process,
 an open file. So the objects of one factory live in an `EnvironmentPool`:
   - `take()` hands out an idle object, or calls the factory when none is idle: a pool grows to the number of
-    episodes one round runs at once (a round's rows on this process), never more;
+    episodes one round runs at once (a round's rows on this process), never more. A factory that raises, or that
+    returns an object it gave before, ends the run with an `EnvironmentFactoryError` naming it
+    (environment_checks.py);
   - `give_back(objects)` returns a round's objects once its rewards are scored (the reward functions receive the live
     objects, as in TRL), and the next episode resets one;
   - `close()` calls `close()` (sync or `async def`, when the class defines it) on every object the pool made, idle or
@@ -29,26 +31,37 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 
+from grpo.generation.environment_checks import check_new_object, factory_label, make_environment
+
 
 class EnvironmentPool:
     """The objects of one environment factory (module docstring). `first`: an object already made (the trainer makes
-    one when it is built, to check the class), which the first episode gets. Safe to use from several threads (an
-    async generation producer and an evaluation in the main thread)."""
+    one when it is built, to check the class), which the first episode gets; `name`: the factory's key in a dict of
+    them (for messages). Safe to use from several threads (an async generation producer and an evaluation in the main
+    thread)."""
 
-    def __init__(self, factory: Callable[[], object], first: object | None = None):
-        self.factory = factory
+    def __init__(self, factory: Callable[[], object], first: object | None = None, name: str | None = None):
+        self.factory, self.name = factory, name
         self.lock = threading.Lock()
         self.idle: list[object] = [] if first is None else [first]
         self.made: list[object] = list(self.idle)  # every object not yet closed, idle or handed out
         self.created = len(self.made)  # objects made over the pool's life (for tests and metrics)
+        self.making = 0  # factory calls under way
 
     def take(self) -> object:
         """An idle object, or a new one from the factory."""
         with self.lock:
             if self.idle:
                 return self.idle.pop()
-        environment = self.factory()  # outside the lock: a factory may take a while (a container starting)
+            self.making += 1
+            number = self.created + self.making  # this call's object, counting those under way in other threads
+        try:  # outside the lock: a factory may take a while (a container starting)
+            environment = make_environment(self.factory, self.name, number)
+        finally:
+            with self.lock:
+                self.making -= 1
         with self.lock:
+            check_new_object(environment, self.made, factory_label(self.factory, self.name))
             self.made.append(environment)
             self.created += 1
         return environment

@@ -30,6 +30,13 @@ from typing import Any
 
 from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
 
+from grpo.generation.environment_checks import (
+    check_new_object,
+    checked_observation,
+    factory_label,
+    make_environment,
+    unknown_environment,
+)
 from grpo.generation.environment_pool import EnvironmentPool, accepts_seed, close_pools, group_seed
 
 # Methods of an environment that are part of the protocol, never offered to the model as tools (TRL reserves the
@@ -162,8 +169,9 @@ class Toolbox:
         # one whose construction failed after this point).
         weakref.finalize(self, close_pools, self.pools)
         for name, factory in self.factories.items():
-            environment = factory()
-            self.pools[name] = EnvironmentPool(factory, environment)
+            environment = make_environment(factory, name, 1)
+            check_new_object(environment, (pool.made[0] for pool in self.pools.values()), factory_label(factory, name))
+            self.pools[name] = EnvironmentPool(factory, environment, name)
             self._methods[name] = self._methods_of(environment)
             self.environment_types.append(type(environment))
 
@@ -212,10 +220,7 @@ class Toolbox:
             return None
         name = row.get("environment")
         if name not in self.factories:
-            raise ToolDefinitionError(
-                f"A row has environment={name!r}, which is not one of the environments given to "
-                f"environment_factory ({sorted(self.factories)}): fix the row's `environment` column."
-            )
+            raise ToolDefinitionError(unknown_environment(name, self.factories, "A row"))
         return name
 
     def _bind(self, name: str | None, environment: object) -> dict[str, Tool]:
@@ -249,7 +254,7 @@ class Toolbox:
                         "rename the column, or set environment_group_seed=False."
                     )
                 reset_kwargs["seed"] = group_seed(reset_kwargs, self.group_seed)
-            observation = environment.reset(**reset_kwargs)
+            observation = checked_observation(environment, environment.reset(**reset_kwargs))
             methods = self._bind(name, environment)
             # Without a `prompt` column the prompt is reset's string alone, as a user message (as in TRL).
             prompt = row.get("prompt", [{"role": "user", "content": ""}])

@@ -16,6 +16,7 @@ from grpo.config import GRPOConfig
 from grpo.data import check_prompt_dataset, check_prompt_lengths, image_checks, offline
 from grpo.data.sampler import check_dataset_sizes
 from grpo.data.vision import check_vision_run, text_tokenizer
+from grpo.generation.environment_checks import check_environment_rows
 from grpo.generation.episodes import make_agent
 from grpo.generation.rollout_function import check_episodes, make_function_agent
 from grpo.generation.tools import make_toolbox
@@ -81,8 +82,7 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         peft_config: a `peft.PeftConfig` (e.g. `LoraConfig`): the model is wrapped with `peft.get_peft_model` and
             only the adapter trains. A `PeftModel` passed as `model` works the same. Either way the reference
             policy (beta != 0) is the same network with the adapter disabled, not a copy (docs/peft.md).
-        tools, environment_factory: multi-turn episodes: the functions the model may call, or a factory of
-            environments whose methods are its tools (docs/agents.md).
+        tools, environment_factory: the functions the model may call, or environments with methods (docs/agents.md).
         agent_func: any agent, run unchanged: `f(row, endpoint)` (sync or async) calls the trainer's OpenAI-compatible
             endpoint and returns a dict of columns for the rewards, or None (docs/agents.md, "Any agent").
         rollout_func: TRL's `f(prompts, trainer) -> dict` (prompt_ids, completion_ids, logprobs, optional env_mask,
@@ -166,8 +166,8 @@ class GRPOTrainer(RoundLoaders, ResumableTrainer):
         check_dataset_sizes(args, train_dataset, eval_dataset, groups=self.offline_data is not None)  # not at train()
         check_episodes(*episodes, vision=self.vision, offline=self.offline_data)  # each alone, callable, on its data
         check_vision_run(args, processing_class, self.vision, episodes[0] or episodes[1], self.offline_data)
-        # Tools and environments (multi-turn episodes): schemas and environments checked now; get_reward scores.
-        self.toolbox = make_toolbox(*episodes[:2], args)
+        self.toolbox = make_toolbox(*episodes[:2], args)  # multi-turn episodes: schemas and environments checked now
+        check_environment_rows(self.toolbox, train_dataset, eval_dataset)  # dict of factories: each row names one
         turn_credit = args.turn_advantage is not None  # environments' get_turn_rewards score each turn too
         reward_funcs, weights = with_environment_rewards(reward_funcs, self.toolbox, args.reward_weights, turn_credit)
         self.completions_hub = hub_log.for_run(args)  # log_completions_hub_repo: token and repository, checked now
