@@ -606,3 +606,26 @@ def test_two_names_for_one_environment_class_score_its_episodes_once(tmp_path, m
     assert trainer.reward_names == ["IncrementEnv"]
     trainer.train()
     assert trainer.state.log_history[0]["reward"] == pytest.approx(1.0)
+
+
+def test_tools_that_are_not_a_list_are_refused_naming_the_fix(tmp_path, model_path):
+    """`tools=multiply` failed with "'function' object is not iterable" (issue 50)."""
+    for tools, words in [(multiply, r"tools=multiply is a single function.*tools=\[multiply\]"), ("add", "list of")]:
+        with pytest.raises(ValueError, match=words):
+            GRPOTrainer(
+                model_path,
+                reward_25,
+                args=config(tmp_path),
+                train_dataset=chat_prompts(2),
+                processing_class=tool_tokenizer(),
+                tools=tools,
+            )
+
+
+def test_tool_settings_without_tools_are_warned_about_and_defaults_are_not(tmp_path, model_path, recwarn):
+    """max_tool_calling_iterations and tool_timeout did nothing without tools, without a word (issue 50)."""
+    build = dict(reward_funcs=reward_25, train_dataset=chat_prompts(2), processing_class=tool_tokenizer())
+    GRPOTrainer(model_path, args=config(tmp_path), **build)
+    assert not [w for w in recwarn if "no tools" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"max_tool_calling_iterations=3, tool_timeout=5\.0 set, but this run has no"):
+        GRPOTrainer(model_path, args=config(tmp_path, max_tool_calling_iterations=3, tool_timeout=5.0), **build)
