@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import re
 import threading
 import warnings
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from grpo.generation.call_scope import CallScope
+from grpo.generation.tool_arguments import ArgumentError, checked_arguments
 from grpo.generation.tool_calls import ParseFailure, ToolCall
 from grpo.generation.tools import Tool
 
@@ -138,7 +140,12 @@ class ToolLoop:
 
     async def _guarded(self, name: str, coroutine) -> tuple[str | None, BaseException | None]:
         try:
-            return str(await Steps(coroutine, self, name)), None
+            value = await Steps(coroutine, self, name)
+            self.busy = name  # the answer's `__str__` is the tool's code too: one that blocks, blocks this loop
+            try:
+                return answer_text(name, value), None
+            finally:
+                self.busy = None
         except asyncio.CancelledError:  # the executor's cancel at the timeout
             raise
         except BaseException as error:  # a task that raises SystemExit would otherwise stop the loop
@@ -150,6 +157,17 @@ class ToolLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
         except RuntimeError:  # already closed
             pass
+
+
+def answer_text(name: str, value: Any) -> str:
+    """The text the model is shown for `value`, what tool `name` returned: `str(value)`, run under the call's
+    timeout and guard like the tool itself; a `__str__` that raises is a `TypeError` naming the tool and the type."""
+    try:
+        return str(value)
+    except Exception as error:
+        raise TypeError(
+            f"'{name}' returned a {type(value).__name__} whose str() raised {type(error).__name__}: {error}"
+        ) from error
 
 
 class Steps:
@@ -337,18 +355,28 @@ class ToolExecutor:
 
     async def _call(self, call: ToolCall, tool: Tool) -> tuple[ToolAnswer, BaseException | None]:
         """One call under the timeout, in a `CallScope` of its own: an `async def` tool on the tools' loop, a sync one
-        in a daemon thread."""
+        in a daemon thread. The tool gets a deep copy of the arguments (the call's record, which the rewards read in
+        `tool_calls`, stays what the model wrote), checked against its schema first: arguments that do not fit are
+        answered as an error, never raised (the model's mistake, not the tool's)."""
         self._check_hung(call.name)
+        try:
+            arguments = checked_arguments(copy.deepcopy(call.arguments), tool.schema["function"].get("parameters", {}))
+        except ArgumentError as problems:
+            return ToolAnswer(
+                call.name, f"Error: the call of '{call.name}' has invalid arguments: {problems}", "error"
+            ), None
         scope = CallScope()
         if tool.is_async:
             try:
-                coroutine = tool.function(**call.arguments)
+                coroutine = tool.function(**arguments)
             except Exception as error:  # bad arguments fail when the coroutine is made
                 return ToolAnswer(call.name, f"Error: {type(error).__name__}: {error}", "error"), error
             tool_loop = self._tools_loop()
             return await self._settle(call, scope.run(tool_loop.submit, call.name, coroutine), tool_loop, scope)
         async with self._workers:  # freed at the timeout even if the thread runs on
-            work, thread = self._in_daemon_thread(lambda: str(scope.run(tool.function, **call.arguments)))
+            work, thread = self._in_daemon_thread(
+                lambda: answer_text(call.name, scope.run(tool.function, **arguments))
+            )
             return await self._settle(call, work, thread, scope)
 
     def _in_daemon_thread(self, function: Callable[[], str]) -> tuple[asyncio.Future, threading.Thread]:
