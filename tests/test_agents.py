@@ -4,6 +4,7 @@ The scripted policy and its tools are in tests/helpers/agents.py."""
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -629,3 +630,34 @@ def test_tool_settings_without_tools_are_warned_about_and_defaults_are_not(tmp_p
     assert not [w for w in recwarn if "no tools" in str(w.message)]
     with pytest.warns(UserWarning, match=r"max_tool_calling_iterations=3, tool_timeout=5\.0 set, but this run has no"):
         GRPOTrainer(model_path, args=config(tmp_path, max_tool_calling_iterations=3, tool_timeout=5.0), **build)
+
+
+def test_resuming_with_other_tools_warns_naming_them(tmp_path, model_path):
+    """A resume from a checkpoint of a run with other tools was silent (issue 50): the checkpoint records the tool
+    set (names and schema digests) and the resume names what was added, removed or described otherwise."""
+    first = make_trainer(tmp_path, model_path, tools=(add, multiply), save_strategy="steps", save_steps=1)
+    first.train()
+
+    def add_numbers(a: float, b: float) -> float:  # `add` again, described otherwise
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    add_numbers.__name__ = "add"
+    changed = make_trainer(tmp_path, model_path, tools=(add_numbers, fails), max_steps=2)
+    with pytest.warns(
+        UserWarning,
+        match=r"other tools .*\(added \['fails'\]; removed \['multiply'\]; described "
+        r"otherwise \['add'\]\).*Pass the same tools",
+    ):
+        changed.train(resume_from_checkpoint=True)
+
+    same = make_trainer(tmp_path, model_path, tools=(add, multiply), max_steps=2, save_strategy="steps", save_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert not [w for w in caught if "other tools" in str(w.message)]

@@ -21,7 +21,9 @@ and reset between episodes; TRL never calls their `close()`.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -268,6 +270,17 @@ class Toolbox:
         close_pools(self.pools)
 
 
+def tool_set(toolbox: Toolbox | None) -> dict[str, str]:
+    """The tools a run offers (every environment's methods too), as {name: a digest of the JSON schema the model is
+    shown}: what a checkpoint records, so that a resume with other tools, or tools described otherwise, is told."""
+    if toolbox is None:
+        return {}
+    return {
+        schema["function"]["name"]: hashlib.sha256(json.dumps(schema, sort_keys=True).encode()).hexdigest()[:16]
+        for schema in toolbox.schemas()
+    }
+
+
 def make_toolbox(tools: Sequence[Callable] | None, environment_factory, args) -> Toolbox | None:
     """The run's `Toolbox` (None without tools or environments), with the group seed `environment_group_seed` asks
     for; that field without an environment_factory is refused, naming the fix, and `tools` that is not a list is
@@ -325,7 +338,13 @@ def check_tools_list(tools) -> None:
 
 # The settings only the tool loop reads (grpo/generation/episodes.py): without tools or an environment_factory they
 # do nothing.
-TOOL_SETTINGS = ("max_tool_calling_iterations", "tool_timeout", "tool_errors", "tool_num_workers", "tool_max_hung_calls")
+TOOL_SETTINGS = (
+    "max_tool_calling_iterations",
+    "tool_timeout",
+    "tool_errors",
+    "tool_num_workers",
+    "tool_max_hung_calls",
+)
 
 
 def warn_unused_tool_settings(args) -> None:

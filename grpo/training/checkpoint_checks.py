@@ -226,6 +226,26 @@ def schedule_message(checkpoint: str, args, step: int, total_steps: int, rates: 
     )
 
 
+def changed_tools(saved: dict[str, str] | None, now: dict[str, str]) -> str | None:
+    """A warning naming the tools added, removed and described otherwise (another signature or docstring: another
+    schema digest) since the checkpoint's run, whose tool set (`grpo.generation.tools.tool_set`) is `saved`; None
+    when they are the same, or when the checkpoint did not record them."""
+    if saved is None or saved == now:
+        return None
+    added, removed = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+    described = sorted(name for name in set(saved) & set(now) if saved[name] != now[name])
+    listed = "; ".join(
+        f"{what} {names}"
+        for what, names in (("added", added), ("removed", removed), ("described otherwise", described))
+        if names
+    )
+    return (
+        f"Resuming with other tools than the checkpoint's run ({listed}): the policy was trained to call that run's "
+        "tools, and a generation round in progress was sampled with them. Pass the same tools (and environment "
+        "classes) to continue that run, or start a new run in a new output_dir to train with these from step 0."
+    )
+
+
 def run_settings(args) -> dict:
     """The values of the settings in `OVERRIDDEN` (saved in each checkpoint as `RUN_SETTINGS_FILE`)."""
     return {name: getattr(args, name, None) for name in OVERRIDDEN}
