@@ -7,10 +7,12 @@ left"). `async def` tools run on one event loop kept across turns (`ToolLoop`: a
 session, bound to it), sync ones in daemon threads (at most `max_workers` at once), each call under `timeout`
 seconds counted from its start. The turn itself runs on a second loop that only ever waits, so no tool can keep
 a timeout from firing. A failure (an exception, `SystemExit` and `KeyboardInterrupt` included, a timeout, a call
-that could not be parsed) becomes the answer the model sees, `"Error: ..."`, and is counted, unless
-`errors="raise"`. A sync call that times out cannot be stopped: its thread keeps running until the function
-returns (a daemon thread, so it never holds up the interpreter's exit), and frees its place among the
-`max_workers` at the timeout. What the call started outside the process is stopped, though: each call runs in a
+that could not be parsed, arguments that do not fit the tool's schema: tool_arguments.py) becomes the answer the
+model sees, `"Error: ..."`, and is counted, unless `errors="raise"` (which never raises for the model's mistakes:
+a call that could not be parsed or whose arguments do not fit). A tool gets a deep copy of the call's arguments,
+and its answer is made text (`str`) within the call, under its timeout and guard. A sync call that times out cannot
+be stopped: its thread keeps running until the function returns (a daemon thread, so it never holds up the
+interpreter's exit), and frees its place among the `max_workers` at the timeout. What the call started outside the process is stopped, though: each call runs in a
 `CallScope` (call_scope.py), abandoned at the timeout, which kills the sandboxes of the `python` tool
 (grpo/rewards/code_tool.py) and refuses new ones. An `async def` tool that times out is cancelled at its next `await`; one that blocks
 without awaiting (`time.sleep` in an `async def`) holds the whole tools' loop, so at its timeout that loop is
@@ -61,8 +63,9 @@ class ToolAnswer:
 
 @dataclass
 class ToolCounts:
-    """What a turn's calls did. `calls` counts the calls that reached a tool (whatever came of them); the parse
-    failures, `malformed` calls and calls of `unknown_tools`, reached none. TRL's `tools/failure_frequency` is
+    """What a turn's calls did. `calls` counts the calls of a tool the episode offers (whatever came of them: one
+    whose arguments do not fit the schema is an error); the parse failures, `malformed` calls and calls of
+    `unknown_tools`, reached none. TRL's `tools/failure_frequency` is
     (errors + timeouts + unknown_tools) / (calls + unknown_tools): TRL counts a call of an unknown tool as a failed
     call and does not see malformed ones."""
 

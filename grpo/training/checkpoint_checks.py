@@ -8,7 +8,8 @@ are read tensor by tensor and must be finite (a NaN weight would otherwise fail 
 without reading the tensors, and its small records (the pickle, the version) are read and checked against their CRC.
 
 The settings a restored state overrides are saved beside it (`RUN_SETTINGS_FILE`, JSON) and compared on resume:
-`changed_settings` lists what differs, with what the resumed run will do about each.
+`changed_settings` lists what differs, with what the resumed run will do about each. The tools a run offers are
+recorded in the trainer's state (grpo/training/rounds.py); `changed_tools` is the warning of a resume with others.
 
 Where a resume cannot be exact or cannot train, it says so: a checkpoint without optimizer state (`save_only_model`)
 or random state warns (`inexact_resume_message`); a checkpoint already at the run's last step is a finished run,
