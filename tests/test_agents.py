@@ -4,6 +4,7 @@ The scripted policy and its tools are in tests/helpers/agents.py."""
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -606,3 +607,57 @@ def test_two_names_for_one_environment_class_score_its_episodes_once(tmp_path, m
     assert trainer.reward_names == ["IncrementEnv"]
     trainer.train()
     assert trainer.state.log_history[0]["reward"] == pytest.approx(1.0)
+
+
+def test_tools_that_are_not_a_list_are_refused_naming_the_fix(tmp_path, model_path):
+    """`tools=multiply` failed with "'function' object is not iterable" (issue 50)."""
+    for tools, words in [(multiply, r"tools=multiply is a single function.*tools=\[multiply\]"), ("add", "list of")]:
+        with pytest.raises(ValueError, match=words):
+            GRPOTrainer(
+                model_path,
+                reward_25,
+                args=config(tmp_path),
+                train_dataset=chat_prompts(2),
+                processing_class=tool_tokenizer(),
+                tools=tools,
+            )
+
+
+def test_tool_settings_without_tools_are_warned_about_and_defaults_are_not(tmp_path, model_path, recwarn):
+    """max_tool_calling_iterations and tool_timeout did nothing without tools, without a word (issue 50)."""
+    build = dict(reward_funcs=reward_25, train_dataset=chat_prompts(2), processing_class=tool_tokenizer())
+    GRPOTrainer(model_path, args=config(tmp_path), **build)
+    assert not [w for w in recwarn if "no tools" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"max_tool_calling_iterations=3, tool_timeout=5\.0 set, but this run has no"):
+        GRPOTrainer(model_path, args=config(tmp_path, max_tool_calling_iterations=3, tool_timeout=5.0), **build)
+
+
+def test_resuming_with_other_tools_warns_naming_them(tmp_path, model_path):
+    """A resume from a checkpoint of a run with other tools was silent (issue 50): the checkpoint records the tool
+    set (names and schema digests) and the resume names what was added, removed or described otherwise."""
+    first = make_trainer(tmp_path, model_path, tools=(add, multiply), save_strategy="steps", save_steps=1)
+    first.train()
+
+    def add_numbers(a: float, b: float) -> float:  # `add` again, described otherwise
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    add_numbers.__name__ = "add"
+    changed = make_trainer(tmp_path, model_path, tools=(add_numbers, fails), max_steps=2)
+    with pytest.warns(
+        UserWarning,
+        match=r"other tools .*\(added \['fails'\]; removed \['multiply'\]; described "
+        r"otherwise \['add'\]\).*Pass the same tools",
+    ):
+        changed.train(resume_from_checkpoint=True)
+
+    same = make_trainer(tmp_path, model_path, tools=(add, multiply), max_steps=2, save_strategy="steps", save_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert not [w for w in caught if "other tools" in str(w.message)]

@@ -7,10 +7,12 @@ left"). `async def` tools run on one event loop kept across turns (`ToolLoop`: a
 session, bound to it), sync ones in daemon threads (at most `max_workers` at once), each call under `timeout`
 seconds counted from its start. The turn itself runs on a second loop that only ever waits, so no tool can keep
 a timeout from firing. A failure (an exception, `SystemExit` and `KeyboardInterrupt` included, a timeout, a call
-that could not be parsed) becomes the answer the model sees, `"Error: ..."`, and is counted, unless
-`errors="raise"`. A sync call that times out cannot be stopped: its thread keeps running until the function
-returns (a daemon thread, so it never holds up the interpreter's exit), and frees its place among the
-`max_workers` at the timeout. What the call started outside the process is stopped, though: each call runs in a
+that could not be parsed, arguments that do not fit the tool's schema: tool_arguments.py) becomes the answer the
+model sees, `"Error: ..."`, and is counted, unless `errors="raise"` (which never raises for the model's mistakes:
+a call that could not be parsed or whose arguments do not fit). A tool gets a deep copy of the call's arguments,
+and its answer is made text (`str`) within the call, under its timeout and guard. A sync call that times out cannot
+be stopped: its thread keeps running until the function returns (a daemon thread, so it never holds up the
+interpreter's exit), and frees its place among the `max_workers` at the timeout. What the call started outside the process is stopped, though: each call runs in a
 `CallScope` (call_scope.py), abandoned at the timeout, which kills the sandboxes of the `python` tool
 (grpo/rewards/code_tool.py) and refuses new ones. An `async def` tool that times out is cancelled at its next `await`; one that blocks
 without awaiting (`time.sleep` in an `async def`) holds the whole tools' loop, so at its timeout that loop is
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import re
 import threading
 import warnings
@@ -35,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from grpo.generation.call_scope import CallScope
+from grpo.generation.tool_arguments import ArgumentError, checked_arguments
 from grpo.generation.tool_calls import ParseFailure, ToolCall
 from grpo.generation.tools import Tool
 
@@ -59,8 +63,9 @@ class ToolAnswer:
 
 @dataclass
 class ToolCounts:
-    """What a turn's calls did. `calls` counts the calls that reached a tool (whatever came of them); the parse
-    failures, `malformed` calls and calls of `unknown_tools`, reached none. TRL's `tools/failure_frequency` is
+    """What a turn's calls did. `calls` counts the calls of a tool the episode offers (whatever came of them: one
+    whose arguments do not fit the schema is an error); the parse failures, `malformed` calls and calls of
+    `unknown_tools`, reached none. TRL's `tools/failure_frequency` is
     (errors + timeouts + unknown_tools) / (calls + unknown_tools): TRL counts a call of an unknown tool as a failed
     call and does not see malformed ones."""
 
@@ -138,7 +143,12 @@ class ToolLoop:
 
     async def _guarded(self, name: str, coroutine) -> tuple[str | None, BaseException | None]:
         try:
-            return str(await Steps(coroutine, self, name)), None
+            value = await Steps(coroutine, self, name)
+            self.busy = name  # the answer's `__str__` is the tool's code too: one that blocks, blocks this loop
+            try:
+                return answer_text(name, value), None
+            finally:
+                self.busy = None
         except asyncio.CancelledError:  # the executor's cancel at the timeout
             raise
         except BaseException as error:  # a task that raises SystemExit would otherwise stop the loop
@@ -150,6 +160,17 @@ class ToolLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
         except RuntimeError:  # already closed
             pass
+
+
+def answer_text(name: str, value: Any) -> str:
+    """The text the model is shown for `value`, what tool `name` returned: `str(value)`, run under the call's
+    timeout and guard like the tool itself; a `__str__` that raises is a `TypeError` naming the tool and the type."""
+    try:
+        return str(value)
+    except Exception as error:
+        raise TypeError(
+            f"'{name}' returned a {type(value).__name__} whose str() raised {type(error).__name__}: {error}"
+        ) from error
 
 
 class Steps:
@@ -337,18 +358,28 @@ class ToolExecutor:
 
     async def _call(self, call: ToolCall, tool: Tool) -> tuple[ToolAnswer, BaseException | None]:
         """One call under the timeout, in a `CallScope` of its own: an `async def` tool on the tools' loop, a sync one
-        in a daemon thread."""
+        in a daemon thread. The tool gets a deep copy of the arguments (the call's record, which the rewards read in
+        `tool_calls`, stays what the model wrote), checked against its schema first: arguments that do not fit are
+        answered as an error, never raised (the model's mistake, not the tool's)."""
         self._check_hung(call.name)
+        try:
+            arguments = checked_arguments(copy.deepcopy(call.arguments), tool.schema["function"].get("parameters", {}))
+        except ArgumentError as problems:
+            return ToolAnswer(
+                call.name, f"Error: the call of '{call.name}' has invalid arguments: {problems}", "error"
+            ), None
         scope = CallScope()
         if tool.is_async:
             try:
-                coroutine = tool.function(**call.arguments)
+                coroutine = tool.function(**arguments)
             except Exception as error:  # bad arguments fail when the coroutine is made
                 return ToolAnswer(call.name, f"Error: {type(error).__name__}: {error}", "error"), error
             tool_loop = self._tools_loop()
             return await self._settle(call, scope.run(tool_loop.submit, call.name, coroutine), tool_loop, scope)
         async with self._workers:  # freed at the timeout even if the thread runs on
-            work, thread = self._in_daemon_thread(lambda: str(scope.run(tool.function, **call.arguments)))
+            work, thread = self._in_daemon_thread(
+                lambda: answer_text(call.name, scope.run(tool.function, **arguments))
+            )
             return await self._settle(call, work, thread, scope)
 
     def _in_daemon_thread(self, function: Callable[[], str]) -> tuple[asyncio.Future, threading.Thread]:

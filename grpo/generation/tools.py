@@ -21,11 +21,13 @@ and reset between episodes; TRL never calls their `close()`.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
@@ -273,15 +275,30 @@ class Toolbox:
         close_pools(self.pools)
 
 
+def tool_set(toolbox: Toolbox | None) -> dict[str, str]:
+    """The tools a run offers (every environment's methods too), as {name: a digest of the JSON schema the model is
+    shown}: what a checkpoint records, so that a resume with other tools, or tools described otherwise, is told."""
+    if toolbox is None:
+        return {}
+    return {
+        schema["function"]["name"]: hashlib.sha256(json.dumps(schema, sort_keys=True).encode()).hexdigest()[:16]
+        for schema in toolbox.schemas()
+    }
+
+
 def make_toolbox(tools: Sequence[Callable] | None, environment_factory, args) -> Toolbox | None:
     """The run's `Toolbox` (None without tools or environments), with the group seed `environment_group_seed` asks
-    for; that field without an environment_factory is refused, naming the fix."""
+    for; that field without an environment_factory is refused, naming the fix, and `tools` that is not a list is
+    refused too. Without either, the tool settings given other values than their defaults are warned about
+    (`warn_unused_tool_settings`)."""
     if args.environment_group_seed and environment_factory is None:
         raise ToolDefinitionError(
             "environment_group_seed=True seeds the environments' reset, but no environment_factory was given: pass "
             "one to GRPOTrainer, or set environment_group_seed=False."
         )
+    check_tools_list(tools)
     if not (tools or environment_factory):
+        warn_unused_tool_settings(args)
         return None
     toolbox = Toolbox(tools or (), environment_factory, args.seed if args.environment_group_seed else None)
     warn_if_timeout_cuts_tools(toolbox.tools, args.tool_timeout)
@@ -304,4 +321,47 @@ def warn_if_timeout_cuts_tools(tools: Mapping[str, Tool], tool_timeout: float | 
             f"Limits(wall_seconds=...) below {tool_timeout} s.",
             UserWarning,
             stacklevel=2,
+        )
+
+
+def check_tools_list(tools) -> None:
+    """Refuse `tools` that is not a list (or tuple) of functions: a single function, a dict or a string would
+    otherwise fail later with "'function' object is not iterable", naming neither `tools` nor the fix."""
+    if tools is None or (isinstance(tools, Sequence) and not isinstance(tools, (str, bytes))):
+        return
+    if callable(tools):
+        name = getattr(tools, "__name__", type(tools).__name__)
+        raise ToolDefinitionError(
+            f"tools={name} is a single {type(tools).__name__}: tools must be a list of callables, even for one tool. "
+            f"Pass tools=[{name}]."
+        )
+    raise ToolDefinitionError(
+        f"tools is a {type(tools).__name__}: tools must be a list of callables (functions with type hints and a "
+        "docstring), e.g. tools=[multiply]."
+    )
+
+
+# The settings only the tool loop reads (grpo/generation/episodes.py): without tools or an environment_factory they
+# do nothing.
+TOOL_SETTINGS = (
+    "max_tool_calling_iterations",
+    "tool_timeout",
+    "tool_errors",
+    "tool_num_workers",
+    "tool_max_hung_calls",
+)
+
+
+def warn_unused_tool_settings(args) -> None:
+    """Warn, naming them, about the `TOOL_SETTINGS` that `args` sets to other values than GRPOConfig's defaults in a
+    run without tools or an environment_factory, where nothing reads them (TRL ignores them without a word)."""
+    defaults = {f.name: f.default for f in fields(args) if f.name in TOOL_SETTINGS}
+    changed = [f"{name}={getattr(args, name)!r}" for name in TOOL_SETTINGS if getattr(args, name) != defaults[name]]
+    if changed:
+        warnings.warn(
+            f"{', '.join(changed)} set, but this run has no tools and no environment_factory, so nothing reads "
+            f"{'it' if len(changed) == 1 else 'them'}: pass tools=[...] or environment_factory=... to GRPOTrainer "
+            "for multi-turn episodes, or leave these settings out.",
+            UserWarning,
+            stacklevel=3,
         )

@@ -8,7 +8,8 @@ are read tensor by tensor and must be finite (a NaN weight would otherwise fail 
 without reading the tensors, and its small records (the pickle, the version) are read and checked against their CRC.
 
 The settings a restored state overrides are saved beside it (`RUN_SETTINGS_FILE`, JSON) and compared on resume:
-`changed_settings` lists what differs, with what the resumed run will do about each.
+`changed_settings` lists what differs, with what the resumed run will do about each. The tools a run offers are
+recorded in the trainer's state (grpo/training/rounds.py); `changed_tools` is the warning of a resume with others.
 
 Where a resume cannot be exact or cannot train, it says so: a checkpoint without optimizer state (`save_only_model`)
 or random state warns (`inexact_resume_message`); a checkpoint already at the run's last step is a finished run,
@@ -223,6 +224,26 @@ def schedule_message(checkpoint: str, args, step: int, total_steps: int, rates: 
         f"Resuming {checkpoint} at step {step}{before}: the learning rate follows this run's schedule "
         f"({kind}, {total_steps} steps) from step {step} on, as a run started with these settings "
         f"would, so step {step + 1} trains at {now:.4g} instead of the checkpoint's {restored:.4g}."
+    )
+
+
+def changed_tools(saved: dict[str, str] | None, now: dict[str, str]) -> str | None:
+    """A warning naming the tools added, removed and described otherwise (another signature or docstring: another
+    schema digest) since the checkpoint's run, whose tool set (`grpo.generation.tools.tool_set`) is `saved`; None
+    when they are the same, or when the checkpoint did not record them."""
+    if saved is None or saved == now:
+        return None
+    added, removed = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+    described = sorted(name for name in set(saved) & set(now) if saved[name] != now[name])
+    listed = "; ".join(
+        f"{what} {names}"
+        for what, names in (("added", added), ("removed", removed), ("described otherwise", described))
+        if names
+    )
+    return (
+        f"Resuming with other tools than the checkpoint's run ({listed}): the policy was trained to call that run's "
+        "tools, and a generation round in progress was sampled with them. Pass the same tools (and environment "
+        "classes) to continue that run, or start a new run in a new output_dir to train with these from step 0."
     )
 
 

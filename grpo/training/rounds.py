@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from grpo.data.stream import train_stream
 from grpo.data.vision import text_tokenizer
 from grpo.generation import SamplingRNG, TransformersGeneration, make_generation_backend, sample_rollout
 from grpo.generation.policy_weights import zero3_gathered_for_generation
+from grpo.generation.tools import tool_set
 from grpo.models import unwrap_parallel
 from grpo.objective.advantages import mixed_advantages, turn_credit_advantages
 from grpo.objective.loss import window_token_totals
@@ -42,6 +44,7 @@ from grpo.rewards.scoring import RewardSet, call_settings, combine_rewards
 from grpo.rollout import MicroBatch, Rollout, first_row, gather_rows
 from grpo.training import metrics
 from grpo.training.async_rounds import AsyncRounds
+from grpo.training.checkpoint_checks import changed_tools
 from grpo.training.checkpoints import any_process
 from grpo.training.dynamic_sampling import RefillPrompts, fill_groups
 from grpo.training.metrics import MetricsWindow
@@ -375,8 +378,10 @@ class RoundMaker:
 
     def state_dict(self) -> dict[str, Any]:
         """The rounds' state beyond the buffer: tokens seen, the refill prompts' position, the completions not yet
-        logged, the sampler's random stream, and a streamed training set's position."""
+        logged, the sampler's random stream, a streamed training set's position, and the tools offered (`tool_set`:
+        a resume with other tools warns)."""
         return {
+            "tools": tool_set(getattr(self.agent, "toolbox", None)),
             "num_tokens": self.num_tokens,
             "refill_position": self.refill.position,
             "samples": self.samples,
@@ -385,6 +390,9 @@ class RoundMaker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        changed = changed_tools(state.get("tools"), tool_set(getattr(self.agent, "toolbox", None)))  # None: not saved
+        if changed and self.args.should_save:
+            warnings.warn(changed, stacklevel=3)
         self.num_tokens = state["num_tokens"]
         self.refill.position = state["refill_position"]
         self.samples = state["samples"]
