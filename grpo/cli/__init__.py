@@ -71,13 +71,14 @@ def greedy_samples(trainer, dataset, count: int | None = None, progress: bool = 
             outcome = combine_rewards(rollout.rewards_per_func, trainer.rewards.outcome_weights)
         local = rollout.local_slice(trainer.accelerator.process_index)
         samples += [
-            {"prompt": p, "completion": c, "rewards": r, "reward": t, "outcome": o}
-            for p, c, r, t, o in zip(
+            {"prompt": p, "completion": c, "rewards": r, "reward": t, "outcome": o, "cut": bool(cut)}
+            for p, c, r, t, o, cut in zip(
                 rollout.prompts,
                 rollout.completions,
                 per_func[local].tolist(),
                 total[local].tolist(),
                 outcome[local].tolist(),
+                rollout.is_truncated.tolist(),
             )
         ]
         bar.update(len(rows))
@@ -89,7 +90,8 @@ def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]
     """The held-out metrics of greedy completions (`greedy_samples` of every held-out row): `eval_greedy_accuracy`,
     the share of prompts whose greedy completion earns an outcome reward of at least 1 (a correct answer, for
     rewards that pay 1 for one, like the demo's and the built-in `accuracy`; turn and step scores do not count), and
-    `eval_greedy_reward`, their mean reward over every function. With
+    `eval_greedy_reward`, their mean reward over every function, and `eval_greedy_clipped_ratio`, the share of them
+    cut at `max_completion_length` (no EOS within it). With
     `tools` (multi-turn episodes), also `eval_greedy_tool_use`: the share of prompts whose greedy episode called a
     tool (a well-formed call of one of its tools; a malformed one is a parse failure, not a use)."""
     if not samples:
@@ -99,6 +101,8 @@ def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]
         "eval_greedy_accuracy": sum(_right(s) for s in samples) / len(samples),
         "eval_greedy_reward": sum(r for r in rewards if r == r) / len(rewards),
     }
+    if all("cut" in s for s in samples):
+        metrics["eval_greedy_clipped_ratio"] = sum(s["cut"] for s in samples) / len(samples)
     if tools:
         used = [any(m.get("tool_calls") for m in s["completion"]) for s in samples]
         metrics["eval_greedy_tool_use"] = sum(used) / len(used)
@@ -141,7 +145,7 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
         keys.append("eval_greedy_reward")
     keys += [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
     keys += ["eval_tools/call_frequency", "eval_greedy_tool_use"]  # with tools only
-    keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio"]
+    keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio", "eval_greedy_clipped_ratio"]
     lines = [f"{'held-out metric':36} {'before':>8} {'after':>8} {'change':>8}"]
     for key in keys:
         if key not in after:
@@ -153,7 +157,8 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
     if samples_after:
         lines.append(
             f"(eval_reward: mean reward of sampled completions, {len(samples_after)} prompts; eval_greedy_accuracy: "
-            "share of those prompts whose greedy completion earns outcome reward >= 1)"
+            "share of those prompts whose greedy completion earns outcome reward >= 1; clipped_ratio: share of "
+            "completions cut at max_completion_length, with no end-of-sequence token)"
         )
     return "\n".join(lines + _greedy_changes(samples_before or [], samples_after, shown))
 
