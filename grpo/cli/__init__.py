@@ -265,13 +265,15 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if resume is not None and args.max_steps > 0 and _finished(finished_run_message(resume, args.max_steps, args)):
         return {"before": {}, "after": {}}
 
-    # 2. The trainer; the weights load here.
+    # 2. The trainer; the weights load here, after the thread check (said once, here or while training).
+    said = _check_threads_at_start()
     trainer = _build_trainer(plan)
     if resume is not None and _finished(trainer.finished_run(resume)):  # num_train_epochs: known with the trainer
         return {"before": {}, "after": {}}
     main = trainer.accelerator.is_main_process
     run = recipe.run
     label_progress(trainer)
+    _watch_threads(trainer, said)
     if main:
         print(run_summary(trainer, plan), flush=True)
 
@@ -284,12 +286,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if resume is not None and main:
         print(f"resuming from {resume}")
     evaluated_before = list(trainer.state.log_history)
-    # grpo's own warnings (the learning-signal watch) through tqdm, which lifts the bar first: written on the bar's
-    # line, they left a copy of it on the screen. Only the "grpo" logger, for the length of the call.
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(loggers=[logging.getLogger("grpo")]):
-        trainer.train(resume_from_checkpoint=resume)
+    _train_on_screen(trainer, resume)
     # `train()` starts a fresh TrainerState: put the evaluation before training back at the head of the log, so
     # that trainer_state.json and the plot hold the before values too.
     trainer.state.log_history[:0] = evaluated_before
@@ -308,6 +305,52 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if trainer.agent is not None:  # the environment objects that the evaluation after training made
         trainer.agent.close()
     return {"before": before or {}, "after": after}
+
+
+def _train_on_screen(trainer, resume) -> None:
+    """`trainer.train` with grpo's own warnings (the learning-signal watch) through tqdm, which lifts the bar
+    first: written on the bar's line, they left a copy of it on the screen. Only the "grpo" logger, for the length
+    of the call."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger("grpo")]):
+        trainer.train(resume_from_checkpoint=resume)
+
+
+def _single_process() -> bool:
+    """One process on this machine: the only case the thread check covers (launchers of several processes set
+    their thread counts themselves: torchrun sets OMP_NUM_THREADS=1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
+
+
+def _compute_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _say(line: str) -> None:
+    """A line above the progress bars (`tqdm.write` lifts them), or plainly where none is drawn."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def _check_threads_at_start() -> bool:
+    """Whether `grpo train`'s compute threads share their cores with other work (`grpo.cli.threads`), said before
+    the weights load (this process: one thread at work so far); whether it was said."""
+    from grpo.cli.threads import check_threads
+
+    return _single_process() and check_threads(_compute_threads(), own=1.0, say=_say)
+
+
+def _watch_threads(trainer, said: bool) -> None:
+    """The same check at each logged step while training (`ThreadWatch`), unless it was said at the start."""
+    if _single_process():
+        from grpo.cli.threads import ThreadWatch
+
+        trainer.add_callback(ThreadWatch(_compute_threads(), _say, said))
 
 
 def _report(trainer, plan, before: dict | None, after: dict, samples_before: list, samples_after: list) -> None:
