@@ -255,12 +255,12 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
     # bad recipe fails in a second.
     from grpo.cli.preflight import plan_run, run_summary
-    from grpo.cli.progress import label_progress
+    from grpo.cli.progress import label_progress, lines_above_bars
     from grpo.training.checkpoint_checks import finished_run_message
 
     _quiet_deepspeed_on_cpu()
     plan = plan_run(recipe_path, overrides)
-    recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
+    args, resume = plan.args, plan.resume
     # A finished run resumed again (a re-queued job) has nothing to train: said in one line, before any weight loads.
     if resume is not None and args.max_steps > 0 and _finished(finished_run_message(resume, args.max_steps, args)):
         return {"before": {}, "after": {}}
@@ -270,13 +270,19 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     trainer = _build_trainer(plan)
     if resume is not None and _finished(trainer.finished_run(resume)):  # num_train_epochs: known with the trainer
         return {"before": {}, "after": {}}
-    main = trainer.accelerator.is_main_process
-    run = recipe.run
     label_progress(trainer)
     _watch_threads(trainer, said)
-    if main:
+    if trainer.accelerator.is_main_process:
         print(run_summary(trainer, plan), flush=True)
+    # Steps 3-6 draw bars: every warning and log line from here on is written above them, not on their line.
+    with lines_above_bars():
+        return _evaluate_train_report(trainer, plan)
 
+
+def _evaluate_train_report(trainer, plan) -> dict:
+    """Steps 3-6 of `grpo train` (the module docstring), with the trainer built; returns what `train` does."""
+    args, resume, held_out, run = plan.args, plan.resume, plan.held_out, plan.recipe.run
+    main = trainer.accelerator.is_main_process
     # 3. Before training (not when resuming: the weights are the checkpoint's only once training starts).
     before, samples_before = None, []
     if held_out is not None and run.evaluate_before and resume is None:
@@ -286,7 +292,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if resume is not None and main:
         print(f"resuming from {resume}")
     evaluated_before = list(trainer.state.log_history)
-    _train_on_screen(trainer, resume)
+    trainer.train(resume_from_checkpoint=resume)
     # `train()` starts a fresh TrainerState: put the evaluation before training back at the head of the log, so
     # that trainer_state.json and the plot hold the before values too.
     trainer.state.log_history[:0] = evaluated_before
@@ -305,16 +311,6 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if trainer.agent is not None:  # the environment objects that the evaluation after training made
         trainer.agent.close()
     return {"before": before or {}, "after": after}
-
-
-def _train_on_screen(trainer, resume) -> None:
-    """`trainer.train` with grpo's own warnings (the learning-signal watch) through tqdm, which lifts the bar
-    first: written on the bar's line, they left a copy of it on the screen. Only the "grpo" logger, for the length
-    of the call."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(loggers=[logging.getLogger("grpo")]):
-        trainer.train(resume_from_checkpoint=resume)
 
 
 def _single_process() -> bool:
@@ -377,11 +373,8 @@ def _report(trainer, plan, before: dict | None, after: dict, samples_before: lis
 
 def check(recipe_path: str, overrides: list[str]) -> None:
     """Run `grpo check`: validate as `grpo train` does before any weight loads, and print what the run would do."""
-    import datasets
-
     from grpo.cli.preflight import describe_plan, plan_run
 
-    datasets.disable_progress_bars()  # shaping a few hundred rows is instant; its bars would hide the answer
     print(describe_plan(plan_run(recipe_path, overrides)))
 
 
