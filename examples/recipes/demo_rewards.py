@@ -27,7 +27,7 @@ def answer_then_stop(completions, answer, **kwargs):
     """`last_number`, with full pay only for a reply that ends at its answer: 1.0 when the last integer is the
     `answer` and nothing but punctuation follows it, 0.5 when the right answer is followed by more words, else 0.0.
 
-    The half pay for talking on is what teaches the model to end its reply (emit EOS) after the answer, so that a
+    The half pay for talking on is there to teach the model to end its reply (emit EOS) after the answer, so that a
     longer `max_completion_length` changes nothing: with `last_number` alone, "6 + 4 = 10" followed by an
     explanation that the 12-token limit cuts earns as much as the bare answer, and the model keeps talking.
 
