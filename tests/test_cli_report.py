@@ -137,6 +137,35 @@ def test_report_counts_greedy_changes_and_shows_the_changed_prompts_first():
     assert [line for line in resumed.splitlines() if line.startswith("prompt: ")] == ["prompt: q0", "prompt: q1"]
 
 
+def test_report_shows_the_share_of_greedy_answers_cut_at_the_limit():
+    # 3 of 4 greedy answers cut before the fix, 1 of 4 after: the table says so, beside the sampled cut share.
+    old = [sample(f"q{i}", "6 + 4 = 10 The", [1.0]) | {"cut": i < 3} for i in range(4)]
+    new = [sample(f"q{i}", "6 + 4 = 10", [1.0]) | {"cut": i < 1} for i in range(4)]
+    before = {"eval_completions/clipped_ratio": 0.8, **greedy_metrics(old)}
+    after = {"eval_completions/clipped_ratio": 0.2, **greedy_metrics(new)}
+    assert (before["eval_greedy_clipped_ratio"], after["eval_greedy_clipped_ratio"]) == (0.75, 0.25)
+    report = before_after_report(before, after, old, new, ["x"])
+    rows = {line.split()[0]: line.split()[1:] for line in report.splitlines() if line.strip()}
+    assert rows["eval_greedy_clipped_ratio"] == ["0.750", "0.250", "-0.500"]
+    assert rows["eval_completions/clipped_ratio"] == ["0.800", "0.200", "-0.600"]
+
+
+def test_greedy_samples_say_which_answers_were_cut(tmp_path, tiny_model_path):
+    trainer, held_out = make_trainer(tmp_path, tiny_model_path)
+    trainer.args.max_completion_length = 2  # the untrained tiny model rarely ends within 2 tokens: answers are cut
+    sample_round, truncated = trainer.sample_round, []
+
+    def recording(rows, backend):
+        rollout, columns = sample_round(rows, backend)
+        truncated.extend(rollout.is_truncated.tolist())
+        return rollout, columns
+
+    trainer.sample_round = recording
+    samples = greedy_samples(trainer, held_out)
+    assert [s["cut"] for s in samples] == truncated and any(truncated)
+    assert greedy_metrics(samples)["eval_greedy_clipped_ratio"] == sum(truncated) / len(truncated)
+
+
 def test_plot_panels_follow_what_moved():
     history = [
         {"step": 0, "eval_reward": 0.2},
@@ -181,6 +210,17 @@ def test_plot_panels_follow_what_moved():
         "rewards/b/mean",
     ]
     assert "completion length (tokens)" in chosen and not any(t.startswith("held-out") for t in chosen)
+
+    # The cut share has a panel when it moves, and when it stays put above 0 (at 1, no answer fits); never at 0.
+    cut = "cut at max_completion_length (share of completions)"
+    assert cut not in chosen  # not logged
+    for share in (0.0, 1.0):
+        for h in training:
+            h["completions/clipped_ratio"] = share
+        assert (cut in dict(panels(training, []))) == (share > 0)
+    training[0]["completions/clipped_ratio"] = 0.5
+    assert dict(panels(training, []))[cut] == ["completions/clipped_ratio"]
+    assert list(dict(panels(training, []))).index(cut) == 2  # beside the completion length
 
 
 def test_deepspeed_cpu_notice_filtered_only_without_an_accelerator(monkeypatch):

@@ -293,6 +293,17 @@ def test_demo_reward_does_not_pay_for_restating_the_question():
     assert reward(["1 + 9 = 10", "To calculate 1 + 9, you simply add them"], answer=["10", "10"]) == [1.0, 0.0]
 
 
+def test_demo_reward_pays_a_reply_that_stops_at_its_answer_more():
+    recipe = RECIPES[0].parent / "demo.yaml"
+    (spec,) = load_recipe(recipe).rewards
+    reward = resolve_reward(spec, [recipe.parent])
+    # The trained demo answered "6 + 4 = 10" and kept talking until the 12-token cut; paid in full for that, it never
+    # learned to stop, and a longer max_completion_length lost the answer to the talk that followed.
+    stopped, talks_on, wrong = reward(["6 + 4 = 10.", "6 + 4 = 10\n\nThe answer", "6 + 4 = 11"], answer=["10"] * 3)
+    assert stopped > talks_on > wrong
+    assert doctest.testmod(sys.modules[reward.__module__]).failed == 0
+
+
 def test_agent_demo_reward_pays_the_answer_not_the_call():
     recipe = RECIPES[0].parent / "agent_calculator.yaml"
     parsed = load_recipe(recipe)

@@ -71,13 +71,14 @@ def greedy_samples(trainer, dataset, count: int | None = None, progress: bool = 
             outcome = combine_rewards(rollout.rewards_per_func, trainer.rewards.outcome_weights)
         local = rollout.local_slice(trainer.accelerator.process_index)
         samples += [
-            {"prompt": p, "completion": c, "rewards": r, "reward": t, "outcome": o}
-            for p, c, r, t, o in zip(
+            {"prompt": p, "completion": c, "rewards": r, "reward": t, "outcome": o, "cut": bool(cut)}
+            for p, c, r, t, o, cut in zip(
                 rollout.prompts,
                 rollout.completions,
                 per_func[local].tolist(),
                 total[local].tolist(),
                 outcome[local].tolist(),
+                rollout.is_truncated.tolist(),
             )
         ]
         bar.update(len(rows))
@@ -89,7 +90,8 @@ def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]
     """The held-out metrics of greedy completions (`greedy_samples` of every held-out row): `eval_greedy_accuracy`,
     the share of prompts whose greedy completion earns an outcome reward of at least 1 (a correct answer, for
     rewards that pay 1 for one, like the demo's and the built-in `accuracy`; turn and step scores do not count), and
-    `eval_greedy_reward`, their mean reward over every function. With
+    `eval_greedy_reward`, their mean reward over every function, and `eval_greedy_clipped_ratio`, the share of them
+    cut at `max_completion_length` (no EOS within it). With
     `tools` (multi-turn episodes), also `eval_greedy_tool_use`: the share of prompts whose greedy episode called a
     tool (a well-formed call of one of its tools; a malformed one is a parse failure, not a use)."""
     if not samples:
@@ -99,6 +101,8 @@ def greedy_metrics(samples: list[dict], tools: bool = False) -> dict[str, float]
         "eval_greedy_accuracy": sum(_right(s) for s in samples) / len(samples),
         "eval_greedy_reward": sum(r for r in rewards if r == r) / len(rewards),
     }
+    if all("cut" in s for s in samples):
+        metrics["eval_greedy_clipped_ratio"] = sum(s["cut"] for s in samples) / len(samples)
     if tools:
         used = [any(m.get("tool_calls") for m in s["completion"]) for s in samples]
         metrics["eval_greedy_tool_use"] = sum(used) / len(used)
@@ -141,7 +145,7 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
         keys.append("eval_greedy_reward")
     keys += [f"eval_rewards/{n}/mean" for n in names if len(names) > 1]
     keys += ["eval_tools/call_frequency", "eval_greedy_tool_use"]  # with tools only
-    keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio"]
+    keys += ["eval_completions/mean_length", "eval_completions/clipped_ratio", "eval_greedy_clipped_ratio"]
     lines = [f"{'held-out metric':36} {'before':>8} {'after':>8} {'change':>8}"]
     for key in keys:
         if key not in after:
@@ -153,7 +157,8 @@ def before_after_report(before: dict | None, after: dict, samples_before, sample
     if samples_after:
         lines.append(
             f"(eval_reward: mean reward of sampled completions, {len(samples_after)} prompts; eval_greedy_accuracy: "
-            "share of those prompts whose greedy completion earns outcome reward >= 1)"
+            "share of those prompts whose greedy completion earns outcome reward >= 1; clipped_ratio: share of "
+            "completions cut at max_completion_length, with no end-of-sequence token)"
         )
     return "\n".join(lines + _greedy_changes(samples_before or [], samples_after, shown))
 
@@ -250,26 +255,34 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     # 1. Everything that needs no weights (grpo check does the same), then the trainer. Imported here so that a
     # bad recipe fails in a second.
     from grpo.cli.preflight import plan_run, run_summary
-    from grpo.cli.progress import label_progress
+    from grpo.cli.progress import label_progress, lines_above_bars
     from grpo.training.checkpoint_checks import finished_run_message
 
     _quiet_deepspeed_on_cpu()
     plan = plan_run(recipe_path, overrides)
-    recipe, args, resume, held_out = plan.recipe, plan.args, plan.resume, plan.held_out
+    args, resume = plan.args, plan.resume
     # A finished run resumed again (a re-queued job) has nothing to train: said in one line, before any weight loads.
     if resume is not None and args.max_steps > 0 and _finished(finished_run_message(resume, args.max_steps, args)):
         return {"before": {}, "after": {}}
 
-    # 2. The trainer; the weights load here.
+    # 2. The trainer; the weights load here, after the thread check (said once, here or while training).
+    said = _check_threads_at_start()
     trainer = _build_trainer(plan)
     if resume is not None and _finished(trainer.finished_run(resume)):  # num_train_epochs: known with the trainer
         return {"before": {}, "after": {}}
-    main = trainer.accelerator.is_main_process
-    run = recipe.run
     label_progress(trainer)
-    if main:
+    _watch_threads(trainer, said)
+    if trainer.accelerator.is_main_process:
         print(run_summary(trainer, plan), flush=True)
+    # Steps 3-6 draw bars: every warning and log line from here on is written above them, not on their line.
+    with lines_above_bars():
+        return _evaluate_train_report(trainer, plan)
 
+
+def _evaluate_train_report(trainer, plan) -> dict:
+    """Steps 3-6 of `grpo train` (the module docstring), with the trainer built; returns what `train` does."""
+    args, resume, held_out, run = plan.args, plan.resume, plan.held_out, plan.recipe.run
+    main = trainer.accelerator.is_main_process
     # 3. Before training (not when resuming: the weights are the checkpoint's only once training starts).
     before, samples_before = None, []
     if held_out is not None and run.evaluate_before and resume is None:
@@ -279,12 +292,7 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if resume is not None and main:
         print(f"resuming from {resume}")
     evaluated_before = list(trainer.state.log_history)
-    # grpo's own warnings (the learning-signal watch) through tqdm, which lifts the bar first: written on the bar's
-    # line, they left a copy of it on the screen. Only the "grpo" logger, for the length of the call.
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(loggers=[logging.getLogger("grpo")]):
-        trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=resume)
     # `train()` starts a fresh TrainerState: put the evaluation before training back at the head of the log, so
     # that trainer_state.json and the plot hold the before values too.
     trainer.state.log_history[:0] = evaluated_before
@@ -303,6 +311,42 @@ def train(recipe_path: str, overrides: list[str]) -> dict:
     if trainer.agent is not None:  # the environment objects that the evaluation after training made
         trainer.agent.close()
     return {"before": before or {}, "after": after}
+
+
+def _single_process() -> bool:
+    """One process on this machine: the only case the thread check covers (launchers of several processes set
+    their thread counts themselves: torchrun sets OMP_NUM_THREADS=1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
+
+
+def _compute_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _say(line: str) -> None:
+    """A line above the progress bars (`tqdm.write` lifts them), or plainly where none is drawn."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def _check_threads_at_start() -> bool:
+    """Whether `grpo train`'s compute threads share their cores with other work (`grpo.cli.threads`), said before
+    the weights load (this process: one thread at work so far); whether it was said."""
+    from grpo.cli.threads import check_threads
+
+    return _single_process() and check_threads(_compute_threads(), own=1.0, say=_say)
+
+
+def _watch_threads(trainer, said: bool) -> None:
+    """The same check at each logged step while training (`ThreadWatch`), unless it was said at the start."""
+    if _single_process():
+        from grpo.cli.threads import ThreadWatch
+
+        trainer.add_callback(ThreadWatch(_compute_threads(), _say, said))
 
 
 def _report(trainer, plan, before: dict | None, after: dict, samples_before: list, samples_after: list) -> None:
@@ -329,11 +373,8 @@ def _report(trainer, plan, before: dict | None, after: dict, samples_before: lis
 
 def check(recipe_path: str, overrides: list[str]) -> None:
     """Run `grpo check`: validate as `grpo train` does before any weight loads, and print what the run would do."""
-    import datasets
-
     from grpo.cli.preflight import describe_plan, plan_run
 
-    datasets.disable_progress_bars()  # shaping a few hundred rows is instant; its bars would hide the answer
     print(describe_plan(plan_run(recipe_path, overrides)))
 
 

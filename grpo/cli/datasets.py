@@ -17,6 +17,10 @@ from grpo.cli.recipe import LOCAL_SUFFIXES, DatasetSection, RecipeError
 def _load_source(section: DatasetSection, split: str, size: int | None, seed: int):
     import datasets
 
+    # For the command line's process only (grpo check, grpo train): loading and shaping a few hundred rows is
+    # quick, and datasets' "Map:" and "Generating split" bars came above the plan, the run's bars and one-line errors.
+    datasets.disable_progress_bars()
+
     if section.reasoning_gym is not None:
         from grpo.rewards import reasoning_gym_dataset
 

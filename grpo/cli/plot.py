@@ -4,10 +4,12 @@
 Panels, each against the optimizer step (integer ticks), and each only when its metric moved in this run (a KL of 0
 or absent with beta = 0, a clip ratio of 0 on-policy, would be empty boxes): the reward, with a band of one
 `reward_std` either side and one curve per reward function when there are several; the mean completion length; the
-entropy; KL; the clip ratios; the loss; the learning rate; the gradient norm; and the held-out evaluations
-(`eval_reward` and `eval_greedy_accuracy`, before and after training). Value axes show the values themselves (no
-offset such as "+5.5e0"), and a panel whose values barely move is drawn around them at a scale of at least 1% of
-their size, so that a change of 0.0002 in an entropy of 5.5 looks flat, not like a cliff.
+share of completions cut at `max_completion_length` (`completions/clipped_ratio`, also when it stays above 0
+without moving: at 1, no answer fits); the entropy; KL; the clip ratios; the loss; the learning rate; the gradient
+norm; and the held-out evaluations (`eval_reward` and `eval_greedy_accuracy`, before and after training). Value
+axes show the values themselves (no offset such as "+5.5e0"), and a panel whose values barely move is drawn around
+them at a scale of at least 1% of their size, so that a change of 0.0002 in an entropy of 5.5 looks flat, not like
+a cliff.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+
+CUT = "completions/clipped_ratio"  # the share of completions cut at max_completion_length
 
 
 def load_log_history(output_dir: str | Path) -> list[dict]:
@@ -69,6 +73,7 @@ def panels(training: list[dict], evaluations: list[dict]) -> list[tuple[str, lis
     ]
     for title, keys in [
         ("completion length (tokens)", ["completions/mean_length"]),
+        ("cut at max_completion_length (share of completions)", [CUT]),
         ("entropy (nats per token)", ["entropy"]),
         ("KL to the reference", ["kl"]),
         ("clip ratio", ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"]),
@@ -76,7 +81,8 @@ def panels(training: list[dict], evaluations: list[dict]) -> list[tuple[str, lis
         ("learning rate", ["learning_rate"]),
         ("gradient norm (before clipping)", ["grad_norm"]),
     ]:
-        keys = [k for k in keys if moves(training, k)]
+        # The cut share even when it stays put: constant at 1, no answer fits in max_completion_length.
+        keys = [k for k in keys if moves(training, k) or (k == CUT and any(_series(training, k)[1]))]
         if keys:
             chosen.append((title, keys))
     held_out = [k for k in ("eval_reward", "eval_greedy_accuracy") if _series(evaluations, k)[0]]

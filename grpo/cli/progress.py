@@ -1,13 +1,17 @@
 """What `grpo train` draws while it runs: labelled progress bars, one per stage (`LabelledProgress`, put in place of
 `Trainer`'s own by `label_progress`), and one short line of metrics per logged step (`metrics_line`) in place of
 `Trainer`'s printed dict. Only the screen changes: every metric is still logged, to `trainer_state.json` and to the
-`report_to` trackers, as before."""
+`report_to` trackers, as before. While the bars are drawn, warnings and log lines from any library are written above
+them (`lines_above_bars`)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import sys
 import time
+import warnings
 
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import has_length
@@ -130,3 +134,35 @@ def evaluation_bar(trainer) -> None:
         dataloader = trainer.get_eval_dataloader()
         if has_length(dataloader):
             progress[0].open_evaluation(len(dataloader))
+
+
+# Libraries that write their log lines through handlers of their own (datasets' also passes them on to the root).
+OWN_HANDLERS = ("transformers", "torch", "datasets")
+
+
+@contextlib.contextmanager
+def lines_above_bars():
+    """For the length of the block: every log line (through the root logger, which grpo's and accelerate's reach,
+    and through `OWN_HANDLERS`' own, which then pass nothing on to the root: one copy of each line) and every Python
+    warning written with `tqdm.write`, which lifts the bars and draws them again below. Written on a bar's line, a
+    warning left a torn copy of the bar on the screen and split a metrics line. Warning filters, handlers and
+    `propagate` are as they were afterwards; enter it once those libraries are imported (a handler a library adds
+    inside the block is not redirected)."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+        tqdm.write(text, file=file or sys.stderr)
+
+    own = [logging.getLogger(name) for name in OWN_HANDLERS]
+    passed_on = [logger.propagate for logger in own]
+    try:
+        for logger in own:
+            logger.propagate = False
+        with warnings.catch_warnings(), logging_redirect_tqdm(loggers=[logging.getLogger(), *own], tqdm_class=tqdm):
+            warnings.showwarning = show
+            yield
+    finally:
+        for logger, propagate in zip(own, passed_on):
+            logger.propagate = propagate
