@@ -23,6 +23,7 @@ def test_oversubscribed_when_other_work_and_our_threads_need_a_core_more_than_th
     # Already one thread: only the other jobs can give way.
     single = oversubscription(load=5.0, cores=2, threads=1, own=1.0)
     assert "OMP_NUM_THREADS" not in single and "this run already computes on one thread" in single
+    assert "waits for a free core" in single and "each other" not in single  # one thread waits on nothing of its own
     # Not oversubscribed: the machine is this run's, or the others use less than one core beside ours.
     assert oversubscription(load=2.0, cores=2, threads=2, own=2.0) is None
     assert oversubscription(load=1.9, cores=2, threads=2, own=1.0) is None  # 0.9 others + 2 < 3

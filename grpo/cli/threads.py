@@ -57,10 +57,11 @@ def oversubscription(load: float | None, cores: int | None, threads: int, own: f
         if fits < threads
         else "stop the other jobs or wait for them (this run already computes on one thread)"
     )
+    waiting = "which then wait on each other" if threads > 1 else "which then waits for a free core"
     return (
         f"the CPU is oversubscribed: other processes keep about {others:.1f} of its {cores} cores busy (load "
-        f"{load:.1f}) and this run computes on {threads} thread(s), which then wait on each other and can make every "
-        f"step several times slower. To fix: {fix}."
+        f"{load:.1f}) and this run computes on {threads} thread(s), {waiting} and can make every step several times "
+        f"slower. To fix: {fix}."
     )
 
 
